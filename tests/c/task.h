@@ -1,0 +1,96 @@
+/*
+ * task.h -- the tiny assertion kit of the C tests (in the spirit of libuv's test/task.h).
+ *
+ * Every ASSERT_* prints file:line, the expression and both values, then aborts the process, so a
+ * failing check is one line in `meson test` output and a non-zero exit. RUN_TEST runs one test
+ * function and prints its name; fd_count() counts entries of /proc/self/fd for leak checks.
+ */
+#ifndef LSHM_TEST_TASK_H
+#define LSHM_TEST_TASK_H
+
+#include <dirent.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lshm.h"
+
+#define TEST_FAIL(...)                                                                        \
+    do {                                                                                      \
+        fprintf(stderr, "%s:%d: FAIL: ", __FILE__, __LINE__);                                 \
+        fprintf(stderr, __VA_ARGS__);                                                         \
+        fprintf(stderr, " (last error: %s)\n", lshm_last_error());                            \
+        fflush(stderr);                                                                       \
+        abort();                                                                              \
+    } while (0)
+
+#define ASSERT(expr)                                                                          \
+    do {                                                                                      \
+        if (!(expr))                                                                          \
+            TEST_FAIL("%s", #expr);                                                           \
+    } while (0)
+
+#define ASSERT_INT_OP(a, op, b)                                                               \
+    do {                                                                                      \
+        long long a_ = (long long)(a), b_ = (long long)(b);                                   \
+        if (!(a_ op b_))                                                                      \
+            TEST_FAIL("%s %s %s (%lld vs %lld)", #a, #op, #b, a_, b_);                        \
+    } while (0)
+#define ASSERT_EQ(a, b) ASSERT_INT_OP(a, ==, b)
+#define ASSERT_NE(a, b) ASSERT_INT_OP(a, !=, b)
+#define ASSERT_LT(a, b) ASSERT_INT_OP(a, <, b)
+#define ASSERT_LE(a, b) ASSERT_INT_OP(a, <=, b)
+#define ASSERT_GT(a, b) ASSERT_INT_OP(a, >, b)
+#define ASSERT_GE(a, b) ASSERT_INT_OP(a, >=, b)
+
+#define ASSERT_UINT_EQ(a, b)                                                                  \
+    do {                                                                                      \
+        unsigned long long a_ = (unsigned long long)(a), b_ = (unsigned long long)(b);        \
+        if (a_ != b_)                                                                         \
+            TEST_FAIL("%s == %s (%llu vs %llu)", #a, #b, a_, b_);                             \
+    } while (0)
+
+#define ASSERT_PTR_EQ(a, b)                                                                   \
+    do {                                                                                      \
+        const void *a_ = (const void *)(a), *b_ = (const void *)(b);                          \
+        if (a_ != b_)                                                                         \
+            TEST_FAIL("%s == %s (%p vs %p)", #a, #b, a_, b_);                                 \
+    } while (0)
+
+#define ASSERT_OK(call)                                                                       \
+    do {                                                                                      \
+        int rc_ = (call);                                                                     \
+        if (rc_ != 0)                                                                         \
+            TEST_FAIL("%s returned %d (%s)", #call, rc_, lshm_strerror(rc_));                 \
+    } while (0)
+
+#define ASSERT_ERR(call, err)                                                                 \
+    do {                                                                                      \
+        int rc_ = (call);                                                                     \
+        if (rc_ != (err))                                                                     \
+            TEST_FAIL("%s returned %d (%s), expected %d (%s)", #call, rc_, lshm_strerror(rc_), \
+                      (int)(err), lshm_strerror(err));                                        \
+    } while (0)
+
+#define RUN_TEST(fn)                                                                          \
+    do {                                                                                      \
+        fprintf(stderr, "-- %s\n", #fn);                                                      \
+        fn();                                                                                 \
+    } while (0)
+
+/* Number of open fds of this process (entries of /proc/self/fd, minus the directory's own). */
+static inline int fd_count(void) {
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL)
+        return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.')
+            n++;
+    closedir(d);
+    return n - 1;
+}
+
+#endif
