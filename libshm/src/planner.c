@@ -1,0 +1,1193 @@
+/*
+ * planner.c -- arena planning: offsets for tensors with known lifetimes (lshm_plan).
+ *
+ * The problem is dynamic storage allocation (NP-complete). The plan is built in three phases:
+ *
+ *  1. A portfolio of greedy placements, the ones production planners use (TFLite/XNNPACK/XLA
+ *     size order, XLA temporal order, Pisarchyk greedy-by-breadth, TVM conflict order, area,
+ *     ONNX Runtime/ggml execution order), each with best fit and first fit. The smallest arena
+ *     wins; the portfolio stops as soon as a plan reaches the lower bound (LB).
+ *  2. With a time budget: a local search on the winning order (move a tensor that touches the
+ *     top earlier in the order, re-place, keep it when the arena does not grow).
+ *  3. With a time budget and n small enough: an exact decision search (planner_exact.c, in the
+ *     spirit of MiniMalloc) bisecting the capacity between LB and the best arena found.
+ *
+ * Data structures. Times are compressed once (sort) to 0..T so that both interval modes become
+ * half-open. Placed tensors live in a static "interval tree" over the tensors sorted by start:
+ * an implicit balanced tree (node = middle of its range) whose nodes keep the maximum end of
+ * the placed tensors below them, so the placed tensors that overlap a lifetime are found in
+ * O((k + 1) log n) without any n x n conflict matrix. Working memory is O(n).
+ *
+ * Every plan is checked by the validator (a sweep over time with a treap of live blocks keyed
+ * by offset, O(n log n)) before it is returned.
+ */
+#include "internal.h"
+#include "planner_internal.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define PLAN_MAX_TENSORS ((size_t)1 << 28) /* compressed times must fit in 31 bits */
+
+double lshm__plan_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static inline uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
+static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+/* xorshift64*: deterministic pseudo-random numbers for the local search. */
+static inline uint64_t rng_next(uint64_t *s)
+{
+    uint64_t x = *s;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *s = x;
+    return x * 0x2545F4914F6CDD1Dull;
+}
+
+/* ---- stable LSD radix sort of item ids by a 64-bit key ------------------------------------- */
+
+/* Sort items[0..m) ascending by key[items[i]], stable. tmp has room for m items. Byte passes in
+ * which every key has the same byte are skipped, so small keys cost one or two passes. */
+static void sort_by_key(uint32_t *items, size_t m, const uint64_t *key, uint32_t *tmp)
+{
+    size_t count[256];
+    uint64_t all_or = 0, all_and = ~(uint64_t)0;
+    for (size_t i = 0; i < m; i++) {
+        all_or |= key[items[i]];
+        all_and &= key[items[i]];
+    }
+    uint64_t varying = all_or ^ all_and;
+    uint32_t *src = items, *dst = tmp;
+    for (int shift = 0; shift < 64; shift += 8) {
+        if (((varying >> shift) & 0xff) == 0)
+            continue;
+        memset(count, 0, sizeof count);
+        for (size_t i = 0; i < m; i++)
+            count[(key[src[i]] >> shift) & 0xff]++;
+        size_t sum = 0;
+        for (int b = 0; b < 256; b++) {
+            size_t c = count[b];
+            count[b] = sum;
+            sum += c;
+        }
+        for (size_t i = 0; i < m; i++)
+            dst[count[(key[src[i]] >> shift) & 0xff]++] = src[i];
+        uint32_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != items)
+        memcpy(items, src, m * sizeof *items);
+}
+
+/* ---- input checking and time compression --------------------------------------------------- */
+
+typedef struct plan_input {
+    size_t n_all;             /* n given by the caller */
+    size_t m;                 /* tensors that occupy memory: size > 0 and non-empty lifetime */
+    uint32_t *orig;           /* [m] caller index */
+    uint32_t *start, *end;    /* [m] compressed half-open lifetime */
+    uint64_t *size;           /* [m] bytes */
+    uint64_t *fixed;          /* [m] pinned offset or UINT64_MAX */
+    size_t n_fixed;
+    uint64_t alignment;
+    uint32_t times;           /* T: all ends <= T */
+    uint64_t total;           /* an upper bound of any end we may produce (checked not to wrap) */
+} plan_input;
+
+static void input_free(plan_input *in)
+{
+    free(in->orig);
+    free(in->start);
+    free(in->end);
+    free(in->size);
+    free(in->fixed);
+    memset(in, 0, sizeof *in);
+}
+
+static int check_options(const lshm_plan_options *opts, uint64_t *alignment, unsigned *flags)
+{
+    lshm_plan_options defaults;
+    if (!opts) {
+        lshm_plan_options_init(&defaults);
+        opts = &defaults;
+    }
+    uint64_t a = opts->alignment ? opts->alignment : 1;
+    if (a & (a - 1))
+        return LSHM_FAIL(-EINVAL, "alignment %llu is not a power of two", (unsigned long long)a);
+    if (opts->flags & ~LSHM_PLAN_INCLUSIVE)
+        return LSHM_FAIL(-EINVAL, "unknown plan flags 0x%x", opts->flags & ~LSHM_PLAN_INCLUSIVE);
+    if (!(opts->time_limit >= 0.0)) /* also rejects NaN */
+        return LSHM_FAIL(-EINVAL, "time_limit %g is negative", opts->time_limit);
+    *alignment = a;
+    *flags = opts->flags;
+    return 0;
+}
+
+/* Checks the caller's arrays and builds the compressed problem. `offsets` (validation) or
+ * `fixed` (planning) may be given to check pinned/proposed offsets for alignment and overflow. */
+static int input_build(plan_input *in, size_t n, const uint64_t *sizes, const int64_t *firsts,
+                       const int64_t *lasts, const int64_t *fixed, const uint64_t *given,
+                       const lshm_plan_options *opts)
+{
+    memset(in, 0, sizeof *in);
+    unsigned flags = 0;
+    int err = check_options(opts, &in->alignment, &flags);
+    if (err)
+        return err;
+    in->n_all = n;
+    if (n == 0)
+        return 0;
+    if (!sizes || !firsts || !lasts)
+        return LSHM_FAIL(-EINVAL, "NULL sizes/firsts/lasts with n = %zu", n);
+    if (n > PLAN_MAX_TENSORS)
+        return LSHM_FAIL(-EINVAL, "n = %zu exceeds the planner limit %zu", n, PLAN_MAX_TENSORS);
+    const int inclusive = (flags & LSHM_PLAN_INCLUSIVE) != 0;
+    const uint64_t a = in->alignment;
+    uint64_t total = a, fixed_top = 0;
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (firsts[i] > lasts[i])
+            return LSHM_FAIL(-EINVAL, "tensor %zu: first %lld > last %lld", i,
+                             (long long)firsts[i], (long long)lasts[i]);
+        if (sizes[i] > UINT64_MAX - a)
+            return LSHM_FAIL(-EOVERFLOW, "tensor %zu: size %llu overflows when aligned", i,
+                             (unsigned long long)sizes[i]);
+        uint64_t padded = align_up(sizes[i], a);
+        if (total > UINT64_MAX - padded)
+            return LSHM_FAIL(-EOVERFLOW, "sum of tensor sizes overflows 64 bits");
+        total += padded;
+        uint64_t pin = UINT64_MAX;
+        if (fixed && fixed[i] != -1) {
+            if (fixed[i] < 0)
+                return LSHM_FAIL(-EINVAL, "tensor %zu: fixed offset %lld (use -1 for none)", i,
+                                 (long long)fixed[i]);
+            pin = (uint64_t)fixed[i];
+        }
+        if (given)
+            pin = given[i];
+        if (pin != UINT64_MAX || (given && given[i] == UINT64_MAX)) {
+            if (pin & (a - 1))
+                return LSHM_FAIL(-EINVAL, "tensor %zu: offset %llu not aligned to %llu", i,
+                                 (unsigned long long)pin, (unsigned long long)a);
+            if (pin > UINT64_MAX - sizes[i])
+                return LSHM_FAIL(-EOVERFLOW, "tensor %zu: offset %llu + size %llu overflows", i,
+                                 (unsigned long long)pin, (unsigned long long)sizes[i]);
+            fixed_top = max_u64(fixed_top, pin + sizes[i]);
+        }
+        if (sizes[i] > 0 && (inclusive || firsts[i] < lasts[i]))
+            m++;
+    }
+    if (total > UINT64_MAX - fixed_top)
+        return LSHM_FAIL(-EOVERFLOW, "arena size could overflow 64 bits");
+    in->total = total + fixed_top;
+    in->m = m;
+    if (m == 0)
+        return 0;
+
+    in->orig = malloc(m * sizeof *in->orig);
+    in->start = malloc(m * sizeof *in->start);
+    in->end = malloc(m * sizeof *in->end);
+    in->size = malloc(m * sizeof *in->size);
+    in->fixed = malloc(m * sizeof *in->fixed);
+    uint64_t *key = malloc(2 * m * sizeof *key);
+    uint32_t *slot = malloc(2 * m * sizeof *slot), *tmp = malloc(2 * m * sizeof *tmp);
+    if (!in->orig || !in->start || !in->end || !in->size || !in->fixed || !key || !slot || !tmp) {
+        free(key);
+        free(slot);
+        free(tmp);
+        input_free(in);
+        return LSHM_FAIL(-ENOMEM, "planner: out of memory for %zu tensors", n);
+    }
+    size_t j = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!(sizes[i] > 0 && (inclusive || firsts[i] < lasts[i])))
+            continue;
+        in->orig[j] = (uint32_t)i;
+        in->size[j] = sizes[i];
+        uint64_t pin = UINT64_MAX;
+        if (given)
+            pin = given[i];
+        else if (fixed && fixed[i] >= 0)
+            pin = (uint64_t)fixed[i];
+        in->fixed[j] = pin;
+        if (pin != UINT64_MAX)
+            in->n_fixed++;
+        /* order-preserving map of int64 to uint64 */
+        key[2 * j] = (uint64_t)firsts[i] ^ ((uint64_t)1 << 63);
+        key[2 * j + 1] = (uint64_t)lasts[i] ^ ((uint64_t)1 << 63);
+        j++;
+    }
+    for (size_t s = 0; s < 2 * m; s++)
+        slot[s] = (uint32_t)s;
+    sort_by_key(slot, 2 * m, key, tmp);
+    /* Rank distinct values; start = 2 rank(first); end = 2 rank(last) (+1 if inclusive). */
+    uint32_t rank = 0;
+    for (size_t s = 0; s < 2 * m; s++) {
+        if (s > 0 && key[slot[s]] != key[slot[s - 1]])
+            rank++;
+        uint32_t k = slot[s];
+        if (k & 1)
+            in->end[k >> 1] = 2 * rank + (uint32_t)inclusive;
+        else
+            in->start[k >> 1] = 2 * rank;
+    }
+    in->times = 2 * rank + 2;
+    free(key);
+    free(slot);
+    free(tmp);
+    return 0;
+}
+
+/* ---- lower bound --------------------------------------------------------------------------- */
+
+/* max over t of (sum of padded sizes live at t) - (largest padding among them): all but the
+ * topmost live tensor occupy at least their padded size, the topmost at least its size. */
+static int lower_bound(const plan_input *in, uint64_t *out)
+{
+    size_t m = in->m;
+    uint32_t T = in->times;
+    *out = 0;
+    if (m == 0)
+        return 0;
+    uint64_t a = in->alignment;
+    uint64_t *diff = calloc((size_t)T + 1, sizeof *diff);
+    uint32_t *by_start = malloc(m * sizeof *by_start), *tmp = malloc(m * sizeof *tmp);
+    uint64_t *key = malloc(m * sizeof *key);
+    uint64_t *heap = a > 1 ? malloc(m * sizeof *heap) : NULL; /* (pad << 32 | end) max-heap */
+    if (!diff || !by_start || !tmp || !key || (a > 1 && !heap)) {
+        free(diff), free(by_start), free(tmp), free(key), free(heap);
+        return LSHM_FAIL(-ENOMEM, "planner: out of memory");
+    }
+    for (size_t i = 0; i < m; i++) {
+        uint64_t p = align_up(in->size[i], a);
+        diff[in->start[i]] += p;
+        diff[in->end[i]] -= p;
+        by_start[i] = (uint32_t)i;
+        key[i] = in->start[i];
+    }
+    sort_by_key(by_start, m, key, tmp);
+    size_t hn = 0, k = 0;
+    uint64_t live = 0, best = 0;
+    for (uint32_t t = 0; t < T && k < m; t++) {
+        live += diff[t];
+        if (in->start[by_start[k]] != t)
+            continue;
+        uint64_t maxpad = 0;
+        if (heap) {
+            while (k < m && in->start[by_start[k]] == t) {
+                uint32_t i = by_start[k++];
+                uint64_t e = ((align_up(in->size[i], a) - in->size[i]) << 32) | in->end[i];
+                size_t c = hn++; /* sift up */
+                while (c > 0 && heap[(c - 1) / 2] < e) {
+                    heap[c] = heap[(c - 1) / 2];
+                    c = (c - 1) / 2;
+                }
+                heap[c] = e;
+            }
+            while (hn > 0 && (uint32_t)(heap[0] & 0xffffffffu) <= t) { /* pop dead tops */
+                uint64_t last = heap[--hn];
+                size_t c = 0;
+                for (;;) {
+                    size_t l = 2 * c + 1, r = l + 1, b = c;
+                    uint64_t vb = last;
+                    if (l < hn && heap[l] > vb)
+                        b = l, vb = heap[l];
+                    if (r < hn && heap[r] > vb)
+                        b = r;
+                    if (b == c)
+                        break;
+                    heap[c] = heap[b];
+                    c = b;
+                }
+                if (hn > 0)
+                    heap[c] = last;
+            }
+            maxpad = hn ? heap[0] >> 32 : 0;
+        } else {
+            while (k < m && in->start[by_start[k]] == t)
+                k++;
+        }
+        if (live - maxpad > best)
+            best = live - maxpad;
+    }
+    free(diff), free(by_start), free(tmp), free(key), free(heap);
+    *out = best;
+    return 0;
+}
+
+/* ---- validation: sweep over time, treap of live blocks keyed by offset --------------------- */
+
+typedef struct treap {
+    uint32_t *left, *right, *prio; /* node = tensor index + 1; 0 = nil */
+    const uint64_t *off;
+    uint32_t root;
+} treap;
+
+static inline int tkey_less(const treap *t, uint32_t a, uint32_t b)
+{
+    return t->off[a - 1] < t->off[b - 1] || (t->off[a - 1] == t->off[b - 1] && a < b);
+}
+
+static uint32_t treap_insert(treap *t, uint32_t root, uint32_t x)
+{
+    if (!root)
+        return x;
+    if (tkey_less(t, x, root)) {
+        t->left[root] = treap_insert(t, t->left[root], x);
+        uint32_t l = t->left[root];
+        if (t->prio[l] > t->prio[root]) {
+            t->left[root] = t->right[l];
+            t->right[l] = root;
+            return l;
+        }
+    } else {
+        t->right[root] = treap_insert(t, t->right[root], x);
+        uint32_t r = t->right[root];
+        if (t->prio[r] > t->prio[root]) {
+            t->right[root] = t->left[r];
+            t->left[r] = root;
+            return r;
+        }
+    }
+    return root;
+}
+
+static uint32_t treap_merge(treap *t, uint32_t a, uint32_t b)
+{
+    if (!a || !b)
+        return a ? a : b;
+    if (t->prio[a] > t->prio[b]) {
+        t->right[a] = treap_merge(t, t->right[a], b);
+        return a;
+    }
+    t->left[b] = treap_merge(t, a, t->left[b]);
+    return b;
+}
+
+static uint32_t treap_erase(treap *t, uint32_t root, uint32_t x)
+{
+    if (!root)
+        return 0;
+    if (root == x)
+        return treap_merge(t, t->left[x], t->right[x]);
+    if (tkey_less(t, x, root))
+        t->left[root] = treap_erase(t, t->left[root], x);
+    else
+        t->right[root] = treap_erase(t, t->right[root], x);
+    return root;
+}
+
+/* Checks that no two tensors of `in` that are live together overlap with offsets `off` (indexed
+ * like in). Returns 0, or 1 and the offending pair. */
+static int find_overlap(const plan_input *in, const uint64_t *off, uint32_t *pa, uint32_t *pb,
+                        int *nomem)
+{
+    size_t m = in->m;
+    *nomem = 0;
+    if (m == 0)
+        return 0;
+    treap t;
+    t.left = calloc(m + 1, sizeof(uint32_t));
+    t.right = calloc(m + 1, sizeof(uint32_t));
+    t.prio = malloc((m + 1) * sizeof(uint32_t));
+    uint32_t *by_start = malloc(m * sizeof(uint32_t)), *by_end = malloc(m * sizeof(uint32_t));
+    uint32_t *tmp = malloc(m * sizeof(uint32_t));
+    uint64_t *key = malloc(m * sizeof(uint64_t));
+    int found = 0;
+    if (!t.left || !t.right || !t.prio || !by_start || !by_end || !tmp || !key) {
+        *nomem = 1;
+        goto out;
+    }
+    t.off = off;
+    t.root = 0;
+    uint64_t seed = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < m; i++) {
+        t.prio[i + 1] = (uint32_t)(rng_next(&seed) >> 32);
+        by_start[i] = by_end[i] = (uint32_t)i;
+        key[i] = in->start[i];
+    }
+    sort_by_key(by_start, m, key, tmp);
+    for (size_t i = 0; i < m; i++)
+        key[i] = in->end[i];
+    sort_by_key(by_end, m, key, tmp);
+    size_t ks = 0, ke = 0;
+    while (ks < m) {
+        uint32_t s = by_start[ks];
+        /* ends at or before this start free their blocks first (half-open) */
+        while (ke < m && in->end[by_end[ke]] <= in->start[s]) {
+            t.root = treap_erase(&t, t.root, by_end[ke] + 1);
+            ke++;
+        }
+        /* neighbours by offset: predecessor (largest key < s) and successor */
+        uint32_t x = s + 1, pred = 0, succ = 0, cur = t.root;
+        while (cur) {
+            if (tkey_less(&t, cur, x)) {
+                pred = cur;
+                cur = t.right[cur];
+            } else {
+                succ = cur;
+                cur = t.left[cur];
+            }
+        }
+        if (pred && off[pred - 1] + in->size[pred - 1] > off[s]) {
+            *pa = pred - 1, *pb = s, found = 1;
+            goto out;
+        }
+        if (succ && off[succ - 1] < off[s] + in->size[s]) {
+            *pa = succ - 1, *pb = s, found = 1;
+            goto out;
+        }
+        t.root = treap_insert(&t, t.root, x);
+        ks++;
+    }
+out:
+    free(t.left), free(t.right), free(t.prio), free(by_start), free(by_end), free(tmp), free(key);
+    return found;
+}
+
+/* ---- the placement engine ------------------------------------------------------------------ */
+
+typedef struct block {
+    uint64_t lo, hi;
+} block;
+
+typedef struct engine {
+    size_t m;
+    const uint32_t *start, *end;
+    const uint64_t *size;
+    uint64_t alignment;
+    uint32_t *pos;      /* [m] tensor -> position in start order */
+    uint32_t *ps, *pe;  /* [m] start/end by position */
+    uint32_t *pmax;     /* [m] max end of the placed tensors in the subtree of this node; 0 none */
+    uint64_t *plo, *phi; /* [m] placed block by position; phi == 0: not placed */
+    block *blocks;      /* [m] scratch: placed blocks overlapping in time */
+} engine;
+
+static void engine_free(engine *e)
+{
+    free(e->pos), free(e->ps), free(e->pe), free(e->pmax), free(e->plo), free(e->phi);
+    free(e->blocks);
+}
+
+static int engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint64_t *key)
+{
+    size_t m = in->m;
+    memset(e, 0, sizeof *e);
+    e->m = m;
+    e->start = in->start;
+    e->end = in->end;
+    e->size = in->size;
+    e->alignment = in->alignment;
+    e->pos = malloc(m * sizeof *e->pos);
+    e->ps = malloc(m * sizeof *e->ps);
+    e->pe = malloc(m * sizeof *e->pe);
+    e->pmax = malloc(m * sizeof *e->pmax);
+    e->plo = malloc(m * sizeof *e->plo);
+    e->phi = malloc(m * sizeof *e->phi);
+    e->blocks = malloc(m * sizeof *e->blocks);
+    if (!e->pos || !e->ps || !e->pe || !e->pmax || !e->plo || !e->phi || !e->blocks) {
+        engine_free(e);
+        return -ENOMEM;
+    }
+    uint32_t *by_start = e->ps; /* borrow as the item array */
+    for (size_t i = 0; i < m; i++) {
+        by_start[i] = (uint32_t)i;
+        key[i] = in->start[i];
+    }
+    sort_by_key(by_start, m, key, tmp);
+    for (size_t p = 0; p < m; p++)
+        e->pos[by_start[p]] = (uint32_t)p;
+    for (size_t i = 0; i < m; i++) {
+        e->ps[e->pos[i]] = in->start[i];
+        e->pe[e->pos[i]] = in->end[i];
+    }
+    return 0;
+}
+
+static void engine_reset(engine *e)
+{
+    memset(e->pmax, 0, e->m * sizeof *e->pmax);
+    memset(e->phi, 0, e->m * sizeof *e->phi);
+}
+
+static void sort_blocks(block *b, size_t k)
+{
+    while (k > 16) {
+        /* median of three, Hoare partition; recurse on the smaller side */
+        uint64_t x = b[0].lo, y = b[k / 2].lo, z = b[k - 1].lo;
+        uint64_t piv = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        size_t i = 0, j = k - 1;
+        for (;;) {
+            while (b[i].lo < piv)
+                i++;
+            while (b[j].lo > piv)
+                j--;
+            if (i >= j)
+                break;
+            block t = b[i];
+            b[i] = b[j];
+            b[j] = t;
+            i++;
+            j--;
+        }
+        size_t left = j + 1;
+        if (left < k - left) {
+            sort_blocks(b, left);
+            b += left;
+            k -= left;
+        } else {
+            sort_blocks(b + left, k - left);
+            k = left;
+        }
+    }
+    for (size_t i = 1; i < k; i++) {
+        block t = b[i];
+        size_t j = i;
+        while (j > 0 && b[j - 1].lo > t.lo) {
+            b[j] = b[j - 1];
+            j--;
+        }
+        b[j] = t;
+    }
+}
+
+/* Collects into e->blocks the placed tensors whose lifetime meets [a, b); returns how many. */
+static size_t engine_query(engine *e, uint32_t a, uint32_t b)
+{
+    uint32_t stack_lo[128], stack_hi[128];
+    size_t sp = 0, k = 0;
+    stack_lo[sp] = 0;
+    stack_hi[sp++] = (uint32_t)e->m;
+    while (sp) {
+        sp--;
+        uint32_t lo = stack_lo[sp], hi = stack_hi[sp];
+        if (lo >= hi)
+            continue;
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (e->pmax[mid] <= a)
+            continue;
+        if (e->ps[mid] < b) {
+            if (e->phi[mid] && e->pe[mid] > a) {
+                e->blocks[k].lo = e->plo[mid];
+                e->blocks[k].hi = e->phi[mid];
+                k++;
+            }
+            stack_lo[sp] = mid + 1;
+            stack_hi[sp++] = hi;
+        }
+        stack_lo[sp] = lo;
+        stack_hi[sp++] = mid;
+    }
+    return k;
+}
+
+static void engine_insert(engine *e, uint32_t i, uint64_t offset)
+{
+    uint32_t p = e->pos[i], lo = 0, hi = (uint32_t)e->m, end = e->end[i];
+    e->plo[p] = offset;
+    e->phi[p] = offset + e->size[i];
+    for (;;) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (e->pmax[mid] < end)
+            e->pmax[mid] = end;
+        if (p == mid)
+            break;
+        if (p < mid)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+}
+
+enum { FIT_BEST = 0, FIT_FIRST = 1 };
+
+/* The offset for tensor i given the placed ones: best fit (smallest gap that holds it, lowest
+ * on ties) or first fit (lowest gap that holds it); else the aligned top of the overlapping
+ * blocks. */
+static uint64_t engine_choose(engine *e, uint32_t i, int fit)
+{
+    size_t k = engine_query(e, e->start[i], e->end[i]);
+    block *bl = e->blocks;
+    sort_blocks(bl, k);
+    const uint64_t a = e->alignment, sz = e->size[i];
+    uint64_t cur = 0, best = UINT64_MAX, best_waste = UINT64_MAX;
+    for (size_t j = 0; j < k; j++) {
+        if (bl[j].lo > cur) {
+            uint64_t o = align_up(cur, a);
+            if (o + sz <= bl[j].lo) {
+                uint64_t waste = bl[j].lo - o - sz;
+                if (fit == FIT_FIRST)
+                    return o;
+                if (waste < best_waste) {
+                    best_waste = waste;
+                    best = o;
+                    if (waste == 0)
+                        return o;
+                }
+            }
+        }
+        if (bl[j].hi > cur)
+            cur = bl[j].hi;
+    }
+    return best != UINT64_MAX ? best : align_up(cur, a);
+}
+
+/* Places the pinned tensors, then order[0..count) with `fit`. Writes off[] (by tensor) and
+ * returns the arena, or UINT64_MAX as soon as the arena reaches `cutoff`. */
+static uint64_t engine_run(engine *e, const plan_input *in, const uint32_t *order, size_t count,
+                           int fit, uint64_t *off, uint64_t cutoff)
+{
+    engine_reset(e);
+    uint64_t arena = 0;
+    if (in->n_fixed) {
+        for (size_t i = 0; i < in->m; i++) {
+            if (in->fixed[i] == UINT64_MAX)
+                continue;
+            off[i] = in->fixed[i];
+            engine_insert(e, (uint32_t)i, off[i]);
+            arena = max_u64(arena, off[i] + in->size[i]);
+        }
+        if (arena >= cutoff)
+            return UINT64_MAX;
+    }
+    for (size_t j = 0; j < count; j++) {
+        uint32_t i = order[j];
+        uint64_t o = engine_choose(e, i, fit);
+        off[i] = o;
+        engine_insert(e, i, o);
+        if (o + in->size[i] > arena) {
+            arena = o + in->size[i];
+            if (arena >= cutoff)
+                return UINT64_MAX;
+        }
+    }
+    return arena;
+}
+
+/* ---- tensor orders ------------------------------------------------------------------------- */
+
+enum {
+    ORDER_SIZE,      /* size desc, lifetime desc, start: TFLite, XNNPACK, XLA spatial, nativert */
+    ORDER_BREADTH,   /* Pisarchyk & Lee greedy by breadth */
+    ORDER_START,     /* execution order: ONNX Runtime, ggml, IREE (online best fit) */
+    ORDER_LIFETIME,  /* lifetime desc, size desc: XLA temporal, Levental greedy by longest */
+    ORDER_CONFLICTS, /* number of conflicts desc, size desc: TVM greedy_by_conflicts */
+    ORDER_AREA,      /* size x lifetime desc */
+    ORDER_START_SIZE, /* start, larger first on equal start */
+    ORDER_COUNT
+};
+
+static const char *const order_names[ORDER_COUNT] = {
+    "size", "breadth", "start", "lifetime", "conflicts", "area", "start-size",
+};
+
+typedef struct order_ctx {
+    const plan_input *in;
+    const int64_t *firsts, *lasts; /* caller's times, for lifetimes in real units */
+    uint32_t *items;               /* [m] tensors that are not pinned */
+    size_t count;
+    uint64_t *key;                 /* [max(m, T)] */
+    uint32_t *tmp;                 /* [max(m, T)] */
+} order_ctx;
+
+static uint64_t duration_of(const order_ctx *c, uint32_t i)
+{
+    uint32_t o = c->in->orig[i];
+    return (uint64_t)c->lasts[o] - (uint64_t)c->firsts[o];
+}
+
+/* Fills out[0..count) with the non-pinned tensors in the given order. */
+static int make_order(order_ctx *c, int which, uint32_t *out)
+{
+    const plan_input *in = c->in;
+    size_t count = c->count, m = in->m;
+    uint64_t *key = c->key;
+    memcpy(out, c->items, count * sizeof *out);
+    switch (which) {
+    case ORDER_SIZE:
+        for (size_t i = 0; i < m; i++)
+            key[i] = in->start[i];
+        sort_by_key(out, count, key, c->tmp);
+        for (size_t i = 0; i < m; i++)
+            key[i] = ~duration_of(c, (uint32_t)i);
+        sort_by_key(out, count, key, c->tmp);
+        for (size_t i = 0; i < m; i++)
+            key[i] = ~in->size[i];
+        sort_by_key(out, count, key, c->tmp);
+        return 0;
+    case ORDER_LIFETIME:
+        for (size_t i = 0; i < m; i++)
+            key[i] = ~in->size[i];
+        sort_by_key(out, count, key, c->tmp);
+        for (size_t i = 0; i < m; i++)
+            key[i] = ~duration_of(c, (uint32_t)i);
+        sort_by_key(out, count, key, c->tmp);
+        return 0;
+    case ORDER_START:
+    case ORDER_START_SIZE:
+        if (which == ORDER_START_SIZE) {
+            for (size_t i = 0; i < m; i++)
+                key[i] = ~in->size[i];
+            sort_by_key(out, count, key, c->tmp);
+        }
+        for (size_t i = 0; i < m; i++)
+            key[i] = in->start[i];
+        sort_by_key(out, count, key, c->tmp);
+        return 0;
+    case ORDER_AREA:
+        for (size_t i = 0; i < m; i++) {
+            unsigned __int128 area = (unsigned __int128)in->size[i] * (duration_of(c, (uint32_t)i) + 1);
+            key[i] = ~(area >> 64 ? UINT64_MAX : (uint64_t)area);
+        }
+        sort_by_key(out, count, key, c->tmp);
+        return 0;
+    case ORDER_CONFLICTS: {
+        uint32_t T = in->times;
+        uint32_t *ns = calloc((size_t)T + 2, sizeof *ns), *ne = calloc((size_t)T + 2, sizeof *ne);
+        if (!ns || !ne) {
+            free(ns), free(ne);
+            return -ENOMEM;
+        }
+        for (size_t i = 0; i < m; i++) {
+            ns[in->start[i] + 1]++; /* ns[t] = starts < t */
+            ne[in->end[i]]++;       /* ne[t] = ends <= t */
+        }
+        for (uint32_t t = 1; t <= T + 1; t++) {
+            ns[t] += ns[t - 1];
+            ne[t] += ne[t - 1];
+        }
+        for (size_t i = 0; i < m; i++)
+            key[i] = ~in->size[i];
+        sort_by_key(out, count, key, c->tmp);
+        for (size_t i = 0; i < m; i++)
+            key[i] = ~(uint64_t)(ns[in->end[i]] - ne[in->start[i]]);
+        sort_by_key(out, count, key, c->tmp);
+        free(ns), free(ne);
+        return 0;
+    }
+    case ORDER_BREADTH: {
+        /* breadth(t) = bytes live at t; tasks visited by breadth desc (then time); a tensor is
+         * placed at the first visited task it is live at, larger tensors first within a task */
+        uint32_t T = in->times;
+        uint64_t *br = calloc((size_t)T + 1, sizeof *br);
+        uint32_t *rank = malloc(((size_t)T + 1) * sizeof *rank);
+        uint32_t *tasks = malloc(((size_t)T + 1) * sizeof *tasks);
+        uint32_t *tt = malloc(((size_t)T + 1) * sizeof *tt);
+        size_t w = 1;
+        while (w < T)
+            w <<= 1;
+        uint32_t *seg = malloc(2 * w * sizeof *seg);
+        if (!br || !rank || !tasks || !tt || !seg) {
+            free(br), free(rank), free(tasks), free(tt), free(seg);
+            return -ENOMEM;
+        }
+        for (size_t i = 0; i < m; i++) {
+            br[in->start[i]] += in->size[i];
+            br[in->end[i]] -= in->size[i];
+        }
+        for (uint32_t t = 1; t < T; t++)
+            br[t] += br[t - 1];
+        for (uint32_t t = 0; t < T; t++) {
+            tasks[t] = t;
+            br[t] = ~br[t];
+        }
+        sort_by_key(tasks, T, br, tt);
+        for (uint32_t r = 0; r < T; r++)
+            rank[tasks[r]] = r;
+        for (size_t x = 0; x < 2 * w; x++)
+            seg[x] = UINT32_MAX;
+        for (uint32_t t = 0; t < T; t++)
+            seg[w + t] = rank[t];
+        for (size_t x = w - 1; x >= 1; x--)
+            seg[x] = seg[2 * x] < seg[2 * x + 1] ? seg[2 * x] : seg[2 * x + 1];
+        for (size_t i = 0; i < m; i++)
+            key[i] = ~in->size[i];
+        sort_by_key(out, count, key, c->tmp);
+        for (size_t i = 0; i < m; i++) {
+            uint32_t best = UINT32_MAX;
+            size_t l = w + in->start[i], r = w + in->end[i]; /* [l, r) */
+            while (l < r) {
+                if (l & 1) {
+                    if (seg[l] < best)
+                        best = seg[l];
+                    l++;
+                }
+                if (r & 1) {
+                    r--;
+                    if (seg[r] < best)
+                        best = seg[r];
+                }
+                l >>= 1;
+                r >>= 1;
+            }
+            key[i] = best;
+        }
+        sort_by_key(out, count, key, c->tmp);
+        free(br), free(rank), free(tasks), free(tt), free(seg);
+        return 0;
+    }
+    }
+    return -EINVAL;
+}
+
+/* ---- public API ---------------------------------------------------------------------------- */
+
+void lshm_plan_options_init(lshm_plan_options *opts)
+{
+    if (!opts)
+        return;
+    memset(opts, 0, sizeof *opts);
+    opts->alignment = 64;
+    opts->flags = 0;
+    opts->time_limit = 0.0;
+}
+
+int lshm_plan_lower_bound(size_t n, const uint64_t *sizes, const int64_t *firsts,
+                          const int64_t *lasts, const lshm_plan_options *opts,
+                          uint64_t *lower_bound_out)
+{
+    if (!lower_bound_out)
+        return LSHM_FAIL(-EINVAL, "lower_bound is NULL");
+    plan_input in;
+    int err = input_build(&in, n, sizes, firsts, lasts, NULL, NULL, opts);
+    if (err)
+        return err;
+    uint64_t lb;
+    err = lower_bound(&in, &lb);
+    input_free(&in);
+    if (err)
+        return err;
+    *lower_bound_out = lb;
+    return 0;
+}
+
+int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *firsts,
+                       const int64_t *lasts, const uint64_t *offsets,
+                       const lshm_plan_options *opts, uint64_t arena_size)
+{
+    if (n > 0 && !offsets)
+        return LSHM_FAIL(-EINVAL, "offsets is NULL with n = %zu", n);
+    plan_input in;
+    for (size_t i = 0; i < n && sizes; i++) {
+        if (offsets[i] == UINT64_MAX)
+            return LSHM_FAIL(-EINVAL, "tensor %zu: offset UINT64_MAX", i);
+    }
+    int err = input_build(&in, n, sizes, firsts, lasts, NULL, offsets, opts);
+    if (err)
+        return err;
+    for (size_t j = 0; j < in.m; j++) { /* tensors that occupy memory */
+        size_t i = in.orig[j];
+        if (offsets[i] + sizes[i] > arena_size) {
+            input_free(&in);
+            return LSHM_FAIL(-EINVAL, "tensor %zu: end %llu beyond arena_size %llu", i,
+                             (unsigned long long)(offsets[i] + sizes[i]),
+                             (unsigned long long)arena_size);
+        }
+    }
+    uint64_t *off = in.m ? malloc(in.m * sizeof *off) : NULL;
+    if (in.m && !off) {
+        input_free(&in);
+        return LSHM_FAIL(-ENOMEM, "planner: out of memory");
+    }
+    for (size_t j = 0; j < in.m; j++)
+        off[j] = offsets[in.orig[j]];
+    uint32_t a, b;
+    int nomem;
+    int bad = find_overlap(&in, off, &a, &b, &nomem);
+    uint32_t oa = bad ? in.orig[a] : 0, ob = bad ? in.orig[b] : 0;
+    free(off);
+    input_free(&in);
+    if (nomem)
+        return LSHM_FAIL(-ENOMEM, "planner: out of memory");
+    if (bad)
+        return LSHM_FAIL(-EINVAL,
+                         "tensors %u [%llu, +%llu) and %u [%llu, +%llu) are live together and "
+                         "overlap",
+                         oa < ob ? oa : ob, (unsigned long long)offsets[oa < ob ? oa : ob],
+                         (unsigned long long)sizes[oa < ob ? oa : ob], oa < ob ? ob : oa,
+                         (unsigned long long)offsets[oa < ob ? ob : oa],
+                         (unsigned long long)sizes[oa < ob ? ob : oa]);
+    return 0;
+}
+
+typedef struct strategy {
+    int order, fit;
+} strategy;
+
+/* Ordered so that the usual winners come first (early exit at LB). */
+static const strategy portfolio[] = {
+    {ORDER_SIZE, FIT_BEST},       {ORDER_BREADTH, FIT_BEST},   {ORDER_START, FIT_BEST},
+    {ORDER_SIZE, FIT_FIRST},      {ORDER_LIFETIME, FIT_BEST},  {ORDER_CONFLICTS, FIT_BEST},
+    {ORDER_AREA, FIT_BEST},       {ORDER_START_SIZE, FIT_BEST}, {ORDER_BREADTH, FIT_FIRST},
+    {ORDER_LIFETIME, FIT_FIRST},  {ORDER_CONFLICTS, FIT_FIRST}, {ORDER_AREA, FIT_FIRST},
+    {ORDER_START, FIT_FIRST},
+};
+#define PORTFOLIO_SIZE (sizeof portfolio / sizeof portfolio[0])
+
+/* Exact search is tried up to this many tensors (its data is O(conflicting pairs)). */
+#define EXACT_MAX_TENSORS 4000
+
+int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int64_t *lasts,
+              const int64_t *fixed_offsets, const lshm_plan_options *opts, uint64_t *offsets,
+              lshm_plan_result *result)
+{
+    double t0 = lshm__plan_now();
+    if (n > 0 && !offsets)
+        return LSHM_FAIL(-EINVAL, "offsets is NULL with n = %zu", n);
+    lshm_plan_options defaults;
+    if (!opts) {
+        lshm_plan_options_init(&defaults);
+        opts = &defaults;
+    }
+    plan_input in;
+    int err = input_build(&in, n, sizes, firsts, lasts, fixed_offsets, NULL, opts);
+    if (err)
+        return err;
+    const size_t m = in.m;
+    uint64_t lb = 0;
+    err = lower_bound(&in, &lb);
+    if (err) {
+        input_free(&in);
+        return err;
+    }
+
+    /* Pinned tensors must not collide with each other. */
+    if (in.n_fixed) {
+        plan_input pin = in;
+        uint64_t *off = malloc(m * sizeof *off);
+        uint32_t *idx = malloc(m * sizeof *idx);
+        uint32_t *st = malloc(m * sizeof *st), *en = malloc(m * sizeof *en);
+        uint64_t *sz = malloc(m * sizeof *sz);
+        if (!off || !idx || !st || !en || !sz) {
+            free(off), free(idx), free(st), free(en), free(sz);
+            input_free(&in);
+            return LSHM_FAIL(-ENOMEM, "planner: out of memory");
+        }
+        size_t k = 0;
+        for (size_t i = 0; i < m; i++) {
+            if (in.fixed[i] == UINT64_MAX)
+                continue;
+            idx[k] = (uint32_t)i, off[k] = in.fixed[i], st[k] = in.start[i], en[k] = in.end[i];
+            sz[k] = in.size[i];
+            k++;
+        }
+        pin.m = k, pin.start = st, pin.end = en, pin.size = sz;
+        uint32_t a, b;
+        int nomem;
+        int bad = find_overlap(&pin, off, &a, &b, &nomem);
+        uint32_t oa = bad ? in.orig[idx[a]] : 0, ob = bad ? in.orig[idx[b]] : 0;
+        free(off), free(idx), free(st), free(en), free(sz);
+        if (nomem || bad) {
+            input_free(&in);
+            if (nomem)
+                return LSHM_FAIL(-ENOMEM, "planner: out of memory");
+            return LSHM_FAIL(-EINVAL, "fixed offsets of tensors %u and %u collide",
+                             oa < ob ? oa : ob, oa < ob ? ob : oa);
+        }
+    }
+
+    size_t scratch = m > in.times ? m : (size_t)in.times;
+    uint64_t *best_off = malloc((m ? m : 1) * sizeof *best_off);
+    uint64_t *cur_off = malloc((m ? m : 1) * sizeof *cur_off);
+    uint32_t *order = malloc((m ? m : 1) * sizeof *order);
+    uint32_t *best_order = malloc((m ? m : 1) * sizeof *best_order);
+    uint32_t *items = malloc((m ? m : 1) * sizeof *items);
+    uint32_t *tmp = malloc((scratch + 1) * sizeof *tmp);
+    uint64_t *key = malloc((scratch + 1) * sizeof *key);
+    engine eng;
+    memset(&eng, 0, sizeof eng);
+    int have_engine = 0;
+    if (!best_off || !cur_off || !order || !best_order || !items || !tmp || !key)
+        goto nomem;
+    if (m) {
+        if (engine_init(&eng, &in, tmp, key))
+            goto nomem;
+        have_engine = 1;
+    }
+
+    uint64_t best = UINT64_MAX;
+    int best_fit = FIT_BEST;
+    char name[48] = "empty";
+    int optimal = 0;
+    size_t count = 0;
+    for (size_t i = 0; i < m; i++)
+        if (in.fixed[i] == UINT64_MAX)
+            items[count++] = (uint32_t)i;
+    order_ctx oc = {&in, firsts, lasts, items, count, key, tmp};
+
+    if (m == 0) {
+        best = 0;
+        optimal = 1;
+    }
+    /* Phase 1: the portfolio. */
+    for (size_t s = 0; s < PORTFOLIO_SIZE && m && best > lb; s++) {
+        if (make_order(&oc, portfolio[s].order, order))
+            goto nomem;
+        uint64_t arena = engine_run(&eng, &in, order, count, portfolio[s].fit, cur_off, best);
+        if (arena < best) {
+            best = arena;
+            best_fit = portfolio[s].fit;
+            memcpy(best_off, cur_off, m * sizeof *best_off);
+            memcpy(best_order, order, count * sizeof *order);
+            snprintf(name, sizeof name, "%s/%s", order_names[portfolio[s].order],
+                     portfolio[s].fit == FIT_BEST ? "best-fit" : "first-fit");
+        }
+    }
+    if (m && best <= lb)
+        optimal = 1;
+
+    double deadline = t0 + opts->time_limit;
+    /* Phase 2: local search on the best order. Moves a tensor that touches the top to an
+     * earlier place in the order; keeps moves that do not grow the arena (plateaus let the
+     * search drift). With an exact tail coming, it only gets a share of the budget. */
+    int exact_ok = m && in.n_fixed == 0 && m <= EXACT_MAX_TENSORS;
+    if (!optimal && opts->time_limit > 0 && count > 1) {
+        double ls_deadline = exact_ok ? t0 + opts->time_limit * 0.25 : deadline;
+        uint64_t cur = best, seed = 0x5DEECE66Dull ^ m;
+        memcpy(order, best_order, count * sizeof *order);
+        memcpy(cur_off, best_off, m * sizeof *cur_off);
+        uint64_t *try_off = malloc(m * sizeof *try_off);
+        uint32_t *tops = malloc(m * sizeof *tops);
+        if (!try_off || !tops) {
+            free(try_off), free(tops);
+            goto nomem;
+        }
+        int improved_any = 0;
+        for (unsigned iter = 0; best > lb; iter++) {
+            if ((iter & 7) == 0 && lshm__plan_now() > ls_deadline)
+                break;
+            size_t nt = 0; /* positions in order of tensors whose block touches the top */
+            for (size_t j = 0; j < count; j++)
+                if (cur_off[order[j]] + in.size[order[j]] == cur)
+                    tops[nt++] = (uint32_t)j;
+            size_t p = nt ? tops[rng_next(&seed) % nt] : rng_next(&seed) % count;
+            size_t q;
+            if (p == 0) {
+                q = 1 + rng_next(&seed) % (count - 1);
+            } else {
+                q = rng_next(&seed) % p;
+            }
+            /* move order[p] to q (q < p: earlier; q > p: swap down) */
+            uint32_t moved = order[p];
+            if (q < p) {
+                memmove(order + q + 1, order + q, (p - q) * sizeof *order);
+                order[q] = moved;
+            } else {
+                order[p] = order[q];
+                order[q] = moved;
+            }
+            uint64_t arena = engine_run(&eng, &in, order, count, best_fit, try_off, cur + 1);
+            if (arena <= cur) {
+                cur = arena;
+                memcpy(cur_off, try_off, m * sizeof *cur_off);
+                if (arena < best) {
+                    best = arena;
+                    memcpy(best_off, try_off, m * sizeof *best_off);
+                    memcpy(best_order, order, count * sizeof *order);
+                    improved_any = 1;
+                }
+            } else if (q < p) {
+                memmove(order + q, order + q + 1, (p - q) * sizeof *order);
+                order[p] = moved;
+            } else {
+                order[q] = order[p];
+                order[p] = moved;
+            }
+        }
+        free(try_off), free(tops);
+        if (improved_any)
+            snprintf(name + strlen(name), sizeof name - strlen(name), "+local");
+        if (best <= lb)
+            optimal = 1;
+    }
+
+    /* Phase 3: exact decision search, bisecting the capacity in [lb, best). */
+    if (!optimal && opts->time_limit > 0 && exact_ok) {
+        lshm__plan_problem prob = {m, in.start, in.end, in.size, in.alignment, in.times};
+        uint64_t lo = lb, hi = best; /* infeasible below lo (proven or assumed); best feasible */
+        int proven = 1, first = 1, used = 0;
+        while (lo < hi) {
+            double now = lshm__plan_now();
+            if (now >= deadline)
+                break;
+            /* First ask for LB itself with a share of the time (most instances have OPT = LB),
+             * then bisect. */
+            uint64_t cap = first ? lo : lo + (hi - lo) / 2;
+            double slice = first ? (deadline - now) * 0.4 : (deadline - now) * 0.5;
+            first = 0;
+            int r = lshm__plan_exact(&prob, cap, now + slice, cur_off);
+            if (r < 0 && r != -1)
+                goto nomem;
+            if (r == 1) {
+                uint64_t arena = 0;
+                for (size_t i = 0; i < m; i++)
+                    arena = max_u64(arena, cur_off[i] + in.size[i]);
+                assert(arena <= cap);
+                best = arena;
+                hi = arena;
+                memcpy(best_off, cur_off, m * sizeof *best_off);
+                used = 1;
+            } else {
+                if (r == -1)
+                    proven = 0;
+                lo = cap + 1;
+            }
+        }
+        if (used)
+            snprintf(name, sizeof name, "exact");
+        if (lo >= hi && proven)
+            optimal = 1;
+    }
+
+    /* Self-check before anything is written back. */
+    if (m) {
+        uint32_t a, b;
+        int nomem;
+        int bad = find_overlap(&in, best_off, &a, &b, &nomem);
+        if (nomem)
+            goto nomem;
+        for (size_t i = 0; i < m && !bad; i++)
+            bad = (best_off[i] & (in.alignment - 1)) != 0 || best_off[i] + in.size[i] > best ||
+                  (in.fixed[i] != UINT64_MAX && in.fixed[i] != best_off[i]);
+        assert(!bad);
+        if (bad) {
+            err = LSHM_FAIL(-EFAULT, "planner bug: strategy %s produced an invalid plan", name);
+            goto out;
+        }
+    }
+
+    for (size_t i = 0; i < n; i++)
+        offsets[i] = (fixed_offsets && fixed_offsets[i] >= 0) ? (uint64_t)fixed_offsets[i] : 0;
+    for (size_t j = 0; j < m; j++)
+        offsets[in.orig[j]] = best_off[j];
+    if (result) {
+        memset(result, 0, sizeof *result);
+        result->arena_size = best;
+        result->lower_bound = lb;
+        result->optimal = optimal;
+        snprintf(result->strategy, sizeof result->strategy, "%s", name);
+        result->seconds = lshm__plan_now() - t0;
+    }
+    err = 0;
+    goto out;
+nomem:
+    err = LSHM_FAIL(-ENOMEM, "planner: out of memory for %zu tensors", n);
+out:
+    if (have_engine)
+        engine_free(&eng);
+    free(best_off), free(cur_off), free(order), free(best_order), free(items), free(tmp),
+        free(key);
+    input_free(&in);
+    return err;
+}
