@@ -936,7 +936,7 @@ static const strategy portfolio[] = {
 #define PORTFOLIO_SIZE (sizeof portfolio / sizeof portfolio[0])
 
 /* Exact search is tried up to this many tensors (its data is O(conflicting pairs)). */
-#define EXACT_MAX_TENSORS 4000
+#define EXACT_MAX_TENSORS 2000
 
 int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int64_t *lasts,
               const int64_t *fixed_offsets, const lshm_plan_options *opts, uint64_t *offsets,
@@ -1053,7 +1053,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
      * search drift). With an exact tail coming, it only gets a share of the budget. */
     int exact_ok = m && in.n_fixed == 0 && m <= EXACT_MAX_TENSORS;
     if (!optimal && opts->time_limit > 0 && count > 1) {
-        double ls_deadline = exact_ok ? t0 + opts->time_limit * 0.25 : deadline;
+        double ls_deadline = exact_ok ? t0 + opts->time_limit * 0.05 : deadline;
         uint64_t cur = best, seed = 0x5DEECE66Dull ^ m;
         memcpy(order, best_order, count * sizeof *order);
         memcpy(cur_off, best_off, m * sizeof *cur_off);
@@ -1127,6 +1127,9 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
             double slice = first ? (deadline - now) * 0.4 : (deadline - now) * 0.5;
             first = 0;
             int r = lshm__plan_exact(&prob, cap, now + slice, cur_off);
+            if (getenv("LSHM_PLAN_DEBUG"))
+                fprintf(stderr, "exact: cap %llu -> %d after %.3f s\n", (unsigned long long)cap,
+                        r, lshm__plan_now() - now);
             if (r < 0 && r != -1)
                 goto nomem;
             if (r == 1) {
