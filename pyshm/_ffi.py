@@ -1,0 +1,278 @@
+"""The one binding table of pyshm: loads liblshm and declares every C function once.
+
+Where the library comes from, in order:
+
+1. ``PYSHM_LIBRARY=/path/to/liblshm.so`` in the environment (another build, a debug copy);
+2. the copy installed inside this package (found with :mod:`importlib.resources`, which also
+   works for meson-python editable installs).
+
+The library is loaded with :class:`ctypes.CDLL`, never ``PyDLL``, so every call releases the GIL
+for its whole duration: copies into shared memory issued from several Python threads run in
+parallel. Functions that return an ``int`` status get an ``errcheck`` that turns a negative
+errno into the matching exception (see :func:`raise_for`), carrying the library's thread-local
+message, which is read in the same thread right after the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as _errno
+import importlib.resources
+import os
+from ctypes import (
+    POINTER,
+    c_char,
+    c_char_p,
+    c_double,
+    c_int,
+    c_int64,
+    c_size_t,
+    c_uint,
+    c_uint64,
+    c_void_p,
+)
+
+__all__ = [
+    "lib",
+    "LIBRARY_PATH",
+    "ShmError",
+    "ShmMemoryError",
+    "ShmValueError",
+    "ShmBufferError",
+    "ShmPermissionError",
+    "raise_for",
+    "PlanOptions",
+    "PlanResult",
+    "STORAGE_RESIZABLE",
+    "STORAGE_SHARED",
+    "STORAGE_READONLY",
+    "STORAGE_INPLACE",
+    "PLAN_INCLUSIVE",
+]
+
+LIBRARY_NAME = "liblshm.so"
+EXPECTED_VERSION_MAJOR = 0
+
+STORAGE_RESIZABLE = 0x1
+STORAGE_SHARED = 0x2
+STORAGE_READONLY = 0x4
+STORAGE_INPLACE = 0x8
+PLAN_INCLUSIVE = 0x1
+
+
+# --------------------------------------------------------------------------------------------
+# Exceptions: every one is an OSError (errno, strerror) and also the Python category a user
+# would catch for that kind of failure.
+# --------------------------------------------------------------------------------------------
+
+
+class ShmError(OSError):
+    """A libshm call failed; ``errno`` is the error code, ``strerror`` the library's message."""
+
+
+class ShmMemoryError(ShmError, MemoryError):
+    """Out of memory or space (ENOMEM, ENOSPC): nothing was changed."""
+
+
+class ShmValueError(ShmError, ValueError):
+    """Invalid argument (EINVAL, EOVERFLOW, ERANGE): nothing was changed."""
+
+
+class ShmBufferError(ShmError, BufferError):
+    """The storage is in use in a way that forbids the operation (EBUSY)."""
+
+
+class ShmPermissionError(ShmError, PermissionError):
+    """Refused by seals or access mode (EPERM, EACCES)."""
+
+
+_ERRNO_CLASSES = {
+    _errno.ENOMEM: ShmMemoryError,
+    _errno.ENOSPC: ShmMemoryError,
+    _errno.EINVAL: ShmValueError,
+    _errno.EOVERFLOW: ShmValueError,
+    _errno.ERANGE: ShmValueError,
+    _errno.EBUSY: ShmBufferError,
+    _errno.EPERM: ShmPermissionError,
+    _errno.EACCES: ShmPermissionError,
+}
+
+
+def raise_for(rc: int, what: str = "") -> None:
+    """Raise the exception for a negative status ``rc`` (no-op for rc >= 0)."""
+    if rc >= 0:
+        return
+    code = -rc
+    detail = lib.lshm_last_error().decode("utf-8", "replace")
+    message = lib.lshm_strerror(rc).decode("utf-8", "replace")
+    text = f"{what}: {message}" if what else message
+    if detail:
+        text = f"{text} ({detail})"
+    raise _ERRNO_CLASSES.get(code, ShmError)(code, text)
+
+
+def _check_status(result: int, func, args):
+    if result < 0:
+        raise_for(result, func.__name__)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _load() -> tuple[ctypes.CDLL, str]:
+    override = os.environ.get("PYSHM_LIBRARY")
+    if override:
+        candidates = [override]
+    else:
+        resource = importlib.resources.files(__package__ or "pyshm") / LIBRARY_NAME
+        candidates = [str(resource)] if resource.is_file() else []
+    if not candidates:
+        raise ImportError(
+            f"pyshm: {LIBRARY_NAME} is not inside the installed package. Install pyshm with "
+            "'python -m pip install .' (it builds the library), or point PYSHM_LIBRARY at a "
+            "built liblshm.so. Running from a source checkout without installing does not work."
+        )
+    path = candidates[0]
+    try:
+        library = ctypes.CDLL(path, use_errno=True)
+    except OSError as exc:
+        raise ImportError(f"pyshm: could not load {path}: {exc}") from exc
+    try:
+        version = library.lshm_version
+    except AttributeError:
+        raise ImportError(f"pyshm: {path} is not liblshm (no lshm_version symbol)") from None
+    version.restype = c_int
+    version.argtypes = []
+    found = version()
+    if found // 10000 != EXPECTED_VERSION_MAJOR:
+        raise ImportError(
+            f"pyshm: {path} has version {found}, expected major {EXPECTED_VERSION_MAJOR}"
+        )
+    return library, path
+
+
+lib, LIBRARY_PATH = _load()
+
+
+class PlanOptions(ctypes.Structure):
+    _fields_ = [("alignment", c_uint64), ("flags", c_uint), ("time_limit", c_double)]
+
+
+class PlanResult(ctypes.Structure):
+    _fields_ = [
+        ("arena_size", c_uint64),
+        ("lower_bound", c_uint64),
+        ("optimal", c_int),
+        ("strategy", c_char * 48),
+        ("seconds", c_double),
+    ]
+
+
+_storage_p = c_void_p
+_segment_p = c_void_p
+_u64_p = POINTER(c_uint64)
+_i64_p = POINTER(c_int64)
+
+
+def _declare(name: str, restype, argtypes, status: bool = False) -> None:
+    func = getattr(lib, name)
+    func.restype = restype
+    func.argtypes = argtypes
+    if status:
+        func.errcheck = _check_status
+
+
+# (name, restype, argtypes, returns a status to check)
+_TABLE = [
+    # version and errors
+    ("lshm_version", c_int, [], False),
+    ("lshm_version_string", c_char_p, [], False),
+    ("lshm_strerror", c_char_p, [c_int], False),
+    ("lshm_err_name", c_char_p, [c_int], False),
+    ("lshm_last_error", c_char_p, [], False),
+    ("lshm_page_size", c_size_t, [], False),
+    # storages
+    ("lshm_storage_sizeof", c_size_t, [], False),
+    ("lshm_storage_alignof", c_size_t, [], False),
+    ("lshm_storage_create", c_int, [c_size_t, c_void_p, c_uint, POINTER(_storage_p)], True),
+    (
+        "lshm_storage_create_foreign",
+        c_int,
+        [c_void_p, c_size_t, c_void_p, c_void_p, c_uint, POINTER(_storage_p)],
+        True,
+    ),
+    ("lshm_storage_retain", _storage_p, [_storage_p], False),
+    ("lshm_storage_release", None, [_storage_p], False),
+    ("lshm_storage_refcount", c_size_t, [_storage_p], False),
+    ("lshm_storage_data", c_void_p, [_storage_p], False),
+    ("lshm_storage_nbytes", c_size_t, [_storage_p], False),
+    ("lshm_storage_flags", c_uint, [_storage_p], False),
+    ("lshm_storage_fd", c_int, [_storage_p, POINTER(c_int), _u64_p], True),
+    ("lshm_storage_resize", c_int, [_storage_p, c_size_t], True),
+    ("lshm_storage_copy", c_int, [_storage_p, _storage_p], True),
+    # sharing
+    ("lshm_storage_create_shared", c_int, [c_size_t, c_uint, POINTER(_storage_p)], True),
+    ("lshm_storage_share", c_int, [_storage_p], True),
+    (
+        "lshm_storage_attach",
+        c_int,
+        [c_int, c_uint64, c_size_t, c_uint, POINTER(_storage_p)],
+        True,
+    ),
+    # segments
+    ("lshm_segment_create", c_int, [c_size_t, c_uint, POINTER(_segment_p)], True),
+    ("lshm_segment_attach", c_int, [c_int, c_uint, POINTER(_segment_p)], True),
+    ("lshm_segment_retain", _segment_p, [_segment_p], False),
+    ("lshm_segment_release", None, [_segment_p], False),
+    ("lshm_segment_data", c_void_p, [_segment_p], False),
+    ("lshm_segment_size", c_size_t, [_segment_p], False),
+    ("lshm_segment_fd", c_int, [_segment_p], False),
+    ("lshm_segment_flags", c_uint, [_segment_p], False),
+    ("lshm_segment_close_fd", c_int, [_segment_p], True),
+    ("lshm_segment_seal_readonly", c_int, [_segment_p], True),
+    (
+        "lshm_storage_create_view",
+        c_int,
+        [_segment_p, c_uint64, c_size_t, c_uint, POINTER(_storage_p)],
+        True,
+    ),
+    ("lshm_storage_segment", _segment_p, [_storage_p], False),
+    # planner
+    ("lshm_plan_options_init", None, [POINTER(PlanOptions)], False),
+    (
+        "lshm_plan",
+        c_int,
+        [
+            c_size_t,
+            _u64_p,
+            _i64_p,
+            _i64_p,
+            _i64_p,
+            POINTER(PlanOptions),
+            _u64_p,
+            POINTER(PlanResult),
+        ],
+        True,
+    ),
+    (
+        "lshm_plan_validate",
+        c_int,
+        [c_size_t, _u64_p, _i64_p, _i64_p, _u64_p, POINTER(PlanOptions), c_uint64],
+        True,
+    ),
+    (
+        "lshm_plan_lower_bound",
+        c_int,
+        [c_size_t, _u64_p, _i64_p, _i64_p, POINTER(PlanOptions), _u64_p],
+        True,
+    ),
+]
+
+for _name, _restype, _argtypes, _status in _TABLE:
+    _declare(_name, _restype, _argtypes, _status)
+
+# The callback type of lshm_storage_create_foreign's release function.
+RELEASE_FN = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_size_t)

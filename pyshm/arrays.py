@@ -1,0 +1,199 @@
+"""numpy arrays backed by libshm storages, and sharing them in place.
+
+Every array made here is an ordinary :class:`numpy.ndarray` built with ``numpy.asarray(owner)``
+where ``owner`` is an :class:`ArrayOwner`: it publishes the storage's pointer through
+``__array_interface__`` and holds its own reference to the C storage, so the array's ``.base``
+chain keeps the memory alive for as long as any view of it exists, whatever happens to the
+:class:`~pyshm.Storage` handle the user holds.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import weakref
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _ffi
+from ._ffi import lib
+from .storage import Storage, _check_nbytes
+
+__all__ = [
+    "ArrayOwner",
+    "empty",
+    "zeros",
+    "copy",
+    "share_memory_",
+    "is_shared",
+    "storage_of",
+]
+
+ShapeLike = Union[int, Sequence[int]]
+
+
+class ArrayOwner:
+    """The ``base`` of every pyshm array: one reference to a C storage, plus the array layout.
+
+    It exists so that numpy builds arrays from an owner, never from a bare address, and so that
+    the memory outlives every view. Not meant to be created by users.
+    """
+
+    __slots__ = ("_handle", "__array_interface__", "_finalizer", "__weakref__")
+
+    def __init__(self, handle: int, shape: tuple, dtype: np.dtype, offset: int, readonly: bool):
+        # Take our own reference first, so the storage cannot vanish under the array.
+        self._handle = lib.lshm_storage_retain(handle)
+        self._finalizer = weakref.finalize(self, lib.lshm_storage_release, self._handle)
+        self._finalizer.atexit = False
+        data = lib.lshm_storage_data(self._handle) or 0
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": shape,
+            "typestr": dtype.str,
+            "descr": dtype.descr,
+            "data": (data + offset, readonly),
+            "strides": None,
+        }
+
+    def storage(self) -> Storage:
+        """A new :class:`Storage` handle (its own reference) on the same C storage."""
+        return Storage._from_handle(lib.lshm_storage_retain(self._handle))
+
+
+def _normalize_shape(shape: ShapeLike) -> tuple:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    for d in dims:
+        if d < 0:
+            raise ValueError(f"negative dimensions are not allowed: {dims}")
+    return dims
+
+
+def _nbytes_of(shape: tuple, dtype: np.dtype) -> int:
+    if dtype.hasobject:
+        raise TypeError(f"dtype {dtype} holds Python objects and cannot live in shared memory")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= 1 << 63:
+        raise OverflowError(f"array of shape {shape} and dtype {dtype} is too large ({nbytes} bytes)")
+    return nbytes
+
+
+def _wrap(handle: int, shape: tuple, dtype: np.dtype, offset: int = 0) -> np.ndarray:
+    readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
+    owner = ArrayOwner(handle, shape, dtype, offset, readonly)
+    array = np.asarray(owner)
+    if array.dtype != dtype:  # structured dtypes: make the view exact
+        array = array.view(dtype)
+    return array
+
+
+def _array_from_storage(
+    storage: Storage, shape: Optional[ShapeLike], dtype: Any, offset: int
+) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    handle = storage._as_parameter_
+    nbytes = lib.lshm_storage_nbytes(handle)
+    if offset < 0 or offset > nbytes:
+        raise ValueError(f"offset {offset} outside a storage of {nbytes} bytes")
+    if shape is None:
+        if dtype.itemsize == 0 or (nbytes - offset) % dtype.itemsize:
+            raise ValueError(
+                f"{nbytes - offset} bytes are not a whole number of {dtype} items"
+            )
+        shape = ((nbytes - offset) // dtype.itemsize,)
+    shape = _normalize_shape(shape)
+    need = _nbytes_of(shape, dtype)
+    if offset + need > nbytes:
+        raise ValueError(
+            f"array of {need} bytes at offset {offset} does not fit a storage of {nbytes} bytes"
+        )
+    return _wrap(handle, shape, dtype, offset)
+
+
+def empty(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) -> np.ndarray:
+    """A new C-contiguous array backed by its own storage (whole pages, zero-filled).
+
+    With ``shared=True`` the bytes live in an anonymous memfd from the start. The array's
+    ``.base`` keeps the storage alive; :func:`storage_of` returns it.
+    """
+    dtype = np.dtype(dtype)
+    shape = _normalize_shape(shape)
+    storage = Storage(_nbytes_of(shape, dtype), shared=shared)
+    try:
+        return _wrap(storage._as_parameter_, shape, dtype)
+    finally:
+        storage.close()
+
+
+def zeros(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) -> np.ndarray:
+    """Like :func:`empty`; storages always start zero-filled, so this costs nothing more."""
+    return empty(shape, dtype, shared=shared)
+
+
+def copy(array: Any, *, shared: bool = False) -> np.ndarray:
+    """A pyshm-owned copy of ``array`` (C order), optionally in shared memory from the start.
+
+    This is the way to bring memory pyshm does not own (any numpy array, anything with the
+    buffer protocol) into a storage that can then be shared in place.
+    """
+    source = np.asarray(array)
+    result = empty(source.shape, source.dtype, shared=shared)
+    np.copyto(result, source, casting="no")
+    return result
+
+
+def _owner_of(array: Any) -> Optional[ArrayOwner]:
+    obj = array
+    seen = 0
+    while obj is not None and seen < 64:
+        if isinstance(obj, ArrayOwner):
+            return obj
+        obj = getattr(obj, "base", None)
+        seen += 1
+    return None
+
+
+def storage_of(array: Any) -> Optional[Storage]:
+    """The :class:`Storage` behind a pyshm array or any view of one, else ``None``.
+
+    The result is a new handle with its own reference: closing it never affects the array.
+    Two handles on the same storage compare equal.
+    """
+    owner = _owner_of(array)
+    return None if owner is None else owner.storage()
+
+
+def is_shared(array: Any) -> bool:
+    """True when ``array`` is a view of a pyshm storage that lives in shared memory."""
+    owner = _owner_of(array)
+    if owner is None:
+        return False
+    return bool(lib.lshm_storage_flags(owner._handle) & _ffi.STORAGE_SHARED)
+
+
+def share_memory_(array: Any) -> Any:
+    """Move the storage behind ``array`` into shared memory in place and return ``array``.
+
+    The address does not change: ``array``, every other view of the same storage and the
+    storage's data pointer all see the same shared bytes afterwards, in both directions.
+    Idempotent and thread-safe (concurrent calls copy once); the copy runs in C without the
+    GIL. On failure (``MemoryError``/``OSError``) the array is untouched.
+
+    Raises :class:`TypeError` for memory pyshm does not own: use
+    ``pyshm.copy(array, shared=True)`` for those.
+    """
+    owner = _owner_of(array)
+    if owner is None:
+        raise TypeError(
+            f"share_memory_ needs an array whose memory pyshm owns (got {type(array).__name__} "
+            "not backed by a pyshm storage); use pyshm.copy(array, shared=True) to get a "
+            "shared copy"
+        )
+    lib.lshm_storage_share(owner._handle)
+    return array

@@ -1,0 +1,197 @@
+"""The arena planner: place tensors with known lifetimes into one buffer (see lshm_plan)."""
+
+from __future__ import annotations
+
+import csv
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import _ffi
+from ._ffi import lib
+
+__all__ = ["Plan", "plan", "lower_bound", "validate", "read_trace", "write_trace"]
+
+_u64_p = ctypes.POINTER(ctypes.c_uint64)
+_i64_p = ctypes.POINTER(ctypes.c_int64)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The result of :func:`plan`.
+
+    ``offsets[i]`` is where tensor ``i`` starts; ``arena_size`` the bytes the arena needs;
+    ``lower_bound`` the most bytes live at one time, which no plan can beat; ``strategy`` the
+    name of the placement that won; ``optimal`` whether ``arena_size`` is proven minimal.
+    """
+
+    offsets: np.ndarray
+    arena_size: int
+    lower_bound: int
+    strategy: str
+    optimal: bool
+    seconds: float
+    alignment: int
+    inclusive: bool
+
+    @property
+    def ratio(self) -> float:
+        """arena_size / lower_bound (1.0 is perfect)."""
+        return self.arena_size / self.lower_bound if self.lower_bound else 1.0
+
+
+def _options(alignment: int, inclusive: bool, time_limit: float) -> _ffi.PlanOptions:
+    alignment = int(alignment)
+    if alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two >= 1, got {alignment}")
+    time_limit = float(time_limit)
+    if not math.isfinite(time_limit) or time_limit < 0:
+        raise ValueError(f"time_limit must be a finite number >= 0, got {time_limit}")
+    opts = _ffi.PlanOptions()
+    lib.lshm_plan_options_init(ctypes.byref(opts))
+    opts.alignment = alignment
+    opts.flags = _ffi.PLAN_INCLUSIVE if inclusive else 0
+    opts.time_limit = time_limit
+    return opts
+
+
+def _as_array(values: Any, dtype, name: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        if not np.all(np.equal(np.mod(array, 1), 0)):
+            raise ValueError(f"{name} must hold integers")
+    if array.size and dtype == np.uint64 and np.any(array < 0):
+        raise ValueError(f"{name} must be >= 0")
+    try:
+        return np.ascontiguousarray(array, dtype=dtype)
+    except OverflowError as exc:
+        raise OverflowError(f"{name}: {exc}") from None
+
+
+def _inputs(sizes, firsts, lasts):
+    sizes_a = _as_array(sizes, np.uint64, "sizes")
+    firsts_a = _as_array(firsts, np.int64, "firsts")
+    lasts_a = _as_array(lasts, np.int64, "lasts")
+    n = len(sizes_a)
+    if len(firsts_a) != n or len(lasts_a) != n:
+        raise ValueError(
+            f"sizes, firsts and lasts must have one length, got {n}, {len(firsts_a)}, {len(lasts_a)}"
+        )
+    return n, sizes_a, firsts_a, lasts_a
+
+
+def _p(array: Optional[np.ndarray], ptype):
+    return None if array is None else array.ctypes.data_as(ptype)
+
+
+def plan(
+    sizes: Sequence[int],
+    firsts: Sequence[int],
+    lasts: Sequence[int],
+    *,
+    alignment: int = 64,
+    inclusive: bool = False,
+    time_limit: float = 0.0,
+    fixed_offsets: Optional[Sequence[int]] = None,
+) -> Plan:
+    """Place ``n`` tensors in one arena so that tensors alive at once never overlap.
+
+    Tensor ``i`` has ``sizes[i]`` bytes and is live on ``[firsts[i], lasts[i])`` (or
+    ``[firsts[i], lasts[i]]`` with ``inclusive=True``). ``fixed_offsets[i] >= 0`` pins a tensor;
+    ``-1`` lets the planner choose. The heuristic portfolio always runs; ``time_limit`` seconds
+    more are spent on improvement and exact search when the plan is above the lower bound.
+    The call runs in C without the GIL and is deterministic.
+    """
+    n, sizes_a, firsts_a, lasts_a = _inputs(sizes, firsts, lasts)
+    opts = _options(alignment, inclusive, time_limit)
+    fixed_a = None
+    if fixed_offsets is not None:
+        fixed_a = _as_array(fixed_offsets, np.int64, "fixed_offsets")
+        if len(fixed_a) != n:
+            raise ValueError(f"fixed_offsets has {len(fixed_a)} entries for {n} tensors")
+    offsets = np.zeros(n, dtype=np.uint64)
+    result = _ffi.PlanResult()
+    lib.lshm_plan(
+        n,
+        _p(sizes_a, _u64_p),
+        _p(firsts_a, _i64_p),
+        _p(lasts_a, _i64_p),
+        _p(fixed_a, _i64_p),
+        ctypes.byref(opts),
+        _p(offsets, _u64_p),
+        ctypes.byref(result),
+    )
+    return Plan(
+        offsets=offsets,
+        arena_size=int(result.arena_size),
+        lower_bound=int(result.lower_bound),
+        strategy=result.strategy.decode("utf-8", "replace"),
+        optimal=bool(result.optimal),
+        seconds=float(result.seconds),
+        alignment=int(opts.alignment),
+        inclusive=inclusive,
+    )
+
+
+def lower_bound(
+    sizes: Sequence[int], firsts: Sequence[int], lasts: Sequence[int], *,
+    alignment: int = 64, inclusive: bool = False,
+) -> int:
+    """The most bytes live at one time (sizes rounded up to ``alignment``)."""
+    n, sizes_a, firsts_a, lasts_a = _inputs(sizes, firsts, lasts)
+    opts = _options(alignment, inclusive, 0.0)
+    out = ctypes.c_uint64()
+    lib.lshm_plan_lower_bound(
+        n, _p(sizes_a, _u64_p), _p(firsts_a, _i64_p), _p(lasts_a, _i64_p),
+        ctypes.byref(opts), ctypes.byref(out),
+    )
+    return int(out.value)
+
+
+def validate(
+    sizes: Sequence[int], firsts: Sequence[int], lasts: Sequence[int], offsets: Sequence[int],
+    arena_size: int, *, alignment: int = 1, inclusive: bool = False,
+) -> None:
+    """Raise :class:`ValueError` naming the first overlapping or misaligned tensor, if any."""
+    n, sizes_a, firsts_a, lasts_a = _inputs(sizes, firsts, lasts)
+    offsets_a = _as_array(offsets, np.uint64, "offsets")
+    if len(offsets_a) != n:
+        raise ValueError(f"offsets has {len(offsets_a)} entries for {n} tensors")
+    opts = _options(alignment, inclusive, 0.0)
+    lib.lshm_plan_validate(
+        n, _p(sizes_a, _u64_p), _p(firsts_a, _i64_p), _p(lasts_a, _i64_p),
+        _p(offsets_a, _u64_p), ctypes.byref(opts), int(arena_size),
+    )
+
+
+def read_trace(path: str):
+    """Read a trace CSV ``id,lower,upper,size[,...]`` into (ids, sizes, firsts, lasts)."""
+    ids, sizes, firsts, lasts = [], [], [], []
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        missing = {"id", "lower", "upper", "size"} - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"{path}: missing column(s) {sorted(missing)}")
+        for line, row in enumerate(reader, start=2):
+            try:
+                ids.append(row["id"])
+                firsts.append(int(row["lower"]))
+                lasts.append(int(row["upper"]))
+                sizes.append(int(row["size"]))
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}:{line}: bad row {row}") from None
+    return ids, sizes, firsts, lasts
+
+
+def write_trace(path: str, ids, sizes, firsts, lasts, offsets) -> None:
+    """Write the trace rows with an added ``offset`` column (MiniMalloc's output format)."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["id", "lower", "upper", "size", "offset"])
+        for row in zip(ids, firsts, lasts, sizes, offsets):
+            writer.writerow([row[0], row[1], row[2], row[3], int(row[4])])

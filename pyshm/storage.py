@@ -1,0 +1,218 @@
+"""Storage: a Python handle on one libshm storage (a refcounted, never-moving byte buffer)."""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Optional
+
+from . import _ffi
+from ._ffi import lib
+
+__all__ = ["Storage"]
+
+
+def _release(handle: int) -> None:
+    lib.lshm_storage_release(handle)
+
+
+class Storage:
+    """A refcounted byte buffer owned by libshm, usable from Python and numpy.
+
+    Lifetime contract:
+
+    * ``Storage(nbytes)`` allocates ``nbytes`` zero bytes in whole pages owned by the storage.
+      The memory is released when the storage is closed *and* every numpy array made from it
+      (see :func:`pyshm.empty`, :meth:`asarray`) is gone: each array holds its own reference to
+      the C storage, so ``close()`` never invalidates a live array.
+    * ``close()`` (or leaving a ``with`` block) drops this handle's reference; afterwards every
+      method raises :class:`ValueError`. Closing twice is fine.
+    * ``share_memory_()`` moves the bytes into an anonymous memfd *in place*: the data pointer,
+      and therefore every existing array and raw pointer, keeps working and now sees shared
+      memory, which other processes can map (``fd``). There is no name to unlink: the kernel
+      frees the memory when the last mapping and fd are gone, even after a crash.
+    * At interpreter exit nothing is freed explicitly; the operating system reclaims it.
+    """
+
+    __slots__ = ("_handle", "_key", "_finalizer", "__weakref__")
+
+    def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
+        nbytes = _check_nbytes(nbytes)
+        out = ctypes.c_void_p()
+        if shared:
+            if resizable:
+                raise ValueError("a shared storage cannot be resizable")
+            lib.lshm_storage_create_shared(nbytes, 0, ctypes.byref(out))
+        else:
+            flags = _ffi.STORAGE_RESIZABLE if resizable else 0
+            lib.lshm_storage_create(nbytes, None, flags, ctypes.byref(out))
+        self._adopt(out.value)
+
+    def _adopt(self, handle: int) -> None:
+        self._handle = handle
+        self._key = handle  # the address, kept after close for a stable hash
+        self._finalizer = weakref.finalize(self, _release, handle)
+        self._finalizer.atexit = False
+
+    @classmethod
+    def _from_handle(cls, handle: int) -> "Storage":
+        """Wrap a C storage whose reference the caller hands over (stolen)."""
+        self = cls.__new__(cls)
+        self._adopt(handle)
+        return self
+
+    @classmethod
+    def attach(
+        cls, fd: int, nbytes: int, *, offset: int = 0, readonly: bool = False
+    ) -> "Storage":
+        """Map ``nbytes`` at ``offset`` of a shared-memory fd received from another process.
+
+        The fd is validated (a memfd, long enough, sealed against shrink and grow) and
+        duplicated; the caller keeps ownership of ``fd``.
+        """
+        nbytes = _check_nbytes(nbytes)
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        out = ctypes.c_void_p()
+        flags = _ffi.STORAGE_READONLY if readonly else 0
+        lib.lshm_storage_attach(fd, offset, nbytes, flags, ctypes.byref(out))
+        return cls._from_handle(out.value)
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    @property
+    def _as_parameter_(self) -> int:
+        handle = self._handle
+        if handle is None:
+            raise ValueError("operation on a closed pyshm.Storage")
+        return handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        """Drop this handle's reference (idempotent). Live arrays keep the memory alive."""
+        if self._handle is not None:
+            self._handle = None
+            self._finalizer()
+
+    def __enter__(self) -> "Storage":
+        self._as_parameter_  # raises when closed
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __eq__(self, other: object) -> bool:
+        # A storage's identity is its address: two handles on one storage are equal.
+        if not isinstance(other, Storage):
+            return NotImplemented
+        if self._handle is None or other._handle is None:
+            return self is other
+        return self._handle == other._handle
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        if self._handle is None:
+            return "<pyshm.Storage closed>"
+        state = "shared" if self.is_shared else "private"
+        return f"<pyshm.Storage {self.nbytes} bytes {state} at 0x{self.data_ptr:x}>"
+
+    # ---- accessors --------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        return lib.lshm_storage_nbytes(self._as_parameter_)
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of the first byte (0 for an empty storage). Stable across share_memory_()."""
+        return lib.lshm_storage_data(self._as_parameter_) or 0
+
+    @property
+    def flags(self) -> int:
+        return lib.lshm_storage_flags(self._as_parameter_)
+
+    @property
+    def is_shared(self) -> bool:
+        return bool(lib.lshm_storage_flags(self._as_parameter_) & _ffi.STORAGE_SHARED)
+
+    @property
+    def readonly(self) -> bool:
+        return bool(lib.lshm_storage_flags(self._as_parameter_) & _ffi.STORAGE_READONLY)
+
+    @property
+    def resizable(self) -> bool:
+        return bool(lib.lshm_storage_flags(self._as_parameter_) & _ffi.STORAGE_RESIZABLE)
+
+    @property
+    def fd(self) -> Optional[int]:
+        """The memfd behind a shared storage (borrowed: dup it to keep it), else None."""
+        fd, _ = self._fd_offset()
+        return fd
+
+    @property
+    def fd_offset(self) -> int:
+        """Byte offset of this storage's data in its fd (0 unless it views a segment)."""
+        _, offset = self._fd_offset()
+        return offset
+
+    def _fd_offset(self) -> tuple[Optional[int], int]:
+        handle = self._as_parameter_
+        if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
+            return None, 0
+        fd = ctypes.c_int(-1)
+        offset = ctypes.c_uint64(0)
+        lib.lshm_storage_fd(handle, ctypes.byref(fd), ctypes.byref(offset))
+        return fd.value, offset.value
+
+    @property
+    def refcount(self) -> int:
+        return lib.lshm_storage_refcount(self._as_parameter_)
+
+    # ---- operations -------------------------------------------------------------------------
+
+    def share_memory_(self) -> "Storage":
+        """Move the bytes into shared memory in place (same address); idempotent; returns self.
+
+        Runs in one C call without the GIL. Raises :class:`MemoryError` (an ``OSError`` too)
+        when memory runs out, in which case the storage is exactly as before.
+        """
+        lib.lshm_storage_share(self._as_parameter_)
+        return self
+
+    def copy_(self, other: "Storage") -> "Storage":
+        """Copy every byte of ``other`` (same nbytes) into this storage; returns self."""
+        if not isinstance(other, Storage):
+            raise TypeError(f"copy_ expects a pyshm.Storage, got {type(other).__name__}")
+        lib.lshm_storage_copy(self._as_parameter_, other._as_parameter_)
+        return self
+
+    def resize_(self, nbytes: int) -> "Storage":
+        """Resize a resizable, unshared storage (the data pointer may change)."""
+        lib.lshm_storage_resize(self._as_parameter_, _check_nbytes(nbytes))
+        return self
+
+    def asarray(self, shape=None, dtype="uint8", offset: int = 0):
+        """A numpy array over this storage's bytes (it keeps the memory alive)."""
+        from .arrays import _array_from_storage
+
+        return _array_from_storage(self, shape, dtype, offset)
+
+
+def _check_nbytes(nbytes) -> int:
+    try:
+        value = int(nbytes)
+    except TypeError:
+        raise TypeError(f"nbytes must be an integer, got {type(nbytes).__name__}") from None
+    if value != nbytes:
+        raise TypeError(f"nbytes must be an integer, got {nbytes!r}")
+    if value < 0:
+        raise ValueError(f"nbytes must be >= 0, got {value}")
+    if value >= 1 << 63:
+        raise OverflowError(f"nbytes {value} does not fit in a C size_t")
+    return value
+

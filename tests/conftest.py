@@ -1,0 +1,35 @@
+"""Test set-up: always test the *installed* pyshm, never the source folder.
+
+`python -m pytest` puts the current directory on sys.path, where the source `pyshm/` has no
+compiled library; drop the repository root so `import pyshm` finds the installed package
+(a regular or editable install; PYSHM_LIBRARY can still point at another build).
+"""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
+
+
+def open_fds() -> set:
+    """The fds open in this process right now (entries of /proc/self/fd)."""
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def no_fd_leak():
+    """Fail the test when it leaves more fds open than it found."""
+    before = open_fds()
+    yield
+    import gc
+
+    gc.collect()
+    leaked = open_fds() - before
+    # listdir's own fd may show in either set; anything else is a leak
+    leaked = {fd for fd in leaked if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not leaked, f"leaked fds: {sorted(leaked)}: " + ", ".join(
+        os.readlink(f"/proc/self/fd/{fd}") for fd in sorted(leaked)
+    )

@@ -1,0 +1,184 @@
+"""numpy arrays backed by pyshm storages: views keep aliasing across share_memory_."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import pyshm
+
+
+def test_empty_zeros_copy_basics():
+    a = pyshm.empty((3, 4), np.int32)
+    assert isinstance(a, np.ndarray)
+    assert a.shape == (3, 4) and a.dtype == np.int32 and a.flags.c_contiguous
+    assert a.flags.writeable
+    assert (a == 0).all()
+    z = pyshm.zeros(5)
+    assert z.dtype == np.float64 and (z == 0).all()
+    source = np.arange(12.0).reshape(3, 4)[:, ::2]  # non-contiguous source
+    c = pyshm.copy(source)
+    assert np.array_equal(c, source) and c.flags.c_contiguous
+    assert pyshm.storage_of(c) is not None and not pyshm.is_shared(c)
+    s = pyshm.copy(source, shared=True)
+    assert pyshm.is_shared(s) and np.array_equal(s, source)
+
+
+def test_base_keeps_storage_alive_after_handle_closed():
+    a = pyshm.empty(1000, np.uint8)
+    storage = pyshm.storage_of(a)
+    storage.close()  # our handle only; the array holds its own reference
+    a[:] = 9
+    view = a[10:20]
+    del a
+    gc.collect()
+    assert (view == 9).all()
+    assert pyshm.storage_of(view).nbytes == 1000
+
+
+def views_of(a):
+    return {
+        "slice": a[1:3],
+        "step": a[::2],
+        "transpose": a.T,
+        "view_of_view": a[1:].T[::-1],
+        "dtype_u8": a.view(np.uint8),
+        "reshape": a.reshape(-1),
+    }
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.complex128, np.uint16])
+def test_views_before_share_see_writes_after_both_ways(dtype):
+    a = pyshm.empty((4, 6), dtype)
+    a[...] = np.arange(24).reshape(4, 6).astype(dtype)
+    before = a.copy()
+    views = views_of(a)
+    address = a.ctypes.data
+    storage = pyshm.storage_of(a)
+    assert pyshm.share_memory_(a) is a
+    assert a.ctypes.data == address == storage.data_ptr
+    assert np.array_equal(a, before)
+    for name, view in views.items():
+        assert pyshm.is_shared(view), name
+    # write through the array, read through each old view
+    a[2, 3] = 99
+    assert views["slice"][1, 3] == 99
+    assert views["transpose"][3, 2] == 99
+    assert views["reshape"][15] == 99
+    # write through an old view, read through the array and the shared fd
+    views["step"][0, 0] = 42
+    assert a[0, 0] == 42
+    raw = os.pread(storage.fd, a.nbytes, storage.fd_offset)
+    assert np.frombuffer(raw, dtype).reshape(4, 6)[0, 0] == 42
+    # and through a new attach of the fd
+    attached = pyshm.Storage.attach(storage.fd, a.nbytes).asarray((4, 6), dtype)
+    attached[3, 5] = 7
+    assert a[3, 5] == 7 and views["view_of_view"][0, 2] == 7
+
+
+def test_share_through_a_view_shares_the_whole_storage():
+    a = pyshm.empty(10000, np.uint8)
+    pyshm.share_memory_(a[5:7])
+    assert pyshm.is_shared(a)
+
+
+def test_share_is_idempotent():
+    a = pyshm.zeros(100)
+    pyshm.share_memory_(a)
+    fd = pyshm.storage_of(a).fd
+    pyshm.share_memory_(a)
+    pyshm.share_memory_(a[::3])
+    assert pyshm.storage_of(a).fd == fd
+
+
+def test_readonly_array_can_be_shared_and_stays_readonly():
+    a = pyshm.empty(100, np.int16)
+    a[:] = 5
+    ro = a.view()
+    ro.flags.writeable = False
+    pyshm.share_memory_(ro)
+    assert pyshm.is_shared(a) and not ro.flags.writeable
+    with pytest.raises(ValueError):
+        ro[0] = 1
+    a[0] = 3
+    assert ro[0] == 3
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [np.zeros(10), np.arange(5)[::2], bytearray(b"abc"), memoryview(b"xyz"), [1, 2, 3]],
+)
+def test_foreign_memory_type_error_points_to_copy(foreign):
+    with pytest.raises(TypeError, match=r"pyshm\.copy\(array, shared=True\)"):
+        pyshm.share_memory_(foreign)
+    assert not pyshm.is_shared(foreign)
+    assert pyshm.storage_of(foreign) is None
+
+
+def test_zero_size_and_scalar_shapes():
+    empty = pyshm.empty((0, 5), np.float32)
+    assert empty.shape == (0, 5)
+    pyshm.share_memory_(empty)
+    assert pyshm.is_shared(empty)
+    scalar = pyshm.empty((), np.int64)
+    scalar[()] = 5
+    pyshm.share_memory_(scalar)
+    assert scalar == 5
+
+
+def test_bad_shapes_and_dtypes():
+    with pytest.raises(ValueError):
+        pyshm.empty((-1, 2))
+    with pytest.raises(TypeError):
+        pyshm.empty("abc")
+    with pytest.raises(OverflowError):
+        pyshm.empty((1 << 40, 1 << 40), np.uint8)
+    with pytest.raises(MemoryError):
+        pyshm.empty(1 << 61, np.uint8)
+    with pytest.raises(TypeError):
+        pyshm.empty(3, object)
+
+
+def test_structured_dtype_roundtrip():
+    dtype = np.dtype([("x", np.int32), ("y", np.float64)])
+    a = pyshm.empty(4, dtype)
+    a["x"] = [1, 2, 3, 4]
+    pyshm.share_memory_(a)
+    assert a.dtype == dtype and list(a["x"]) == [1, 2, 3, 4]
+
+
+def test_storage_asarray_bounds():
+    storage = pyshm.Storage(100)
+    assert storage.asarray().shape == (100,)
+    assert storage.asarray((10,), np.int32, offset=40).shape == (10,)
+    with pytest.raises(ValueError):
+        storage.asarray((10,), np.int64, offset=40)
+    with pytest.raises(ValueError):
+        storage.asarray(dtype=np.int64, offset=-1)
+    with pytest.raises(ValueError):
+        storage.asarray(dtype=np.int64)  # 100 bytes are not whole int64 items
+
+
+def test_interpreter_exit_with_live_storages_is_clean():
+    code = textwrap.dedent(
+        """
+        import numpy as np, pyshm
+        keep = [pyshm.empty(1 << 20, np.uint8) for _ in range(5)]
+        for a in keep[:3]:
+            pyshm.share_memory_(a)
+        s = pyshm.Storage(4096, shared=True)
+        view = keep[0][::2]
+        import atexit
+        atexit.register(lambda: print("atexit sees", int(view[0] + keep[1][5])))
+        print("done")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert "done" in result.stdout and "atexit sees 0" in result.stdout
+    assert result.stderr == ""

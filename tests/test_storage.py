@@ -1,0 +1,208 @@
+"""pyshm.Storage: lifecycle, accessors, sharing, errors, fds."""
+
+import ctypes
+import errno
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import pyshm
+from pyshm import _ffi
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def read_bytes(address: int, n: int) -> bytes:
+    return ctypes.string_at(address, n)
+
+
+def test_create_accessors_and_close(no_fd_leak):
+    storage = pyshm.Storage(10000)
+    assert storage.nbytes == 10000
+    assert storage.data_ptr % PAGE == 0  # whole pages: shareable in place
+    assert not storage.is_shared
+    assert storage.fd is None
+    assert read_bytes(storage.data_ptr, 10000) == bytes(10000)  # zero-filled
+    assert "private" in repr(storage)
+    storage.close()
+    storage.close()  # idempotent
+    assert storage.closed
+    assert "closed" in repr(storage)
+
+
+def test_use_after_close_raises_instead_of_crashing():
+    storage = pyshm.Storage(4096)
+    storage.close()
+    for action in (
+        lambda: storage.nbytes,
+        lambda: storage.data_ptr,
+        lambda: storage.is_shared,
+        lambda: storage.fd,
+        storage.share_memory_,
+        lambda: storage.copy_(pyshm.Storage(4096)),
+        lambda: pyshm.Storage(4096).copy_(storage),
+        lambda: storage.asarray(),
+    ):
+        with pytest.raises(ValueError, match="closed"):
+            action()
+    with pytest.raises(ValueError):
+        with storage:
+            pass
+
+
+def test_context_manager_closes():
+    with pyshm.Storage(100) as storage:
+        assert storage.nbytes == 100
+    assert storage.closed
+
+
+def test_share_in_place_keeps_address_and_bytes(no_fd_leak):
+    with pyshm.Storage(3 * PAGE + 5) as storage:
+        address = storage.data_ptr
+        ctypes.memset(address, 0x5A, storage.nbytes)
+        assert storage.share_memory_() is storage
+        assert storage.data_ptr == address
+        assert storage.is_shared
+        assert read_bytes(address, storage.nbytes) == b"\x5a" * storage.nbytes
+        fd = storage.fd
+        assert fd is not None and fd >= 0
+        assert os.get_inheritable(fd) is False  # O_CLOEXEC
+        assert stat.S_ISREG(os.fstat(fd).st_mode)
+        # The fd sees the bytes, and a write through memory shows in the fd.
+        ctypes.memset(address, 0x11, 1)
+        assert os.pread(fd, 2, 0) == b"\x11\x5a"
+        # Idempotent: the same fd, the same address.
+        storage.share_memory_()
+        assert storage.fd == fd and storage.data_ptr == address
+
+
+def test_share_is_not_resizable_and_resize_before():
+    storage = pyshm.Storage(100, resizable=True)
+    assert storage.resizable
+    ctypes.memset(storage.data_ptr, 7, 100)
+    storage.resize_(200)
+    assert storage.nbytes == 200
+    assert read_bytes(storage.data_ptr, 200) == b"\x07" * 100 + bytes(100)
+    storage.share_memory_()
+    assert not storage.resizable
+    with pytest.raises(PermissionError):
+        storage.resize_(300)
+    assert storage.nbytes == 200
+    with pytest.raises(PermissionError):
+        pyshm.Storage(10).resize_(20)  # not resizable
+
+
+def test_created_shared_and_copy(no_fd_leak):
+    source = pyshm.Storage(5000)
+    ctypes.memset(source.data_ptr, 0xAB, 5000)
+    target = pyshm.Storage(5000, shared=True)
+    assert target.is_shared and target.fd is not None
+    assert target.copy_(source) is target
+    assert read_bytes(target.data_ptr, 5000) == b"\xab" * 5000
+    with pytest.raises(ValueError):
+        target.copy_(pyshm.Storage(4999))
+    with pytest.raises(TypeError):
+        target.copy_(b"not a storage")
+    source.close()
+    target.close()
+
+
+def test_zero_byte_storage_shares():
+    with pyshm.Storage(0) as storage:
+        assert storage.nbytes == 0
+        assert storage.data_ptr == 0
+        storage.share_memory_()
+        assert storage.is_shared
+        assert os.fstat(storage.fd).st_size == 0
+
+
+@pytest.mark.parametrize(
+    "nbytes, error",
+    [(-1, ValueError), (1 << 64, OverflowError), (2**63, OverflowError), (1.5, TypeError),
+     ("10", TypeError), (None, TypeError)],
+)
+def test_bad_sizes(nbytes, error):
+    with pytest.raises(error):
+        pyshm.Storage(nbytes)
+
+
+def test_unsatisfiable_size_is_memory_error():
+    with pytest.raises(MemoryError) as info:
+        pyshm.Storage(1 << 62)
+    assert isinstance(info.value, OSError) and info.value.errno in (errno.ENOMEM, errno.EOVERFLOW)
+
+
+def test_error_carries_errno_and_library_message():
+    with pytest.raises(pyshm.ShmError) as info:
+        pyshm.Storage.attach(987654, 16)
+    assert info.value.errno == errno.EBADF
+    assert "lshm_storage_attach" in str(info.value)
+    assert ".c:" in str(info.value)  # file:line of the library's thread-local message
+
+
+def test_attach_validates_foreign_fds(tmp_path, no_fd_leak):
+    regular = tmp_path / "file"
+    regular.write_bytes(b"x" * 4096)
+    with open(regular, "rb+") as handle:
+        with pytest.raises(ValueError):
+            pyshm.Storage.attach(handle.fileno(), 16)
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(ValueError):
+            pyshm.Storage.attach(read_end, 16)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    with pyshm.Storage(4096, shared=True) as storage:
+        with pytest.raises(ValueError, match="smaller"):
+            pyshm.Storage.attach(storage.fd, 8192)
+        with pytest.raises(ValueError):
+            pyshm.Storage.attach(storage.fd, 16, offset=-1)
+
+
+def test_attach_sees_same_bytes_both_ways(no_fd_leak):
+    with pyshm.Storage(8192) as storage:
+        storage.share_memory_()
+        with pyshm.Storage.attach(storage.fd, 4096, offset=4096) as view:
+            assert view.data_ptr != storage.data_ptr
+            ctypes.memset(view.data_ptr, 0x42, 4096)
+            assert read_bytes(storage.data_ptr + 4096, 4096) == b"\x42" * 4096
+            ctypes.memset(storage.data_ptr + 4096, 0x43, 1)
+            assert read_bytes(view.data_ptr, 1) == b"\x43"
+        with pyshm.Storage.attach(storage.fd, 8192, readonly=True) as readonly:
+            assert readonly.readonly
+            array = readonly.asarray()
+            assert not array.flags.writeable
+            with pytest.raises(ValueError):
+                array[0] = 1
+
+
+def test_handles_compare_by_address():
+    array = pyshm.empty(10)
+    first, second = pyshm.storage_of(array), pyshm.storage_of(array)
+    assert first == second and hash(first) == hash(second)
+    assert first != pyshm.storage_of(pyshm.empty(10))
+
+
+def test_fd_count_stable_over_10000_cycles():
+    import gc
+
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(10000):
+        with pyshm.Storage(4096) as storage:
+            storage.share_memory_()
+    for _ in range(1000):
+        array = pyshm.empty(512, np.uint8, shared=True)
+        del array
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_flags_constants_match_library():
+    storage = pyshm.Storage(1)
+    assert storage.flags & _ffi.STORAGE_INPLACE == 0  # heap storage
+    storage.share_memory_()
+    assert storage.flags & _ffi.STORAGE_SHARED
