@@ -1,0 +1,892 @@
+"""``python -m pyshm bench``: pyshm against torch and SharedMemory, and the machine's ceiling.
+
+Everything is measured side by side in one process, methods interleaved round by round:
+
+* ``pyshm``: :func:`pyshm.share_memory_` on arrays made by :func:`pyshm.empty` (in place: the
+  memfd is mapped over the array's own pages, so every source page is replaced as it goes);
+* ``torch``: ``Tensor.share_memory_()`` on tensors made with ``torch.empty(..., dtype=uint8)``,
+  ``file_descriptor`` sharing strategy (only when torch imports; it frees each old storage);
+* ``SharedMemory``: ``multiprocessing.shared_memory.SharedMemory(create=True)`` plus
+  ``numpy.copyto`` from an ``np.empty`` array, deleting each source right after its copy;
+* ``ceiling``: what the machine can do at all, with ctypes calls straight into libc (they release
+  the GIL): a fresh memfd per array (``memfd_create``, ``ftruncate``), the bytes written with
+  ``pwrite``, then ``mmap``-ed and the fd closed; each source is freed as it goes. With a
+  ThreadPool that is one segment per thread at a time (the "prototype" rows of DESIGN section 8).
+
+Cases: (a) the seed workload (uint8 arrays of 128x480x640, 64 by default, fewer when a quarter
+of the available memory does not hold them) from a ``ThreadPool`` of 1, 2 and 8 threads; (b)
+one 1 GiB array; (c) 10,000 arrays of 4 KiB, one call at a time (time per share in us).
+
+Fairness (DESIGN section 8, "Benchmarking caveat"): memory new to the process is slow on these
+VMs, so each method builds its own inputs the same way right before its timed run, frees or
+replaces its sources while it copies, and releases all of its results (and is garbage-collected)
+before the next method builds anything: two full workloads are never alive at once. Every
+result is checked (a few bytes per array, and that it really is shared) so that no method is
+timed doing less work. Progress goes to stderr; ``--json`` puts a machine-readable result on
+stdout (the tables then go to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import functools
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from multiprocessing import shared_memory
+from multiprocessing.pool import ThreadPool
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import arrays, demo
+
+__all__ = ["add_arguments", "main", "run"]
+
+FRAME_SHAPE = demo.FRAME_SHAPE
+FRAME_BYTES = demo.FRAME_BYTES
+SMALL_BYTES = 4096
+BIG_ROW = 1 << 16  # the big array is filled row by row with one 64 KiB pattern
+BIG_MARK = 1 << 20  # and a counter byte every MiB
+
+DEFAULTS = {"repeats": 5, "threads": (1, 2, 8), "big_mib": 1024, "small_count": 10_000}
+QUICK = {"repeats": 3, "count": 6, "big_mib": 256, "small_count": 2_000}
+
+# Targets of the issue / DESIGN section 7.
+TARGET_SEED_VS_TORCH = 0.65  # pyshm time / torch time, seed workload, ThreadPool(2)
+TARGET_SEED_VS_CEILING = 1.10  # pyshm time / ceiling time, same case
+TARGET_BIG_SPEEDUP = 1.10  # torch time / pyshm time, one 1 GiB array
+TARGET_SMALL_US = 12.0  # pyshm us per 4 KiB share
+
+CASES = ("seed", "big", "small")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _int_list(text: str) -> tuple:
+    try:
+        values = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers: {text}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1: {text}")
+    return tuple(dict.fromkeys(values))
+
+
+def _case_list(text: str) -> tuple:
+    values = tuple(part for part in text.replace(" ", "").split(",") if part)
+    unknown = [value for value in values if value not in CASES]
+    if unknown or not values:
+        raise argparse.ArgumentTypeError(f"cases are {', '.join(CASES)}; got {text}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``bench`` options to ``parser`` (the ``python -m pyshm bench`` subcommand)."""
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a run under 30 s: {QUICK['count']} seed arrays, "
+                             f"{QUICK['repeats']} rounds, a {QUICK['big_mib']} MiB big array, "
+                             f"{QUICK['small_count']} small arrays")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON on stdout (tables go to stderr)")
+    parser.add_argument("--repeats", type=_positive_int, default=None,
+                        help=f"rounds per case (default {DEFAULTS['repeats']})")
+    parser.add_argument("--count", type=_positive_int, default=None,
+                        help="seed workload arrays (default: as many of 64 as fit in a quarter "
+                             "of the available memory)")
+    parser.add_argument("--threads", type=_int_list, default=None,
+                        help="ThreadPool sizes for the seed workload (default 1,2,8)")
+    parser.add_argument("--big-mib", type=_positive_int, default=None,
+                        help=f"size of the big array in MiB (default {DEFAULTS['big_mib']})")
+    parser.add_argument("--small-count", type=_positive_int, default=None,
+                        help=f"number of 4 KiB arrays (default {DEFAULTS['small_count']})")
+    parser.add_argument("--cases", type=_case_list, default=CASES,
+                        help="which cases to run, comma-separated (default seed,big,small)")
+    parser.add_argument("--no-torch", action="store_true", help="do not try to import torch")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``python -m pyshm bench``; returns the exit status."""
+    config = _config(args)
+    result = run(config, progress=None if args.quiet else _Progress())
+    out = sys.stderr if args.json else sys.stdout
+    print(format_report(result), file=out, flush=True)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=False))
+    pyshm_failed = any(row["method"] == "pyshm" and row["error"]
+                       for case in result["cases"] for row in case["rows"])
+    return 1 if pyshm_failed else 0
+
+
+def _config(args: argparse.Namespace) -> dict:
+    quick = bool(args.quick)
+    available = demo.available_memory()
+
+    def pick(name):
+        value = getattr(args, name, None)
+        if value is not None:
+            return value
+        if quick and name in QUICK:
+            return QUICK[name]
+        return DEFAULTS.get(name)
+
+    count = args.count or (min(QUICK["count"], demo.default_count()) if quick
+                           else demo.default_count())
+    big_bytes = pick("big_mib") << 20
+    if args.big_mib is None:  # the default shrinks to a quarter of the available memory
+        while big_bytes > BIG_MARK and big_bytes > available // 4:
+            big_bytes //= 2
+    return {
+        "quick": quick,
+        "repeats": pick("repeats"),
+        "count": count,
+        "threads": list(pick("threads")),
+        "big_bytes": big_bytes,
+        "small_count": pick("small_count"),
+        "cases": list(args.cases),
+        "torch": not args.no_torch,
+        "available_memory": available,
+    }
+
+
+class _Progress:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        print(f"[{elapsed:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads: how the arrays are filled and checked (identical for every method)
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _frame_pattern(index: int) -> np.ndarray:
+    pattern = demo._pattern(index)
+    pattern.flags.writeable = False
+    return pattern
+
+
+def _frame_corner(index: int) -> np.ndarray:
+    return ((np.arange(FRAME_SHAPE[0]) + index) % 256).astype(np.uint8)
+
+
+def _fill_frame(view: np.ndarray, index: int) -> None:
+    """The bytes of ``demo.build``: the frame's pattern on every plane, a counter in one corner."""
+    view[:] = _frame_pattern(index)
+    view[:, 0, 0] = _frame_corner(index)
+
+
+def _check_frame(view: np.ndarray, index: int) -> None:
+    pattern = _frame_pattern(index)
+    ok = (np.array_equal(view[:, 0, 0], _frame_corner(index))
+          and np.array_equal(view[0, -1], pattern[-1])
+          and np.array_equal(view[FRAME_SHAPE[0] // 2, FRAME_SHAPE[1] // 2],
+                             pattern[FRAME_SHAPE[1] // 2])
+          and np.array_equal(view[-1, 1:, -1], pattern[1:, -1]))
+    if not ok:
+        raise AssertionError(f"frame {index}: wrong bytes after sharing")
+
+
+@functools.lru_cache(maxsize=1)
+def _big_row() -> np.ndarray:
+    row = np.ascontiguousarray(_frame_pattern(0).reshape(-1)[:BIG_ROW])
+    row.flags.writeable = False
+    return row
+
+
+def _big_marks(nbytes: int) -> np.ndarray:
+    return (np.arange(nbytes // BIG_MARK) % 251).astype(np.uint8)
+
+
+def _fill_big(view: np.ndarray, index: int) -> None:
+    view.reshape(-1, BIG_ROW)[:] = _big_row()
+    view[::BIG_MARK] = _big_marks(view.nbytes)
+
+
+def _check_big(view: np.ndarray, index: int) -> None:
+    row = _big_row()
+    rows = view.nbytes // BIG_ROW
+    ok = np.array_equal(view[::BIG_MARK], _big_marks(view.nbytes))
+    for k in (0, rows // 3, rows // 2, rows - 1):
+        ok = ok and np.array_equal(view[k * BIG_ROW + 1:(k + 1) * BIG_ROW], row[1:])
+    if not ok:
+        raise AssertionError("big array: wrong bytes after sharing")
+
+
+@functools.lru_cache(maxsize=1)
+def _small_table() -> np.ndarray:
+    table = (np.arange(SMALL_BYTES + 256) % 256).astype(np.uint8)
+    table.flags.writeable = False
+    return table
+
+
+def _fill_small(view: np.ndarray, index: int) -> None:
+    start = index % 251
+    view[:] = _small_table()[start:start + SMALL_BYTES]
+
+
+def _check_small(view: np.ndarray, index: int) -> None:
+    start = index % 251
+    table = _small_table()
+    for k in (0, SMALL_BYTES // 2, SMALL_BYTES - 1):
+        if view[k] != table[start + k]:
+            raise AssertionError(f"4 KiB array {index}: wrong bytes after sharing")
+
+
+class Workload:
+    """``count`` arrays of ``shape`` (uint8), filled and checked the same way for every method."""
+
+    def __init__(self, key: str, title: str, shape: tuple, count: int,
+                 fill: Callable, check: Callable, per_share: bool = False) -> None:
+        self.key = key
+        self.title = title
+        self.shape = shape
+        self.count = count
+        self.fill = fill
+        self.check = check
+        self.per_share = per_share  # report microseconds per share call
+        self.item_bytes = int(np.prod(shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.item_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# The ceiling: raw libc through ctypes
+# ---------------------------------------------------------------------------------------------
+
+MFD_CLOEXEC = 0x1
+PROT_READ, PROT_WRITE = 0x1, 0x2
+MAP_SHARED = 0x01
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Libc:
+    """The libc calls of the ceiling, declared once (CDLL: each call releases the GIL)."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        off_t = ctypes.c_int64
+        self.memfd_create = self._declare(libc, "memfd_create", ctypes.c_int,
+                                          [ctypes.c_char_p, ctypes.c_uint])
+        self.ftruncate = self._declare(libc, "ftruncate", ctypes.c_int, [ctypes.c_int, off_t])
+        self.pwrite = self._declare(libc, "pwrite", ctypes.c_ssize_t,
+                                    [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, off_t])
+        self.mmap = self._declare(libc, "mmap", ctypes.c_void_p,
+                                  [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_int, off_t])
+        self.munmap = self._declare(libc, "munmap", ctypes.c_int,
+                                    [ctypes.c_void_p, ctypes.c_size_t])
+        self.close = self._declare(libc, "close", ctypes.c_int, [ctypes.c_int])
+
+    @staticmethod
+    def _declare(libc, name, restype, argtypes):
+        func = getattr(libc, name)
+        func.restype = restype
+        func.argtypes = argtypes
+        return func
+
+
+def _oserror(what: str) -> OSError:
+    code = ctypes.get_errno()
+    return OSError(code, f"{what}: {os.strerror(code)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods: each builds its sources the way its users would, then shares item i on request
+# ---------------------------------------------------------------------------------------------
+
+
+class Method:
+    key = ""
+    label = ""
+
+    def new_source(self, shape: tuple):
+        """One source array: (the object to share, a writable numpy view to fill it through)."""
+        array = np.empty(shape, np.uint8)
+        return array, array
+
+    def capacity(self, workload: Workload) -> int:
+        """How many arrays of ``workload`` this method can hold at once (fd limits)."""
+        return workload.count
+
+    def start(self, sources: list) -> None:
+        self.items = sources
+
+    def share(self, index: int) -> None:
+        raise NotImplementedError
+
+    def result(self, index: int) -> np.ndarray:
+        return self.items[index]
+
+    def check_shared(self, index: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.items = None
+
+
+class PyshmMethod(Method):
+    key = "pyshm"
+    label = "pyshm.share_memory_"
+
+    def new_source(self, shape):
+        array = arrays.empty(shape, np.uint8)
+        return array, array
+
+    def start(self, sources):
+        self.items = sources
+        self.addresses = [array.ctypes.data for array in sources]
+
+    def share(self, index):
+        arrays.share_memory_(self.items[index])
+
+    def check_shared(self, index):
+        array = self.items[index]
+        if not arrays.is_shared(array):
+            raise AssertionError(f"pyshm array {index} is not shared")
+        if array.ctypes.data != self.addresses[index]:
+            raise AssertionError(f"pyshm array {index} moved (in place sharing broke)")
+
+
+class TorchMethod(Method):
+    key = "torch"
+    label = "torch share_memory_"
+
+    def __init__(self, torch) -> None:
+        self.torch = torch
+
+    def new_source(self, shape):
+        tensor = self.torch.empty(shape, dtype=self.torch.uint8)
+        return tensor, tensor.numpy()
+
+    def capacity(self, workload):
+        # file_descriptor strategy: every shared storage keeps one fd open.
+        return min(workload.count, _fd_budget())
+
+    def share(self, index):
+        self.items[index].share_memory_()
+
+    def result(self, index):
+        return self.items[index].numpy()
+
+    def check_shared(self, index):
+        if not self.items[index].is_shared():
+            raise AssertionError(f"torch tensor {index} is not shared")
+
+
+class SharedMemoryMethod(Method):
+    key = "shm"
+    label = "SharedMemory+copyto"
+
+    def capacity(self, workload):
+        # A SharedMemory keeps its fd plus the one mmap.mmap duplicates.
+        return min(workload.count, _fd_budget() // 2)
+
+    def start(self, sources):
+        self.items = sources
+        self.segments = [None] * len(sources)
+        self.views = [None] * len(sources)
+
+    def share(self, index):
+        source = self.items[index]
+        segment = shared_memory.SharedMemory(create=True, size=source.nbytes)
+        view = np.ndarray(source.shape, source.dtype, buffer=segment.buf)
+        np.copyto(view, source)
+        self.items[index] = None  # the source is freed right after its copy
+        del source
+        self.segments[index] = segment
+        self.views[index] = view
+
+    def result(self, index):
+        return self.views[index]
+
+    def finish(self):
+        self.items = None
+        self.views = None  # drop the exported buffers before closing
+        for segment in self.segments:
+            if segment is not None:
+                segment.close()
+                segment.unlink()
+        self.segments = None
+
+
+class CeilingMethod(Method):
+    key = "ceiling"
+    label = "ceiling memfd+pwrite"
+
+    def __init__(self) -> None:
+        self.libc = _Libc()
+
+    def start(self, sources):
+        self.items = sources
+        # The source addresses are a property of the sources: read them before the clock runs.
+        self.sources = [(array.ctypes.data, array.nbytes) for array in sources]
+        self.shape = sources[0].shape if sources else ()
+        self.maps = [0] * len(sources)
+
+    def share(self, index):
+        libc = self.libc
+        address, nbytes = self.sources[index]
+        fd = libc.memfd_create(b"pyshm-bench", MFD_CLOEXEC)
+        if fd < 0:
+            raise _oserror("memfd_create")
+        try:
+            if libc.ftruncate(fd, nbytes) != 0:
+                raise _oserror("ftruncate")
+            done = 0
+            while done < nbytes:
+                wrote = libc.pwrite(fd, address + done, nbytes - done, done)
+                if wrote < 0:
+                    if ctypes.get_errno() == errno.EINTR:
+                        continue
+                    raise _oserror("pwrite")
+                done += wrote
+            mapped = libc.mmap(None, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+            if mapped is None or mapped == MAP_FAILED:
+                raise _oserror("mmap")
+        finally:
+            libc.close(fd)
+        self.maps[index] = mapped
+        self.items[index] = None  # the source is freed as it goes
+
+    def result(self, index):
+        nbytes = self.sources[index][1]
+        buffer = (ctypes.c_ubyte * nbytes).from_address(self.maps[index])
+        return np.ctypeslib.as_array(buffer).reshape(self.shape)
+
+    def finish(self):
+        self.items = None
+        for address, (_, nbytes) in zip(self.maps or (), self.sources or ()):
+            if address:
+                self.libc.munmap(address, nbytes)
+        self.maps = self.sources = None
+
+
+def _fd_budget() -> int:
+    """File descriptors this process may still open, less a margin."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        used = 64
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(0, soft - used - 256)
+
+
+def _raise_fd_limit() -> None:
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, OSError, ValueError):
+        pass
+
+
+def _dev_shm_free() -> Optional[int]:
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def _load_torch(wanted: bool):
+    """(torch module or None, description)."""
+    if not wanted:
+        return None, "not run (--no-torch)"
+    try:
+        import torch
+        import torch.multiprocessing
+
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    except Exception as exc:  # ImportError, or a broken install
+        return None, f"not installed ({type(exc).__name__}: {exc})"
+    return torch, f"{torch.__version__} (file_descriptor strategy, " \
+                  f"{torch.get_num_threads()} intra-op threads)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_once(method: Method, workload: Workload, count: int,
+              pool: Optional[ThreadPool]) -> float:
+    """Build ``count`` sources for ``method``, share them all (timed), check, and free."""
+    sources = []
+    for index in range(count):
+        item, view = method.new_source(workload.shape)
+        workload.fill(view, index)
+        sources.append(item)
+        del item, view  # the list holds the only reference to each source
+    method.start(sources)
+    del sources
+    gc.collect()
+    try:
+        share = method.share
+        start = time.perf_counter()
+        if pool is None:
+            for index in range(count):
+                share(index)
+        else:
+            pool.map(share, range(count), chunksize=1)
+        seconds = time.perf_counter() - start
+        for index in range(count):
+            method.check_shared(index)
+            workload.check(method.result(index), index)
+    finally:
+        method.finish()
+        gc.collect()
+    return seconds
+
+
+class _Row:
+    def __init__(self, method: Method, threads: int, count: int, note: str = "") -> None:
+        self.method = method
+        self.threads = threads
+        self.count = count
+        self.seconds: list = []
+        self.error = ""
+        self.note = note
+
+
+def _rotated(methods: list, shift: int) -> list:
+    shift %= len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def _run_case(workload: Workload, methods: list, threads: list, repeats: int,
+              progress) -> list:
+    """Interleave every method round by round; one row per (method, threads)."""
+    dev_shm = _dev_shm_free()
+    rows = {}
+    for method in methods:
+        count = method.capacity(workload)
+        note = ""
+        if count < workload.count:
+            note = f"{count:,} arrays (fd limit)"
+        if (method.key in ("torch", "shm") and dev_shm is not None
+                and dev_shm < count * workload.item_bytes * 1.05):
+            note = f"skipped: /dev/shm has {dev_shm / 1e9:.2f} GB free"
+            count = 0
+        for pool_size in threads:
+            row = _Row(method, pool_size, count, note)
+            if count == 0:
+                row.error = note
+            rows[method.key, pool_size] = row
+    pools = {size: ThreadPool(size) for size in threads if size} if workload.key == "seed" else {}
+    try:
+        for round_index in range(repeats):
+            for pool_size in threads:
+                done = []
+                for method in _rotated(methods, round_index):
+                    row = rows[method.key, pool_size]
+                    if row.error:
+                        continue
+                    try:
+                        seconds = _run_once(method, workload, row.count, pools.get(pool_size))
+                    except Exception as exc:  # report, keep the other methods going
+                        row.error = f"{type(exc).__name__}: {exc}"
+                        done.append(f"{method.key} FAILED")
+                        continue
+                    row.seconds.append(seconds)
+                    if workload.per_share:
+                        done.append(f"{method.key} {seconds / row.count * 1e6:.1f} us")
+                    else:
+                        done.append(f"{method.key} {seconds:.3f} s")
+                if progress:
+                    where = f", {pool_size} threads" if workload.key == "seed" else ""
+                    progress(f"{workload.key} round {round_index + 1}/{repeats}{where}: "
+                             + ", ".join(done))
+    finally:
+        for pool in pools.values():
+            pool.close()
+            pool.join()
+    return [rows[method.key, size] for size in threads for method in methods]
+
+
+def _warm_up(methods: list) -> None:
+    """One small untimed run per method: lazy imports, resource tracker, first calls."""
+    tiny = Workload("warm-up", "", (SMALL_BYTES,), 8, _fill_small, _check_small)
+    for method in methods:
+        try:
+            _run_once(method, tiny, tiny.count, None)
+        except Exception:
+            pass  # the timed runs report it
+
+
+def run(config: dict, progress=None) -> dict:
+    """Run the benchmark described by ``config`` (see :func:`_config`); returns the result."""
+    from . import __version__
+
+    _raise_fd_limit()
+    torch, torch_text = _load_torch(config["torch"])
+    methods = [PyshmMethod()]
+    if torch is not None:
+        methods.append(TorchMethod(torch))
+    methods += [SharedMemoryMethod(), CeilingMethod()]
+    repeats = config["repeats"]
+    count = config["count"]
+    workloads = {
+        "seed": (Workload("seed", f"Seed workload: {count} uint8 arrays of "
+                          f"{'x'.join(map(str, FRAME_SHAPE))} ({count * FRAME_BYTES / 1e9:.2f} GB),"
+                          " shared from a ThreadPool", FRAME_SHAPE, count,
+                          _fill_frame, _check_frame), config["threads"]),
+        "big": (Workload("big", f"One {_size_text(config['big_bytes'])} array, one call",
+                         (config["big_bytes"],), 1, _fill_big, _check_big), [1]),
+        "small": (Workload("small", f"{config['small_count']:,} arrays of 4 KiB, one call at a "
+                           "time (us per share)", (SMALL_BYTES,), config["small_count"],
+                           _fill_small, _check_small, per_share=True), [1]),
+    }
+    if progress:
+        progress(f"pyshm {__version__}; torch {torch_text}; "
+                 f"{repeats} rounds of {', '.join(config['cases'])}")
+    _warm_up(methods)
+    # Move everything alive now (torch alone is ~10^5 objects) out of the collector's sight:
+    # the gc.collect() between runs then takes microseconds instead of ~40 ms.
+    gc.collect()
+    gc.freeze()
+    try:
+        return _run_cases(config, methods, workloads, torch, torch_text, progress)
+    finally:
+        gc.unfreeze()
+
+
+def _run_cases(config: dict, methods: list, workloads: dict, torch, torch_text: str,
+               progress=None) -> dict:
+    from . import __version__
+
+    result = {
+        "pyshm": __version__,
+        "numpy": np.__version__,
+        "torch": torch.__version__ if torch is not None else None,
+        "torch_note": torch_text,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "available_memory": config["available_memory"],
+        "config": {key: value for key, value in config.items() if key != "available_memory"},
+        "cases": [],
+    }
+    for key in config["cases"]:
+        workload, threads = workloads[key]
+        rows = _run_case(workload, methods, threads, config["repeats"], progress)
+        result["cases"].append(_case_result(workload, rows))
+    result["targets"] = _targets(result)
+    return result
+
+
+def _size_text(nbytes: int) -> str:
+    if nbytes % (1 << 30) == 0:
+        return f"{nbytes >> 30} GiB"
+    return f"{nbytes >> 20} MiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+BASELINES = ("torch", "shm", "ceiling")
+
+
+def _case_result(workload: Workload, rows: list) -> dict:
+    out_rows = []
+    for row in rows:
+        entry = {
+            "method": row.method.key,
+            "label": row.method.label,
+            "threads": row.threads,
+            "count": row.count,
+            "bytes": row.count * workload.item_bytes,
+            "seconds": row.seconds,
+            "min_s": min(row.seconds) if row.seconds else None,
+            "median_s": statistics.median(row.seconds) if row.seconds else None,
+            "error": row.error or None,
+            "note": row.note or None,
+        }
+        if row.seconds:
+            entry["gbps"] = entry["bytes"] / entry["min_s"] / 1e9
+            if workload.per_share:
+                entry["min_us_per_share"] = entry["min_s"] / row.count * 1e6
+                entry["median_us_per_share"] = entry["median_s"] / row.count * 1e6
+        out_rows.append(entry)
+    # Ratios: this row's time over the baseline's time at the same thread count (per share
+    # for the small case, where counts may differ), from the min and from the median times.
+    for entry in out_rows:
+        entry["ratios"] = {}
+        for base in BASELINES:
+            other = next((o for o in out_rows if o["method"] == base
+                          and o["threads"] == entry["threads"]), None)
+            if other is None or not other["seconds"] or not entry["seconds"]:
+                continue
+            entry["ratios"][base] = {
+                stat: (entry[f"{stat}_s"] / entry["count"]) / (other[f"{stat}_s"] / other["count"])
+                for stat in ("min", "median")
+            }
+    return {
+        "case": workload.key,
+        "title": workload.title,
+        "shape": list(workload.shape),
+        "count": workload.count,
+        "bytes": workload.nbytes,
+        "per_share": workload.per_share,
+        "rows": out_rows,
+    }
+
+
+def _find(result: dict, case: str, method: str, threads: int) -> Optional[dict]:
+    for entry in result["cases"]:
+        if entry["case"] == case:
+            for row in entry["rows"]:
+                if row["method"] == method and row["threads"] == threads and row["seconds"]:
+                    return row
+    return None
+
+
+def _target(name: str, bar: str, value, median, met, text: str, note: str = "") -> dict:
+    return {"name": name, "bar": bar, "value": value, "median_value": median,
+            "met": met, "text": text, "note": note}
+
+
+def _targets(result: dict) -> list:
+    targets = []
+    ran = {entry["case"] for entry in result["cases"]}
+    quick = result["config"]["quick"]
+
+    seed = _find(result, "seed", "pyshm", 2)
+    for base, limit, name in (("torch", TARGET_SEED_VS_TORCH, "seed workload, ThreadPool(2), "
+                               "pyshm time / torch time"),
+                              ("ceiling", TARGET_SEED_VS_CEILING, "seed workload, ThreadPool(2), "
+                               "pyshm time / ceiling time")):
+        bar = f"<= {limit:.2f}"
+        if "seed" not in ran or 2 not in result["config"]["threads"]:
+            targets.append(_target(name, bar, None, None, None, "not measured (case not run)"))
+        elif seed is None:
+            targets.append(_target(name, bar, None, None, None, "not measured (pyshm failed)"))
+        elif base not in seed["ratios"]:
+            why = result["torch_note"] if base == "torch" else "baseline failed"
+            targets.append(_target(name, bar, None, None, None, f"not measured: {why}"))
+        else:
+            ratio = seed["ratios"][base]
+            targets.append(_target(name, bar, ratio["min"], ratio["median"],
+                                   ratio["min"] <= limit, f"{ratio['min']:.2f}",
+                                   _median_note(ratio["median"] <= limit, ratio["median"],
+                                                "{:.2f}")))
+
+    name = f"one {_size_text(result['config']['big_bytes'])} array, torch time / pyshm time"
+    bar = f">= {TARGET_BIG_SPEEDUP:.2f}"
+    big = _find(result, "big", "pyshm", 1)
+    if "big" not in ran:
+        targets.append(_target(name, bar, None, None, None, "not measured (case not run)"))
+    elif big is None or "torch" not in big["ratios"]:
+        why = "pyshm failed" if big is None else result["torch_note"]
+        targets.append(_target(name, bar, None, None, None, f"not measured: {why}"))
+    else:
+        speed = 1 / big["ratios"]["torch"]["min"]
+        median = 1 / big["ratios"]["torch"]["median"]
+        note = _median_note(median >= TARGET_BIG_SPEEDUP, median, "{:.2f}x")
+        if result["config"]["big_bytes"] != 1 << 30:
+            note = (note + "; " if note else "") + "measured on a smaller array"
+        targets.append(_target(name, bar, speed, median, speed >= TARGET_BIG_SPEEDUP,
+                               f"{speed:.2f}x", note))
+
+    name = "4 KiB arrays, pyshm us per share"
+    bar = f"<= {TARGET_SMALL_US:.0f} us"
+    small = _find(result, "small", "pyshm", 1)
+    if "small" not in ran:
+        targets.append(_target(name, bar, None, None, None, "not measured (case not run)"))
+    elif small is None:
+        targets.append(_target(name, bar, None, None, None, "not measured (pyshm failed)"))
+    else:
+        value, median = small["min_us_per_share"], small["median_us_per_share"]
+        targets.append(_target(name, bar, value, median, value <= TARGET_SMALL_US,
+                               f"{value:.1f} us",
+                               _median_note(median <= TARGET_SMALL_US, median, "{:.1f} us")))
+    if quick:
+        for target in targets:
+            target["note"] = (target["note"] + "; " if target["note"] else "") + "quick run"
+    return targets
+
+
+def _median_note(met: bool, value: float, form: str) -> str:
+    return f"median {form.format(value)}" + ("" if met else ", not met on the median")
+
+
+def _ratio_text(row: dict, base: str) -> str:
+    ratio = row["ratios"].get(base)
+    if ratio is None:
+        return "-"
+    return f"{ratio['min']:.2f} ({ratio['median']:.2f})"
+
+
+def format_report(result: dict) -> str:
+    """The tables and the targets block, as printed."""
+    lines = []
+    mem = result["available_memory"] / 2**30
+    lines.append(f"pyshm {result['pyshm']} bench: Python {result['python']}, numpy "
+                 f"{result['numpy']}, {result['cpus']} CPUs, {mem:.1f} GiB available")
+    lines.append(f"torch: {result['torch_note']}")
+    lines.append(f"{result['config']['repeats']} rounds per case, methods interleaved; "
+                 "ratio = this row's time / the baseline's time at the same thread count, "
+                 "from min times (median times in brackets); < 1 means this row is faster")
+    present = {row["method"] for case in result["cases"] for row in case["rows"]
+               if row["seconds"]}
+    bases = [base for base in BASELINES if base in present]
+    base_titles = {"torch": "vs torch", "shm": "vs SharedMem", "ceiling": "vs ceiling"}
+    for case in result["cases"]:
+        unit = "us" if case["per_share"] else "s"
+        head = (f"{'method':<22}{'threads':>8}{'min ' + unit:>10}{'median ' + unit:>11}"
+                f"{'GB/s':>8}" + "".join(f"{base_titles[base]:>15}" for base in bases))
+        lines += ["", case["title"], head, "-" * len(head)]
+        for row in case["rows"]:
+            text = f"{row['label']:<22}{row['threads']:>8}"
+            if not row["seconds"]:
+                lines.append(f"{text}  {row['error'] or 'no result'}")
+                continue
+            if case["per_share"]:
+                low, mid = row["min_us_per_share"], row["median_us_per_share"]
+                text += f"{low:>10.1f}{mid:>11.1f}"
+            else:
+                text += f"{row['min_s']:>10.3f}{row['median_s']:>11.3f}"
+            text += f"{row['gbps']:>8.2f}"
+            text += "".join(f"{_ratio_text(row, base):>15}" for base in bases)
+            notes = [note for note in (row["note"], row["error"] and f"then failed: "
+                                       f"{row['error']}") if note]
+            if notes:
+                text += "  " + "; ".join(notes)
+            lines.append(text)
+    lines += ["", "targets (judged on min times)"]
+    for target in result["targets"]:
+        state = {True: "met", False: "NOT MET", None: "-"}[target["met"]]
+        text = f"  {target['name']} {target['bar']}: {target['text']}  {state}"
+        if target["note"]:
+            text += f"  ({target['note']})"
+        lines.append(text)
+    return "\n".join(lines)
