@@ -34,4 +34,127 @@ int lshm__fault_check(const char *site);
 #define LSHM_FAULT(site) 0
 #endif
 
+/* ---- OS layer (os_linux.c): the only file that makes memory and fd syscalls ---------------- */
+/* Each wrapper returns 0 or a negative errno and has already recorded the message (with the
+ * syscall's name and sizes) through LSHM_FAIL, so callers just propagate the code. Each one
+ * that can fail passes an LSHM_FAULT point first. */
+
+#include <stdint.h>
+
+size_t lshm__os_page_size(void);
+/* memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING); `nbytes` only names the file in /proc. */
+int lshm__os_memfd_create(size_t nbytes, int *fd);
+int lshm__os_ftruncate(int fd, uint64_t size);
+/* Add F_SEAL_SHRINK | F_SEAL_GROW (the size can never change again, so no SIGBUS from a peer). */
+int lshm__os_seal_size(int fd);
+/* Add F_SEAL_FUTURE_WRITE (no new writable mappings, no write(2)). */
+int lshm__os_seal_future_write(int fd);
+/* pwrite all n bytes, looping on short writes and EINTR. */
+int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset);
+/* Reserve the pages of [0, size) (fallocate), so exhaustion is an error here and not a SIGBUS
+ * later; a file system without fallocate (EOPNOTSUPP) is accepted as is. */
+int lshm__os_reserve(int fd, uint64_t size);
+/* mmap(MAP_SHARED) len bytes of fd at a page-aligned offset, PROT_READ (readonly) or
+ * PROT_READ|PROT_WRITE; at `fixed` with MAP_FIXED when it is not NULL. */
+int lshm__os_map_fd(int fd, uint64_t offset, size_t len, int readonly, void *fixed, void **out);
+/* Anonymous private zero pages, anywhere (map_anon) or over [addr, addr + len) (MAP_FIXED). */
+int lshm__os_map_anon(size_t len, void **out);
+int lshm__os_map_anon_fixed(void *addr, size_t len);
+/* mremap(MREMAP_MAYMOVE) of an anonymous private mapping. */
+int lshm__os_remap(void *old, size_t old_len, size_t new_len, void **out);
+/* munmap and close cannot fail in a way a caller can act on; they assert in debug builds. */
+void lshm__os_unmap(void *addr, size_t len);
+void lshm__os_close(int fd);
+int lshm__os_dup_cloexec(int fd, int *out);
+
+/* What attach needs to know about a received fd. */
+typedef struct lshm__fd_info {
+    uint64_t size;     /* st_size in bytes */
+    int size_sealed;   /* F_SEAL_SHRINK and F_SEAL_GROW both present */
+    int sealable;      /* F_SEAL_SEAL absent: more seals can be added */
+    int write_sealed;  /* F_SEAL_WRITE or F_SEAL_FUTURE_WRITE present */
+    int writable;      /* opened O_RDWR (or O_WRONLY) */
+} lshm__fd_info;
+/* fstat (-EBADF when it fails), S_ISREG and F_GET_SEALS (-EINVAL "not a memfd" otherwise),
+ * F_GETFL. */
+int lshm__os_fd_info(int fd, lshm__fd_info *info);
+
+/* ---- storages and segments (storage.c, segment.c, share.c) -------------------------------- */
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+/* Where a storage's bytes come from, which says how to give them back. */
+enum lshm__origin {
+    LSHM__ORIGIN_PAGES,     /* default allocator: anonymous pages [data, data + capacity) */
+    LSHM__ORIGIN_ALLOCATOR, /* caller allocator: alloc(ctx, nbytes) returned data */
+    LSHM__ORIGIN_FOREIGN,   /* foreign memory: release(ctx, data, nbytes) when done */
+    LSHM__ORIGIN_MAPPED,    /* a mapping of our own fd: [map_base, map_base + map_len) */
+    LSHM__ORIGIN_VIEW,      /* a slice of `segment`, which the storage retains */
+};
+
+struct lshm_storage {
+    _Atomic size_t refcount;  /* references; 0 once finalised */
+    _Atomic(void *) data;     /* first byte, NULL when nbytes == 0; atomic: share may swap it */
+    _Atomic unsigned flags;   /* LSHM_STORAGE_* */
+    size_t nbytes;            /* bytes visible to users */
+    size_t capacity;          /* PAGES / WHOLE_PAGES allocator: nbytes rounded up to a page
+                                 (the range owned, and shared in place); else nbytes */
+    unsigned char origin;     /* enum lshm__origin */
+    unsigned char heap;       /* the struct was malloced by lshm_storage_create* */
+    lshm_allocator allocator; /* ORIGIN_ALLOCATOR: copy of the caller's allocator */
+    lshm_release_fn release;  /* ORIGIN_FOREIGN: may be NULL (borrowed memory) */
+    void *release_ctx;
+    void *map_base;           /* ORIGIN_MAPPED: the page-aligned mapping to munmap */
+    size_t map_len;           /* its length in bytes (0: nothing mapped) */
+    int fd;                   /* own memfd once shared (in place or MAPPED), else -1 */
+    uint64_t fd_offset;       /* offset of data within fd (or within the segment's fd) */
+    lshm_segment *segment;    /* ORIGIN_VIEW: retained segment */
+    pthread_mutex_t lock;     /* serialises share and resize of this storage */
+};
+
+struct lshm_segment {
+    _Atomic size_t refcount;
+    _Atomic int fd;           /* memfd O_CLOEXEC, -1 after lshm_segment_close_fd */
+    void *data;               /* mapping of the whole fd; NULL when size == 0 */
+    size_t size;              /* bytes of the fd (and of the mapping) */
+    unsigned flags;           /* LSHM_STORAGE_READONLY or 0 */
+};
+
+/* Atomic reference counts of storages and segments: a retain needs a live object, and
+ * release says whether it dropped the last reference (acq_rel, so the one that frees sees
+ * every write made under the other references). */
+static inline void lshm__ref_retain(_Atomic size_t *refcount) {
+    size_t old = atomic_fetch_add_explicit(refcount, 1, memory_order_relaxed);
+    (void)old;
+#ifndef NDEBUG
+    if (old == 0)
+        __builtin_trap(); /* retaining a dead object: the caller's use-after-free */
+#endif
+}
+static inline int lshm__ref_release(_Atomic size_t *refcount) {
+    size_t old = atomic_fetch_sub_explicit(refcount, 1, memory_order_acq_rel);
+#ifndef NDEBUG
+    if (old == 0)
+        __builtin_trap(); /* one release too many */
+#endif
+    return old == 1;
+}
+
+/* Size arithmetic: round up to whole pages, -EOVERFLOW (with message) if it wraps. */
+int lshm__round_pages(size_t nbytes, size_t *out);
+/* Fill the common fields of a fresh storage (refcount 1, fd -1, lock initialised). */
+void lshm__storage_prepare(lshm_storage *s, unsigned origin, unsigned flags);
+/* NULL/alignment checks of caller memory for the *_init functions. */
+int lshm__check_mem(const void *mem, lshm_storage **out);
+/* For lshm_storage_create*: check the caller's out pointer (-EINVAL if NULL) and malloc an
+ * aligned struct into *s (-ENOMEM). */
+int lshm__storage_malloc(lshm_storage *const *out, lshm_storage **s);
+/* After an *_init into lshm__storage_malloc memory returned rc: on success mark the storage
+ * as a heap storage, on failure free the struct. Returns rc. */
+int lshm__storage_heap_done(lshm_storage *s, int rc);
+/* Validate a received fd for [offset, offset + nbytes) and duplicate it (O_CLOEXEC). */
+int lshm__attach_fd(int fd, uint64_t offset, size_t nbytes, unsigned flags, int *dup_out,
+                    uint64_t *size_out);
+
 #endif

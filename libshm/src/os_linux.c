@@ -1,0 +1,233 @@
+/*
+ * os_linux.c -- the OS layer: every memory and fd syscall of libshm lives here.
+ *
+ * The rest of the library speaks in terms of "make a sealed memfd", "map this fd here",
+ * "reserve its pages"; this file turns those into memfd_create, ftruncate, fcntl seals,
+ * fallocate, pwrite, mmap/mremap/munmap, fstat and sysconf (mimalloc keeps its OS calls
+ * behind src/prim/ for the same reason). Each wrapper:
+ *   - captures errno on the spot and returns it negated (errno is never the channel),
+ *   - records a message with the syscall and its sizes through LSHM_FAIL,
+ *   - passes an LSHM_FAULT point first, so tests can fail every step of every operation.
+ */
+#include "internal.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010 /* Linux 5.1; older libc headers lack the name */
+#endif
+
+/* An injected fault behaves like the syscall failing with the armed code. */
+#define LSHM_OS_FAULT(site)                                                                   \
+    do {                                                                                      \
+        int fault_ = LSHM_FAULT(site);                                                        \
+        if (fault_ != 0)                                                                      \
+            return LSHM_FAIL(fault_, "%s: injected fault (%s)", site, lshm_strerror(fault_)); \
+    } while (0)
+
+size_t lshm__os_page_size(void) {
+    /* sysconf is cheap but not free; the page size never changes while we run. */
+    static _Atomic size_t cached;
+    size_t page = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (page == 0) {
+        long v = sysconf(_SC_PAGESIZE);
+        page = v > 0 ? (size_t)v : 4096;
+        atomic_store_explicit(&cached, page, memory_order_relaxed);
+    }
+    return page;
+}
+
+int lshm__os_memfd_create(size_t nbytes, int *fd) {
+    LSHM_OS_FAULT("memfd_create");
+    int r = memfd_create("lshm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (r < 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "memfd_create for %zu bytes: %s", nbytes, strerror(e));
+    }
+    *fd = r;
+    return 0;
+}
+
+int lshm__os_ftruncate(int fd, uint64_t size) {
+    LSHM_OS_FAULT("ftruncate");
+    if (size > (uint64_t)INT64_MAX)
+        return LSHM_FAIL(-EOVERFLOW, "ftruncate to %llu bytes: too large",
+                         (unsigned long long)size);
+    if (ftruncate(fd, (off_t)size) != 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "ftruncate(fd %d, %llu bytes): %s", fd, (unsigned long long)size,
+                         strerror(e));
+    }
+    return 0;
+}
+
+static int add_seals(int fd, int seals, const char *what) {
+    if (fcntl(fd, F_ADD_SEALS, seals) != 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "fcntl(fd %d, F_ADD_SEALS, %s): %s", fd, what, strerror(e));
+    }
+    return 0;
+}
+
+int lshm__os_seal_size(int fd) {
+    LSHM_OS_FAULT("seal_size");
+    return add_seals(fd, F_SEAL_SHRINK | F_SEAL_GROW, "F_SEAL_SHRINK|F_SEAL_GROW");
+}
+
+int lshm__os_seal_future_write(int fd) {
+    LSHM_OS_FAULT("seal_future_write");
+    return add_seals(fd, F_SEAL_FUTURE_WRITE, "F_SEAL_FUTURE_WRITE");
+}
+
+int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {
+    LSHM_OS_FAULT("pwrite");
+    const char *p = buf;
+    while (n > 0) {
+        /* Linux writes at most 0x7ffff000 bytes per call; the loop also covers short writes. */
+        ssize_t w = pwrite(fd, p, n, (off_t)offset);
+        if (w < 0) {
+            int e = errno;
+            if (e == EINTR)
+                continue;
+            return LSHM_FAIL(-e, "pwrite(fd %d, %zu bytes at %llu): %s", fd, n,
+                             (unsigned long long)offset, strerror(e));
+        }
+        if (w == 0) /* cannot happen on shmem; never spin */
+            return LSHM_FAIL(-EIO, "pwrite(fd %d) wrote nothing with %zu bytes left", fd, n);
+        p += w;
+        n -= (size_t)w;
+        offset += (uint64_t)w;
+    }
+    return 0;
+}
+
+int lshm__os_reserve(int fd, uint64_t size) {
+    LSHM_OS_FAULT("fallocate");
+    if (size == 0)
+        return 0;
+    if (fallocate(fd, 0, 0, (off_t)size) != 0) {
+        int e = errno;
+        if (e == EOPNOTSUPP)
+            return 0; /* no reservation possible; pages arrive on first touch */
+        return LSHM_FAIL(-e, "fallocate(fd %d, %llu bytes): %s", fd, (unsigned long long)size,
+                         strerror(e));
+    }
+    return 0;
+}
+
+int lshm__os_map_fd(int fd, uint64_t offset, size_t len, int readonly, void *fixed, void **out) {
+    LSHM_OS_FAULT("mmap_fd");
+    int prot = readonly ? PROT_READ : PROT_READ | PROT_WRITE;
+    int flags = MAP_SHARED | (fixed != NULL ? MAP_FIXED : 0);
+    void *p = mmap(fixed, len, prot, flags, fd, (off_t)offset);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        return LSHM_FAIL(-e, "mmap(fd %d, %zu bytes at offset %llu%s%s): %s", fd, len,
+                         (unsigned long long)offset, readonly ? ", read-only" : "",
+                         fixed != NULL ? ", fixed" : "", strerror(e));
+    }
+    assert(fixed == NULL || p == fixed);
+    *out = p;
+    return 0;
+}
+
+int lshm__os_map_anon(size_t len, void **out) {
+    LSHM_OS_FAULT("mmap_anon");
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        return LSHM_FAIL(-e, "mmap(anonymous, %zu bytes): %s", len, strerror(e));
+    }
+    *out = p;
+    return 0;
+}
+
+int lshm__os_map_anon_fixed(void *addr, size_t len) {
+    LSHM_OS_FAULT("mmap_anon_fixed");
+    void *p = mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+                   -1, 0);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        return LSHM_FAIL(-e, "mmap(anonymous, fixed at %p, %zu bytes): %s", addr, len,
+                         strerror(e));
+    }
+    assert(p == addr);
+    return 0;
+}
+
+int lshm__os_remap(void *old, size_t old_len, size_t new_len, void **out) {
+    LSHM_OS_FAULT("mremap");
+    void *p = mremap(old, old_len, new_len, MREMAP_MAYMOVE);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        return LSHM_FAIL(-e, "mremap(%p, %zu -> %zu bytes): %s", old, old_len, new_len,
+                         strerror(e));
+    }
+    *out = p;
+    return 0;
+}
+
+void lshm__os_unmap(void *addr, size_t len) {
+    if (addr == NULL || len == 0)
+        return;
+    int r = munmap(addr, len);
+    assert(r == 0); /* only fails for a bad range, which would be our bug */
+    (void)r;
+}
+
+void lshm__os_close(int fd) {
+    if (fd < 0)
+        return;
+    /* Linux releases the fd even when close reports EINTR/EIO: never retry. */
+    (void)close(fd);
+}
+
+int lshm__os_dup_cloexec(int fd, int *out) {
+    LSHM_OS_FAULT("dup");
+    int r = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (r < 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "fcntl(fd %d, F_DUPFD_CLOEXEC): %s", fd, strerror(e));
+    }
+    *out = r;
+    return 0;
+}
+
+int lshm__os_fd_info(int fd, lshm__fd_info *info) {
+    LSHM_OS_FAULT("fstat");
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        int e = fd < 0 ? EBADF : errno;
+        return LSHM_FAIL(-EBADF, "fstat(fd %d): %s", fd, strerror(e));
+    }
+    /* memfds (and other shmem files) are regular files that answer F_GET_SEALS; pipes,
+     * sockets, ordinary files and devices do not. */
+    if (!S_ISREG(st.st_mode))
+        return LSHM_FAIL(-EINVAL, "fd %d is not a memfd (not a regular file)", fd);
+    LSHM_OS_FAULT("get_seals");
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0) {
+        int e = errno;
+        return LSHM_FAIL(-EINVAL, "fd %d is not a memfd (F_GET_SEALS: %s)", fd, strerror(e));
+    }
+    LSHM_OS_FAULT("getfl");
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "fcntl(fd %d, F_GETFL): %s", fd, strerror(e));
+    }
+    info->size = (uint64_t)st.st_size;
+    info->size_sealed = (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW);
+    info->sealable = (seals & F_SEAL_SEAL) == 0;
+    info->write_sealed = (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0;
+    info->writable = (fl & O_ACCMODE) != O_RDONLY;
+    return 0;
+}

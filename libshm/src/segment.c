@@ -1,0 +1,275 @@
+/*
+ * segment.c -- segments (one memfd + one mapping, refcounted), attaching received fds, and
+ * storages that view a slice of a segment.
+ *
+ * A segment is the unit that crosses process boundaries: one fd, however many storages view
+ * it, which is how a process shares many small arrays without one fd (and one mapping) each.
+ * The memfd is never named, so nothing leaks after a crash: the kernel frees the pages when
+ * the last fd and mapping go. It is sealed against shrink and grow, so no holder can truncate
+ * it under another holder's mapping (that would be SIGBUS), and its pages are reserved with
+ * fallocate at creation, so running out of memory is an error code here rather than a SIGBUS
+ * on some later first write.
+ *
+ * A received fd is checked before it is mapped (lshm__attach_fd): it must be a memfd, long
+ * enough, sealed (or sealable) against size changes, and its write permission must agree with
+ * the flags asked for. It is duplicated, so the caller keeps its own.
+ */
+#include "internal.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The last step of create and attach: wrap fd and its mapping [data, data + map_len) in a
+ * segment, or, if that fails, unmap and close them (the caller's cleanup is done either way). */
+static int segment_new(int fd, void *data, size_t size, size_t map_len, unsigned flags,
+                       lshm_segment **out) {
+    lshm_segment *seg = malloc(sizeof *seg);
+    if (seg == NULL) {
+        lshm__os_unmap(data, map_len);
+        lshm__os_close(fd);
+        return LSHM_FAIL(-ENOMEM, "malloc of a segment struct failed");
+    }
+    atomic_init(&seg->refcount, 1);
+    atomic_init(&seg->fd, fd);
+    seg->data = data;
+    seg->size = size;
+    seg->flags = flags;
+    *out = seg;
+    return 0;
+}
+
+int lshm_segment_create(size_t nbytes, unsigned flags, lshm_segment **out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL out pointer");
+    if (flags != 0)
+        return LSHM_FAIL(-EINVAL, "unknown segment flags 0x%x", flags);
+    size_t map_len = 0;
+    int rc = lshm__round_pages(nbytes, &map_len);
+    if (rc != 0)
+        return rc;
+    if ((uint64_t)nbytes > (uint64_t)INT64_MAX)
+        return LSHM_FAIL(-EOVERFLOW, "%zu bytes is larger than any file", nbytes);
+    int fd = -1;
+    void *data = NULL;
+    rc = lshm__os_memfd_create(nbytes, &fd);
+    if (rc != 0)
+        return rc;
+    if ((rc = lshm__os_ftruncate(fd, nbytes)) != 0)
+        goto fail_close;
+    if ((rc = lshm__os_seal_size(fd)) != 0)
+        goto fail_close;
+    if ((rc = lshm__os_reserve(fd, nbytes)) != 0)
+        goto fail_close;
+    if (nbytes > 0 && (rc = lshm__os_map_fd(fd, 0, map_len, 0, NULL, &data)) != 0)
+        goto fail_close;
+    return segment_new(fd, data, nbytes, map_len, 0, out);
+
+fail_close:
+    lshm__os_close(fd);
+    return rc;
+}
+
+int lshm__attach_fd(int fd, uint64_t offset, size_t nbytes, unsigned flags, int *dup_out,
+                    uint64_t *size_out) {
+    if ((flags & ~LSHM_STORAGE_READONLY) != 0)
+        return LSHM_FAIL(-EINVAL, "unknown attach flags 0x%x", flags & ~LSHM_STORAGE_READONLY);
+    int readonly = (flags & LSHM_STORAGE_READONLY) != 0;
+    lshm__fd_info info;
+    int rc = lshm__os_fd_info(fd, &info);
+    if (rc != 0)
+        return rc;
+    if (offset > info.size || nbytes > info.size - offset)
+        return LSHM_FAIL(-EINVAL,
+                         "fd %d smaller than claimed: %llu bytes, asked for %zu at offset %llu",
+                         fd, (unsigned long long)info.size, nbytes,
+                         (unsigned long long)offset);
+    if (info.write_sealed && !readonly)
+        return LSHM_FAIL(-EPERM, "fd %d is sealed against writes: attach it read-only", fd);
+    if (!info.writable && !readonly)
+        return LSHM_FAIL(-EACCES, "fd %d was opened read-only: attach it read-only", fd);
+    if (!info.size_sealed) {
+        /* An unsealed memfd could be truncated under our mapping by its other holders: seal
+         * it now (needs a writable fd and no F_SEAL_SEAL), or refuse. */
+        if (!info.sealable || !info.writable)
+            return LSHM_FAIL(-EPERM, "fd %d is not sealed against shrink/grow and cannot be", fd);
+        rc = lshm__os_seal_size(fd);
+        if (rc != 0)
+            return rc == -EPERM ? rc : LSHM_FAIL(rc, "fd %d: cannot seal against shrink/grow", fd);
+    }
+    rc = lshm__os_dup_cloexec(fd, dup_out);
+    if (rc != 0)
+        return rc;
+    *size_out = info.size;
+    return 0;
+}
+
+int lshm_segment_attach(int fd, unsigned flags, lshm_segment **out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL out pointer");
+    int own = -1;
+    uint64_t size;
+    int rc = lshm__attach_fd(fd, 0, 0, flags, &own, &size);
+    if (rc != 0)
+        return rc;
+    size_t map_len = 0;
+    void *data = NULL;
+    if (size > (uint64_t)SIZE_MAX || (rc = lshm__round_pages((size_t)size, &map_len)) != 0) {
+        rc = LSHM_FAIL(-EOVERFLOW, "fd %d of %llu bytes cannot be mapped", fd,
+                       (unsigned long long)size);
+        goto fail_close;
+    }
+    int readonly = (flags & LSHM_STORAGE_READONLY) != 0;
+    if (size > 0 && (rc = lshm__os_map_fd(own, 0, map_len, readonly, NULL, &data)) != 0)
+        goto fail_close;
+    return segment_new(own, data, (size_t)size, map_len, flags & LSHM_STORAGE_READONLY, out);
+
+fail_close:
+    lshm__os_close(own);
+    return rc;
+}
+
+lshm_segment *lshm_segment_retain(lshm_segment *seg) {
+    if (seg != NULL)
+        lshm__ref_retain(&seg->refcount);
+    return seg;
+}
+
+void lshm_segment_release(lshm_segment *seg) {
+    if (seg == NULL || !lshm__ref_release(&seg->refcount))
+        return;
+    if (seg->size > 0) {
+        size_t map_len;
+        int rc = lshm__round_pages(seg->size, &map_len);
+        assert(rc == 0); /* it was rounded once already at creation */
+        (void)rc;
+        lshm__os_unmap(seg->data, map_len);
+    }
+    lshm__os_close(atomic_load(&seg->fd));
+    free(seg);
+}
+
+void *lshm_segment_data(const lshm_segment *seg) {
+    return seg == NULL ? NULL : seg->data;
+}
+
+size_t lshm_segment_size(const lshm_segment *seg) {
+    return seg == NULL ? 0 : seg->size;
+}
+
+int lshm_segment_fd(const lshm_segment *seg) {
+    if (seg == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL segment");
+    int fd = atomic_load(&seg->fd);
+    return fd >= 0 ? fd : LSHM_FAIL(-EBADF, "the segment's fd was closed");
+}
+
+unsigned lshm_segment_flags(const lshm_segment *seg) {
+    return seg == NULL ? 0 : seg->flags;
+}
+
+int lshm_segment_close_fd(lshm_segment *seg) {
+    if (seg == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL segment");
+    /* exchange: two racing calls close the fd once. */
+    lshm__os_close(atomic_exchange(&seg->fd, -1));
+    return 0;
+}
+
+int lshm_segment_seal_readonly(lshm_segment *seg) {
+    if (seg == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL segment");
+    int fd = atomic_load(&seg->fd);
+    if (fd < 0)
+        return LSHM_FAIL(-EBADF, "the segment's fd was closed");
+    return lshm__os_seal_future_write(fd);
+}
+
+/* ---- storages viewing a segment ------------------------------------------------------------ */
+
+int lshm_storage_init_view(void *mem, lshm_segment *seg, uint64_t offset, size_t nbytes,
+                           unsigned flags, lshm_storage **out) {
+    int rc = lshm__check_mem(mem, out);
+    if (rc != 0)
+        return rc;
+    if (seg == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL segment");
+    if ((flags & ~LSHM_STORAGE_READONLY) != 0)
+        return LSHM_FAIL(-EINVAL, "unknown view flags 0x%x", flags & ~LSHM_STORAGE_READONLY);
+    if (offset > seg->size || nbytes > seg->size - offset)
+        return LSHM_FAIL(-EINVAL, "view of %zu bytes at %llu outside a %zu-byte segment", nbytes,
+                         (unsigned long long)offset, seg->size);
+    lshm_storage *s = mem;
+    lshm__storage_prepare(s, LSHM__ORIGIN_VIEW,
+                          LSHM_STORAGE_SHARED | (flags | seg->flags));
+    s->segment = lshm_segment_retain(seg);
+    s->nbytes = nbytes;
+    s->capacity = nbytes;
+    s->fd_offset = offset;
+    atomic_store_explicit(&s->data, nbytes > 0 ? (char *)seg->data + offset : NULL,
+                          memory_order_relaxed);
+    *out = s;
+    return 0;
+}
+
+int lshm_storage_create_view(lshm_segment *seg, uint64_t offset, size_t nbytes, unsigned flags,
+                             lshm_storage **out) {
+    lshm_storage *s = NULL;
+    int rc = lshm__storage_malloc(out, &s);
+    if (rc != 0)
+        return rc;
+    return lshm__storage_heap_done(s, lshm_storage_init_view(s, seg, offset, nbytes, flags, out));
+}
+
+/* ---- a storage attached to a received fd --------------------------------------------------- */
+
+int lshm_storage_attach(int fd, uint64_t offset, size_t nbytes, unsigned flags,
+                        lshm_storage **out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL out pointer");
+    int own = -1;
+    uint64_t size;
+    int rc = lshm__attach_fd(fd, offset, nbytes, flags, &own, &size);
+    if (rc != 0)
+        return rc;
+    (void)size;
+    /* Map only the pages that hold [offset, offset + nbytes): mmap wants a page-aligned file
+     * offset, so start at the page below and point data into it. */
+    size_t page = lshm__os_page_size();
+    uint64_t map_offset = offset & ~(uint64_t)(page - 1);
+    size_t lead = (size_t)(offset - map_offset);
+    size_t map_len = 0;
+    void *base = NULL;
+    lshm_storage *s = NULL;
+    if (nbytes > 0) {
+        if (nbytes > SIZE_MAX - lead || (rc = lshm__round_pages(lead + nbytes, &map_len)) != 0) {
+            rc = LSHM_FAIL(-EOVERFLOW, "%zu bytes at offset %llu cannot be mapped", nbytes,
+                           (unsigned long long)offset);
+            goto fail_close;
+        }
+        rc = lshm__os_map_fd(own, map_offset, map_len, (flags & LSHM_STORAGE_READONLY) != 0,
+                             NULL, &base);
+        if (rc != 0)
+            goto fail_close;
+    }
+    if ((rc = lshm__storage_malloc(out, &s)) != 0)
+        goto fail_unmap;
+    lshm__storage_prepare(s, LSHM__ORIGIN_MAPPED, LSHM_STORAGE_SHARED | flags);
+    s->nbytes = nbytes;
+    s->capacity = nbytes;
+    s->map_base = base;
+    s->map_len = map_len;
+    s->fd = own;
+    s->fd_offset = offset;
+    atomic_store_explicit(&s->data, nbytes > 0 ? (char *)base + lead : NULL,
+                          memory_order_relaxed);
+    *out = s;
+    return lshm__storage_heap_done(s, 0);
+
+fail_unmap:
+    lshm__os_unmap(base, map_len);
+fail_close:
+    lshm__os_close(own);
+    return rc;
+}

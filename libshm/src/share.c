@@ -1,0 +1,150 @@
+/*
+ * share.c -- turning a storage's memory into shared memory without changing the storage.
+ *
+ * lshm_storage_share follows PyTorch's share_memory_() (make a memfd of the same size, copy,
+ * swap the storage's memory in place) but fixes its flaw (PyTorch #51849: views of the old
+ * buffer dangle): where the storage owns whole pages, the memfd is mapped with MAP_FIXED over
+ * those very pages, so the data pointer and every raw pointer into the storage keep working
+ * and now see the shared memory.
+ *
+ * The order of steps is what makes a failure harmless: memfd_create, ftruncate, seal against
+ * shrink/grow, pwrite the bytes. None of these touches the storage, so a failure at any of
+ * them closes the memfd and leaves the storage exactly as it was. Only the last mmap replaces
+ * the storage's pages. The copy uses pwrite rather than writing through a fresh mapping: it
+ * is the fastest way in (DESIGN section 8: no page faults) and it allocates every page of the
+ * memfd, so there is no later SIGBUS and no need for a separate fallocate on this path.
+ *
+ * Storages that do not own whole pages (foreign memory, plain caller allocators) get a new
+ * mapping at a new address; the old memory goes back through its release callback/free.
+ *
+ * Concurrency: one mutex per storage serialises shares (PyTorch #95606/#96664), so threads
+ * sharing one storage at once copy it once and all return 0. A storage already shared returns
+ * at once, without the lock.
+ */
+#include "internal.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <stdlib.h>
+
+/* Does the storage own the pages at its data pointer, so the memfd can go over them? */
+static int owns_whole_pages(const lshm_storage *s) {
+    return s->origin == LSHM__ORIGIN_PAGES ||
+           (s->origin == LSHM__ORIGIN_ALLOCATOR &&
+            (s->allocator.flags & LSHM_ALLOCATOR_WHOLE_PAGES) != 0);
+}
+
+/* A sealed memfd of `size` bytes holding the `size` bytes at `data`. */
+static int make_filled_memfd(const void *data, size_t size, int *out) {
+    int fd;
+    int rc = lshm__os_memfd_create(size, &fd);
+    if (rc != 0)
+        return rc;
+    /* A zero-length memfd is the right size already: skip the syscall. */
+    if (size > 0 && (rc = lshm__os_ftruncate(fd, size)) != 0)
+        goto fail;
+    if ((rc = lshm__os_seal_size(fd)) != 0)
+        goto fail;
+    if (size > 0 && (rc = lshm__os_pwrite_all(fd, data, size, 0)) != 0)
+        goto fail;
+    *out = fd;
+    return 0;
+fail:
+    lshm__os_close(fd);
+    return rc;
+}
+
+/* Called with s->lock held on a storage that is not shared. */
+static int share_locked(lshm_storage *s) {
+    void *data = atomic_load_explicit(&s->data, memory_order_relaxed);
+    int fd = -1;
+    void *mapped = NULL;
+    int rc;
+
+    if (owns_whole_pages(s)) {
+        /* Copy whole pages: the tail of the last page goes along, so a raw pointer sees the
+         * same bytes anywhere in the range it owns. */
+        rc = make_filled_memfd(data, s->capacity, &fd);
+        if (rc != 0)
+            return rc;
+        if (s->capacity > 0) {
+            rc = lshm__os_map_fd(fd, 0, s->capacity, 0, data, &mapped);
+            if (rc != 0) {
+                lshm__os_close(fd);
+                return rc;
+            }
+        }
+        s->fd = fd;
+        s->fd_offset = 0;
+    } else {
+        size_t map_len;
+        rc = lshm__round_pages(s->nbytes, &map_len);
+        assert(rc == 0); /* nbytes of existing memory always rounds */
+        rc = make_filled_memfd(data, s->nbytes, &fd);
+        if (rc != 0)
+            return rc;
+        if (s->nbytes > 0) {
+            rc = lshm__os_map_fd(fd, 0, map_len, 0, NULL, &mapped);
+            if (rc != 0) {
+                lshm__os_close(fd);
+                return rc;
+            }
+        }
+        /* Swap first, then give the old memory back: nothing can fail from here on. */
+        enum lshm__origin old_origin = (enum lshm__origin)s->origin;
+        lshm_release_fn release = s->release;
+        s->origin = LSHM__ORIGIN_MAPPED;
+        s->map_base = mapped;
+        s->map_len = s->nbytes > 0 ? map_len : 0;
+        s->fd = fd;
+        s->fd_offset = 0;
+        s->release = NULL;
+        atomic_store_explicit(&s->data, mapped, memory_order_release);
+        if (old_origin == LSHM__ORIGIN_ALLOCATOR && data != NULL)
+            s->allocator.free(s->allocator.ctx, data, s->nbytes);
+        else if (old_origin == LSHM__ORIGIN_FOREIGN && release != NULL)
+            release(s->release_ctx, data, s->nbytes);
+        else
+            assert(old_origin == LSHM__ORIGIN_ALLOCATOR || old_origin == LSHM__ORIGIN_FOREIGN);
+    }
+    /* Publish last: a thread that sees SHARED without the lock also sees fd and data. */
+    unsigned flags = atomic_load_explicit(&s->flags, memory_order_relaxed);
+    atomic_store_explicit(&s->flags, (flags | LSHM_STORAGE_SHARED) & ~LSHM_STORAGE_RESIZABLE,
+                          memory_order_release);
+    return 0;
+}
+
+int lshm_storage_share(lshm_storage *s) {
+    if (s == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL storage");
+    if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) != 0)
+        return 0;
+    pthread_mutex_lock(&s->lock);
+    int rc = 0;
+    /* Another thread may have shared it while we waited for the lock. */
+    if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) == 0)
+        rc = share_locked(s);
+    pthread_mutex_unlock(&s->lock);
+    return rc;
+}
+
+int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL out pointer");
+    if (flags != 0)
+        return LSHM_FAIL(-EINVAL, "unknown flags 0x%x for a shared storage", flags);
+    lshm_storage *s = NULL;
+    int rc = lshm__storage_malloc(out, &s);
+    if (rc != 0)
+        return rc;
+    lshm_segment *seg = NULL;
+    rc = lshm_segment_create(nbytes, 0, &seg);
+    if (rc != 0) {
+        free(s);
+        return rc;
+    }
+    rc = lshm_storage_init_view(s, seg, 0, nbytes, 0, out);
+    assert(rc == 0); /* the whole of a fresh segment is always a valid view */
+    lshm_segment_release(seg); /* the storage holds the segment now (or nothing does) */
+    return lshm__storage_heap_done(s, rc);
+}

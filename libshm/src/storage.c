@@ -1,0 +1,389 @@
+/*
+ * storage.c -- storage lifetime: init/fini in place, heap create/release, refcount,
+ * allocators, accessors, resize and copy.
+ *
+ * A storage's address is its identity (PyTorch keeps its static-runtime storages in one slab
+ * and never moves them), so everything here works on a struct the caller placed: _init fills
+ * it, _fini empties it, and the heap _create/_release pair is only a convenience on top.
+ *
+ * The default allocator hands out whole anonymous pages (page-aligned, nbytes rounded up to a
+ * page, zero-filled) that the storage alone owns. That is what lets share.c map a memfd over
+ * the very same pages later, so the data pointer, and every raw pointer into it, stays valid.
+ *
+ * How bytes go back depends on where they came from (enum lshm__origin in internal.h):
+ *   PAGES      munmap [data, data + capacity) (a memfd mapped over it goes the same way)
+ *   ALLOCATOR  free(ctx, data, nbytes); a WHOLE_PAGES range that was shared in place first
+ *              gets private anonymous pages back, so the allocator recovers ordinary memory
+ *   FOREIGN    release(ctx, data, nbytes) if given
+ *   MAPPED     munmap the mapping of our memfd
+ *   VIEW       release the segment
+ * and the storage's own memfd, if any, is closed.
+ */
+#include "internal.h"
+
+#include <assert.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KNOWN_INIT_FLAGS LSHM_STORAGE_RESIZABLE
+
+size_t lshm_page_size(void) {
+    return lshm__os_page_size();
+}
+
+size_t lshm_storage_sizeof(void) {
+    return sizeof(lshm_storage);
+}
+
+size_t lshm_storage_alignof(void) {
+    return _Alignof(lshm_storage);
+}
+
+int lshm__round_pages(size_t nbytes, size_t *out) {
+    size_t page = lshm__os_page_size();
+    if (nbytes > SIZE_MAX - (page - 1))
+        return LSHM_FAIL(-EOVERFLOW, "%zu bytes cannot be rounded up to whole pages", nbytes);
+    *out = (nbytes + page - 1) & ~(page - 1);
+    return 0;
+}
+
+int lshm__check_mem(const void *mem, lshm_storage **out) {
+    if (mem == NULL || out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL %s", mem == NULL ? "storage memory" : "out pointer");
+    if ((uintptr_t)mem % _Alignof(lshm_storage) != 0)
+        return LSHM_FAIL(-EINVAL, "storage memory %p is not aligned to %zu bytes", mem,
+                         (size_t)_Alignof(lshm_storage));
+    return 0;
+}
+
+void lshm__storage_prepare(lshm_storage *s, unsigned origin, unsigned flags) {
+    memset(s, 0, sizeof *s);
+    atomic_init(&s->refcount, 1);
+    atomic_init(&s->data, NULL);
+    atomic_init(&s->flags, flags | LSHM_STORAGE_INPLACE);
+    s->origin = (unsigned char)origin;
+    s->fd = -1;
+    /* Default attributes: glibc cannot fail here (no allocation), so no error path. */
+    int r = pthread_mutex_init(&s->lock, NULL);
+    assert(r == 0);
+    (void)r;
+}
+
+int lshm__storage_malloc(lshm_storage *const *out, lshm_storage **s_out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL out pointer");
+    lshm_storage *s = aligned_alloc(_Alignof(lshm_storage), sizeof(lshm_storage));
+    if (s == NULL)
+        return LSHM_FAIL(-ENOMEM, "malloc of a %zu-byte storage struct failed",
+                         sizeof(lshm_storage));
+    *s_out = s;
+    return 0;
+}
+
+int lshm__storage_heap_done(lshm_storage *s, int rc) {
+    if (rc != 0) {
+        free(s);
+        return rc;
+    }
+    s->heap = 1;
+    atomic_fetch_and(&s->flags, ~LSHM_STORAGE_INPLACE);
+    return 0;
+}
+
+/* ---- allocation of the bytes --------------------------------------------------------------- */
+
+/* Get nbytes for a storage that is not initialised yet; writes data and capacity. */
+static int alloc_bytes(const lshm_allocator *allocator, size_t nbytes, void **data,
+                       size_t *capacity) {
+    size_t cap = 0;
+    int rc = lshm__round_pages(nbytes, &cap);
+    if (rc != 0)
+        return rc;
+    if (nbytes == 0) { /* no memory at all: data NULL, nothing to free */
+        *data = NULL;
+        *capacity = 0;
+        return 0;
+    }
+    if (allocator == NULL) {
+        rc = lshm__os_map_anon(cap, data);
+        if (rc != 0)
+            return rc;
+        *capacity = cap;
+        return 0;
+    }
+    void *p = allocator->alloc(allocator->ctx, nbytes);
+    if (p == NULL)
+        return LSHM_FAIL(-ENOMEM, "allocator returned NULL for %zu bytes", nbytes);
+    if ((allocator->flags & LSHM_ALLOCATOR_WHOLE_PAGES) != 0 &&
+        (uintptr_t)p % lshm__os_page_size() != 0) {
+        allocator->free(allocator->ctx, p, nbytes);
+        return LSHM_FAIL(-EINVAL, "WHOLE_PAGES allocator returned %p, not page-aligned", p);
+    }
+    *data = p;
+    *capacity = (allocator->flags & LSHM_ALLOCATOR_WHOLE_PAGES) != 0 ? cap : nbytes;
+    return 0;
+}
+
+/* Give the bytes back; the storage is dead afterwards. Also closes its own memfd. */
+static void free_bytes(lshm_storage *s) {
+    void *data = atomic_load_explicit(&s->data, memory_order_acquire);
+    switch ((enum lshm__origin)s->origin) {
+    case LSHM__ORIGIN_PAGES:
+        /* Private pages or the memfd mapped over them: one munmap either way. */
+        lshm__os_unmap(data, s->capacity);
+        break;
+    case LSHM__ORIGIN_ALLOCATOR:
+        if (data == NULL)
+            break;
+        if (s->fd >= 0) {
+            /* Shared in place: the range is a mapping of our memfd. Put private pages back
+             * so the allocator gets ordinary memory. If even that fails (out of mappings),
+             * leaking the range is the only safe choice: the allocator must not reuse
+             * memory another process can write. */
+            assert((s->allocator.flags & LSHM_ALLOCATOR_WHOLE_PAGES) != 0);
+            if (lshm__os_map_anon_fixed(data, s->capacity) != 0)
+                break;
+        }
+        s->allocator.free(s->allocator.ctx, data, s->nbytes);
+        break;
+    case LSHM__ORIGIN_FOREIGN:
+        if (s->release != NULL)
+            s->release(s->release_ctx, data, s->nbytes);
+        break;
+    case LSHM__ORIGIN_MAPPED:
+        lshm__os_unmap(s->map_base, s->map_len);
+        break;
+    case LSHM__ORIGIN_VIEW:
+        lshm_segment_release(s->segment);
+        break;
+    }
+    lshm__os_close(s->fd);
+    s->fd = -1;
+    atomic_store_explicit(&s->data, NULL, memory_order_release);
+}
+
+/* ---- init / fini / create / release -------------------------------------------------------- */
+
+int lshm_storage_init(void *mem, size_t nbytes, const lshm_allocator *allocator,
+                      unsigned flags, lshm_storage **out) {
+    int rc = lshm__check_mem(mem, out);
+    if (rc != 0)
+        return rc;
+    if ((flags & ~KNOWN_INIT_FLAGS) != 0)
+        return LSHM_FAIL(-EINVAL, "unknown storage flags 0x%x", flags & ~KNOWN_INIT_FLAGS);
+    if (allocator != NULL && (allocator->alloc == NULL || allocator->free == NULL))
+        return LSHM_FAIL(-EINVAL, "allocator needs both alloc and free");
+    void *data;
+    size_t capacity;
+    rc = alloc_bytes(allocator, nbytes, &data, &capacity);
+    if (rc != 0)
+        return rc;
+    lshm_storage *s = mem;
+    lshm__storage_prepare(s, allocator == NULL ? LSHM__ORIGIN_PAGES : LSHM__ORIGIN_ALLOCATOR,
+                          flags);
+    if (allocator != NULL)
+        s->allocator = *allocator;
+    atomic_store_explicit(&s->data, data, memory_order_relaxed);
+    s->nbytes = nbytes;
+    s->capacity = capacity;
+    *out = s;
+    return 0;
+}
+
+int lshm_storage_init_foreign(void *mem, void *data, size_t nbytes, lshm_release_fn release,
+                              void *ctx, unsigned flags, lshm_storage **out) {
+    int rc = lshm__check_mem(mem, out);
+    if (rc != 0)
+        return rc;
+    if ((flags & ~KNOWN_INIT_FLAGS) != 0)
+        return LSHM_FAIL(-EINVAL, "unknown storage flags 0x%x", flags & ~KNOWN_INIT_FLAGS);
+    if (data == NULL && nbytes > 0)
+        return LSHM_FAIL(-EINVAL, "NULL data for %zu foreign bytes", nbytes);
+    lshm_storage *s = mem;
+    lshm__storage_prepare(s, LSHM__ORIGIN_FOREIGN, flags);
+    atomic_store_explicit(&s->data, nbytes > 0 ? data : NULL, memory_order_relaxed);
+    s->nbytes = nbytes;
+    s->capacity = nbytes;
+    s->release = release;
+    s->release_ctx = ctx;
+    *out = s;
+    return 0;
+}
+
+/* The last reference is gone: free the bytes, and the struct when it is ours. */
+static void destroy(lshm_storage *s) {
+    free_bytes(s);
+    int r = pthread_mutex_destroy(&s->lock);
+    assert(r == 0); /* EBUSY would mean a share is running on a dead storage: our bug */
+    (void)r;
+    if (s->heap)
+        free(s);
+}
+
+int lshm_storage_fini(lshm_storage *s) {
+    if (s == NULL)
+        return 0;
+    if (s->heap)
+        return LSHM_FAIL(-EINVAL, "storage %p was created on the heap: use lshm_storage_release",
+                         (void *)s);
+    size_t expected = 1;
+    /* Only the caller's reference may be left; taking it to 0 atomically means a concurrent
+     * retain cannot slip in between the check and the teardown. */
+    if (!atomic_compare_exchange_strong(&s->refcount, &expected, 0))
+        return LSHM_FAIL(-EBUSY, "storage %p still has %zu references", (void *)s, expected);
+    destroy(s);
+    return 0;
+}
+
+int lshm_storage_create(size_t nbytes, const lshm_allocator *allocator, unsigned flags,
+                        lshm_storage **out) {
+    lshm_storage *s = NULL;
+    int rc = lshm__storage_malloc(out, &s);
+    if (rc != 0)
+        return rc;
+    return lshm__storage_heap_done(s, lshm_storage_init(s, nbytes, allocator, flags, out));
+}
+
+int lshm_storage_create_foreign(void *data, size_t nbytes, lshm_release_fn release, void *ctx,
+                                unsigned flags, lshm_storage **out) {
+    lshm_storage *s = NULL;
+    int rc = lshm__storage_malloc(out, &s);
+    if (rc != 0)
+        return rc;
+    return lshm__storage_heap_done(
+        s, lshm_storage_init_foreign(s, data, nbytes, release, ctx, flags, out));
+}
+
+lshm_storage *lshm_storage_retain(lshm_storage *s) {
+    if (s != NULL)
+        lshm__ref_retain(&s->refcount);
+    return s;
+}
+
+void lshm_storage_release(lshm_storage *s) {
+    if (s != NULL && lshm__ref_release(&s->refcount))
+        destroy(s);
+}
+
+size_t lshm_storage_refcount(const lshm_storage *s) {
+    return s == NULL ? 0 : atomic_load_explicit(&s->refcount, memory_order_relaxed);
+}
+
+/* ---- accessors ----------------------------------------------------------------------------- */
+
+void *lshm_storage_data(const lshm_storage *s) {
+    return s == NULL ? NULL : atomic_load_explicit(&s->data, memory_order_acquire);
+}
+
+size_t lshm_storage_nbytes(const lshm_storage *s) {
+    return s == NULL ? 0 : s->nbytes;
+}
+
+unsigned lshm_storage_flags(const lshm_storage *s) {
+    return s == NULL ? 0 : atomic_load_explicit(&s->flags, memory_order_acquire);
+}
+
+int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset) {
+    if (s == NULL || fd == NULL || offset == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL argument");
+    if ((lshm_storage_flags(s) & LSHM_STORAGE_SHARED) == 0)
+        return LSHM_FAIL(-ENODATA, "storage %p is not shared", (const void *)s);
+    int f = s->segment != NULL ? lshm_segment_fd(s->segment) : s->fd;
+    if (f < 0)
+        return LSHM_FAIL(-EBADF, "the fd of storage %p's segment was closed", (const void *)s);
+    *fd = f;
+    *offset = s->fd_offset;
+    return 0;
+}
+
+lshm_segment *lshm_storage_segment(const lshm_storage *s) {
+    return s == NULL ? NULL : s->segment;
+}
+
+/* ---- resize and copy ----------------------------------------------------------------------- */
+
+/* Default pages: mremap keeps the bytes and may move; new pages are zero already. */
+static int resize_pages(lshm_storage *s, void *data, size_t nbytes, size_t cap) {
+    void *p = NULL;
+    int rc = 0;
+    if (cap == s->capacity)
+        p = data;
+    else if (cap == 0)
+        lshm__os_unmap(data, s->capacity);
+    else if (s->capacity == 0)
+        rc = lshm__os_map_anon(cap, &p);
+    else
+        rc = lshm__os_remap(data, s->capacity, cap, &p);
+    if (rc != 0)
+        return rc;
+    /* Bytes past the old size inside the old last page may hold what an earlier, larger size
+     * left there: the contract says new bytes are zero. */
+    if (p != NULL && nbytes > s->nbytes) {
+        size_t end = nbytes < s->capacity ? nbytes : s->capacity;
+        if (end > s->nbytes)
+            memset((char *)p + s->nbytes, 0, end - s->nbytes);
+    }
+    atomic_store_explicit(&s->data, p, memory_order_release);
+    s->capacity = cap;
+    return 0;
+}
+
+/* Caller allocator: a new block, copy, zero the tail, free the old one. */
+static int resize_allocator(lshm_storage *s, void *data, size_t nbytes) {
+    void *p = NULL;
+    size_t cap = 0;
+    int rc = alloc_bytes(&s->allocator, nbytes, &p, &cap);
+    if (rc != 0)
+        return rc;
+    size_t keep = nbytes < s->nbytes ? nbytes : s->nbytes;
+    if (keep > 0)
+        memcpy(p, data, keep);
+    if (nbytes > keep)
+        memset((char *)p + keep, 0, nbytes - keep);
+    if (data != NULL)
+        s->allocator.free(s->allocator.ctx, data, s->nbytes);
+    atomic_store_explicit(&s->data, p, memory_order_release);
+    s->capacity = cap;
+    return 0;
+}
+
+int lshm_storage_resize(lshm_storage *s, size_t nbytes) {
+    if (s == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL storage");
+    size_t cap = 0;
+    int rc = lshm__round_pages(nbytes, &cap);
+    if (rc != 0)
+        return rc;
+    pthread_mutex_lock(&s->lock);
+    unsigned flags = atomic_load(&s->flags);
+    void *data = atomic_load(&s->data);
+    if ((flags & LSHM_STORAGE_RESIZABLE) == 0)
+        rc = LSHM_FAIL(-EPERM, "storage %p is not resizable", (void *)s);
+    else if ((flags & LSHM_STORAGE_SHARED) != 0)
+        rc = LSHM_FAIL(-EPERM, "storage %p is shared", (void *)s);
+    else if (s->origin == LSHM__ORIGIN_PAGES)
+        rc = resize_pages(s, data, nbytes, cap);
+    else if (s->origin == LSHM__ORIGIN_ALLOCATOR)
+        rc = resize_allocator(s, data, nbytes);
+    else
+        rc = LSHM_FAIL(-EPERM, "storage %p wraps foreign memory", (void *)s);
+    if (rc == 0)
+        s->nbytes = nbytes;
+    pthread_mutex_unlock(&s->lock);
+    return rc;
+}
+
+int lshm_storage_copy(lshm_storage *dst, const lshm_storage *src) {
+    if (dst == NULL || src == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL storage");
+    if (dst == src)
+        return 0;
+    if (dst->nbytes != src->nbytes)
+        return LSHM_FAIL(-EINVAL, "sizes differ: %zu bytes into %zu", src->nbytes, dst->nbytes);
+    if ((lshm_storage_flags(dst) & LSHM_STORAGE_READONLY) != 0)
+        return LSHM_FAIL(-EPERM, "destination storage %p is read-only", (void *)dst);
+    if (dst->nbytes > 0)
+        memmove(lshm_storage_data(dst), lshm_storage_data(src), dst->nbytes);
+    return 0;
+}

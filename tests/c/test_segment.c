@@ -1,0 +1,403 @@
+/*
+ * test_segment.c -- segments (create, views, close_fd, seal_readonly), attaching received fds
+ * with every validation error, read-only attach, zero-length fds, lshm_storage_create_shared,
+ * fault injection over create and attach, and a real RLIMIT_FSIZE failure.
+ */
+#ifndef LSHM_TESTING
+#define LSHM_TESTING /* the fault-injection hooks of internal.h */
+#endif
+#include "internal.h"
+#include "task.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static size_t page;
+
+static int all_bytes(const void *p, size_t n, unsigned char v) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != v)
+            return 0;
+    return 1;
+}
+
+static void test_create(void) {
+    lshm_segment *seg;
+    ASSERT_OK(lshm_segment_create(10000, 0, &seg));
+    ASSERT_UINT_EQ(lshm_segment_size(seg), 10000);
+    ASSERT_EQ(lshm_segment_flags(seg), 0);
+    ASSERT(all_bytes(lshm_segment_data(seg), 10000, 0));
+    int fd = lshm_segment_fd(seg);
+    ASSERT_GE(fd, 0);
+    ASSERT(fcntl(fd, F_GETFD) & FD_CLOEXEC);
+    int seals = fcntl(fd, F_GET_SEALS);
+    ASSERT((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW));
+    struct stat st;
+    ASSERT_OK(fstat(fd, &st));
+    ASSERT_UINT_EQ(st.st_size, 10000);
+    ASSERT_GE((uint64_t)st.st_blocks * 512, 10000); /* pages reserved up front */
+    ASSERT_PTR_EQ(lshm_segment_retain(seg), seg);
+    lshm_segment_release(seg);
+    lshm_segment_release(seg);
+    lshm_segment_release(NULL);
+    ASSERT(lshm_segment_retain(NULL) == NULL);
+    /* bad input */
+    seg = NULL;
+    ASSERT_ERR(lshm_segment_create(10, 1, &seg), -EINVAL);
+    ASSERT_ERR(lshm_segment_create(10, 0, NULL), -EINVAL);
+    ASSERT_ERR(lshm_segment_create(SIZE_MAX, 0, &seg), -EOVERFLOW);
+    ASSERT(seg == NULL);
+    ASSERT_ERR(lshm_segment_fd(NULL), -EINVAL);
+    ASSERT(lshm_segment_data(NULL) == NULL);
+    ASSERT_UINT_EQ(lshm_segment_size(NULL), 0);
+}
+
+static void test_views(void) {
+    lshm_segment *seg;
+    ASSERT_OK(lshm_segment_create(3 * page, 0, &seg));
+    char *base = lshm_segment_data(seg);
+    void *mem = aligned_alloc(lshm_storage_alignof(), lshm_storage_sizeof());
+    lshm_storage *a, *b;
+    ASSERT_OK(lshm_storage_init_view(mem, seg, 100, 200, 0, &a));
+    ASSERT_OK(lshm_storage_create_view(seg, page, 2 * page, 0, &b));
+    ASSERT_PTR_EQ(lshm_storage_data(a), base + 100);
+    ASSERT_PTR_EQ(lshm_storage_data(b), base + page);
+    ASSERT_EQ(lshm_storage_flags(a), LSHM_STORAGE_SHARED | LSHM_STORAGE_INPLACE);
+    ASSERT_EQ(lshm_storage_flags(b), LSHM_STORAGE_SHARED);
+    ASSERT_PTR_EQ(lshm_storage_segment(a), seg);
+    int fd;
+    uint64_t off;
+    ASSERT_OK(lshm_storage_fd(b, &fd, &off));
+    ASSERT_EQ(fd, lshm_segment_fd(seg)); /* one fd for every storage on the segment */
+    ASSERT_UINT_EQ(off, page);
+    ASSERT_OK(lshm_storage_share(b)); /* already shared */
+    /* Views keep the segment alive after the creator lets go. */
+    lshm_segment_release(seg);
+    memset(lshm_storage_data(b), 3, 2 * page);
+    ASSERT_EQ(base[page], 3);
+    /* bad views */
+    lshm_storage *c = NULL;
+    ASSERT_ERR(lshm_storage_create_view(seg, 3 * page, 1, 0, &c), -EINVAL);
+    ASSERT_ERR(lshm_storage_create_view(seg, UINT64_MAX, 1, 0, &c), -EINVAL);
+    ASSERT_ERR(lshm_storage_create_view(seg, 1, SIZE_MAX, 0, &c), -EINVAL);
+    ASSERT_ERR(lshm_storage_create_view(seg, 0, 1, LSHM_STORAGE_RESIZABLE, &c), -EINVAL);
+    ASSERT_ERR(lshm_storage_create_view(NULL, 0, 1, 0, &c), -EINVAL);
+    ASSERT_ERR(lshm_storage_create_view(seg, 0, 1, 0, NULL), -EINVAL);
+    ASSERT_ERR(lshm_storage_init_view((char *)mem + 1, seg, 0, 1, 0, &c), -EINVAL);
+    ASSERT(c == NULL);
+    /* a zero-byte view at the very end */
+    ASSERT_OK(lshm_storage_create_view(seg, 3 * page, 0, LSHM_STORAGE_READONLY, &c));
+    ASSERT(lshm_storage_data(c) == NULL);
+    ASSERT_EQ(lshm_storage_flags(c), LSHM_STORAGE_SHARED | LSHM_STORAGE_READONLY);
+    lshm_storage_release(c);
+    ASSERT_OK(lshm_storage_fini(a));
+    lshm_storage_release(b); /* the last reference: the segment goes */
+    free(mem);
+}
+
+static void test_close_fd(void) {
+    lshm_segment *seg;
+    ASSERT_OK(lshm_segment_create(page, 0, &seg));
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create_view(seg, 0, page, 0, &s));
+    int fds = fd_count();
+    ASSERT_OK(lshm_segment_close_fd(seg));
+    ASSERT_EQ(fd_count(), fds - 1);
+    ASSERT_OK(lshm_segment_close_fd(seg)); /* idempotent */
+    ASSERT_ERR(lshm_segment_fd(seg), -EBADF);
+    int fd;
+    uint64_t off;
+    ASSERT_ERR(lshm_storage_fd(s, &fd, &off), -EBADF);
+    ASSERT_ERR(lshm_segment_seal_readonly(seg), -EBADF);
+    memset(lshm_storage_data(s), 9, page); /* the mapping lives on */
+    ASSERT(all_bytes(lshm_segment_data(seg), page, 9));
+    lshm_segment_release(seg);
+    lshm_storage_release(s);
+    ASSERT_ERR(lshm_segment_close_fd(NULL), -EINVAL);
+    ASSERT_ERR(lshm_segment_seal_readonly(NULL), -EINVAL);
+}
+
+static void test_seal_readonly(void) {
+    lshm_segment *seg;
+    ASSERT_OK(lshm_segment_create(2 * page, 0, &seg));
+    int fd = lshm_segment_fd(seg);
+    ASSERT_OK(lshm_segment_seal_readonly(seg));
+    ASSERT_OK(lshm_segment_seal_readonly(seg)); /* adding the same seal again is fine */
+    lshm_segment *ro = NULL;
+    lshm_storage *s = NULL;
+    ASSERT_ERR(lshm_segment_attach(fd, 0, &ro), -EPERM);
+    ASSERT_ERR(lshm_storage_attach(fd, 0, page, 0, &s), -EPERM);
+    ASSERT(strstr(lshm_last_error(), "sealed against writes") != NULL);
+    ASSERT_OK(lshm_segment_attach(fd, LSHM_STORAGE_READONLY, &ro));
+    ASSERT_OK(lshm_storage_attach(fd, 10, page, LSHM_STORAGE_READONLY, &s));
+    ASSERT_EQ(lshm_segment_flags(ro), LSHM_STORAGE_READONLY);
+    ASSERT_EQ(lshm_storage_flags(s), LSHM_STORAGE_SHARED | LSHM_STORAGE_READONLY);
+    /* The creator's mapping keeps writing; readers see it. */
+    char *w = lshm_segment_data(seg);
+    w[10] = 42;
+    ASSERT_EQ(((char *)lshm_segment_data(ro))[10], 42);
+    ASSERT_EQ(((char *)lshm_storage_data(s))[0], 42);
+    /* No new writable mapping is possible, from anyone. */
+    void *p = mmap(NULL, page, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ASSERT(p == MAP_FAILED);
+    ASSERT_EQ(errno, EPERM);
+    ASSERT_EQ(pwrite(fd, "x", 1, 0), -1);
+    /* Views of a read-only segment are read-only, and copies into them are refused. */
+    lshm_storage *v, *src;
+    ASSERT_OK(lshm_storage_create_view(ro, 0, page, 0, &v));
+    ASSERT(lshm_storage_flags(v) & LSHM_STORAGE_READONLY);
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &src));
+    ASSERT_ERR(lshm_storage_copy(v, src), -EPERM);
+    lshm_storage_release(src);
+    lshm_storage_release(v);
+    lshm_storage_release(s);
+    lshm_segment_release(ro);
+    lshm_segment_release(seg);
+}
+
+static void test_attach(void) {
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create_shared(3 * page, 0, &s));
+    ASSERT(lshm_storage_segment(s) != NULL);
+    ASSERT(all_bytes(lshm_storage_data(s), 3 * page, 0));
+    int fd;
+    uint64_t off;
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    ASSERT_UINT_EQ(off, 0);
+    char *p = lshm_storage_data(s);
+    for (size_t i = 0; i < 3 * page; i++)
+        p[i] = (char)(i % 251);
+    /* an unaligned window */
+    lshm_storage *t;
+    ASSERT_OK(lshm_storage_attach(fd, page + 100, page, 0, &t));
+    ASSERT(memcmp(lshm_storage_data(t), p + page + 100, page) == 0);
+    ASSERT(lshm_storage_segment(t) == NULL);
+    int tfd;
+    ASSERT_OK(lshm_storage_fd(t, &tfd, &off));
+    ASSERT(tfd != fd); /* duplicated: the caller keeps its own */
+    ASSERT(fcntl(tfd, F_GETFD) & FD_CLOEXEC);
+    ASSERT_UINT_EQ(off, page + 100);
+    ((char *)lshm_storage_data(t))[0] = 'A';
+    ASSERT_EQ(p[page + 100], 'A');
+    lshm_storage_release(t);
+    /* the whole fd as a segment */
+    lshm_segment *seg;
+    ASSERT_OK(lshm_segment_attach(fd, 0, &seg));
+    ASSERT_UINT_EQ(lshm_segment_size(seg), 3 * page);
+    ASSERT(memcmp(lshm_segment_data(seg), p, 3 * page) == 0);
+    lshm_segment_release(seg);
+    /* exactly to the end */
+    ASSERT_OK(lshm_storage_attach(fd, 3 * page - 1, 1, 0, &t));
+    lshm_storage_release(t);
+    lshm_storage_release(s);
+}
+
+static void test_attach_errors(void) {
+    int fds = fd_count();
+    lshm_segment *seg;
+    ASSERT_OK(lshm_segment_create(page, 0, &seg));
+    int fd = lshm_segment_fd(seg);
+    lshm_storage *s = NULL;
+    lshm_segment *other = NULL;
+    /* not an fd */
+    ASSERT_ERR(lshm_storage_attach(-1, 0, 1, 0, &s), -EBADF);
+    int closed = dup(fd);
+    close(closed);
+    ASSERT_ERR(lshm_storage_attach(closed, 0, 1, 0, &s), -EBADF);
+    ASSERT_ERR(lshm_segment_attach(closed, 0, &other), -EBADF);
+    /* not a memfd: a regular file, a pipe */
+    FILE *f = tmpfile();
+    ASSERT(f != NULL);
+    ASSERT_OK(ftruncate(fileno(f), (off_t)page));
+    ASSERT_ERR(lshm_storage_attach(fileno(f), 0, 1, 0, &s), -EINVAL);
+    ASSERT(strstr(lshm_last_error(), "not a memfd") != NULL);
+    fclose(f);
+    int pipefd[2];
+    ASSERT_OK(pipe(pipefd));
+    ASSERT_ERR(lshm_storage_attach(pipefd[0], 0, 1, 0, &s), -EINVAL);
+    ASSERT_ERR(lshm_segment_attach(pipefd[1], 0, &other), -EINVAL);
+    close(pipefd[0]);
+    close(pipefd[1]);
+    /* smaller than claimed, bad offsets */
+    ASSERT_ERR(lshm_storage_attach(fd, 0, page + 1, 0, &s), -EINVAL);
+    ASSERT(strstr(lshm_last_error(), "smaller than claimed") != NULL);
+    ASSERT_ERR(lshm_storage_attach(fd, page, 1, 0, &s), -EINVAL);
+    ASSERT_ERR(lshm_storage_attach(fd, UINT64_MAX, 1, 0, &s), -EINVAL);
+    ASSERT_ERR(lshm_storage_attach(fd, 1, SIZE_MAX, 0, &s), -EINVAL);
+    /* flags, NULL out */
+    ASSERT_ERR(lshm_storage_attach(fd, 0, 1, LSHM_STORAGE_RESIZABLE, &s), -EINVAL);
+    ASSERT_ERR(lshm_segment_attach(fd, 0x100, &other), -EINVAL);
+    ASSERT_ERR(lshm_storage_attach(fd, 0, 1, 0, NULL), -EINVAL);
+    ASSERT_ERR(lshm_segment_attach(fd, 0, NULL), -EINVAL);
+    /* an fd opened read-only needs READONLY */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    int rdonly = open(path, O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(rdonly, 0);
+    ASSERT_ERR(lshm_storage_attach(rdonly, 0, 1, 0, &s), -EACCES);
+    ASSERT_ERR(lshm_segment_attach(rdonly, 0, &other), -EACCES);
+    ASSERT(s == NULL && other == NULL);
+    ASSERT_OK(lshm_storage_attach(rdonly, 0, page, LSHM_STORAGE_READONLY, &s));
+    ASSERT_EQ(lshm_storage_flags(s), LSHM_STORAGE_SHARED | LSHM_STORAGE_READONLY);
+    lshm_storage_release(s);
+    close(rdonly);
+    lshm_segment_release(seg);
+
+    /* An unsealed memfd is sealed on attach; one that cannot be sealed is refused. */
+    int raw = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    ASSERT_OK(ftruncate(raw, (off_t)page));
+    ASSERT_OK(lshm_storage_attach(raw, 0, page, 0, &s));
+    int seals = fcntl(raw, F_GET_SEALS);
+    ASSERT((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW));
+    lshm_storage_release(s);
+    close(raw);
+    raw = memfd_create("test", MFD_CLOEXEC); /* no sealing allowed: F_SEAL_SEAL is set */
+    ASSERT_OK(ftruncate(raw, (off_t)page));
+    s = NULL;
+    ASSERT_ERR(lshm_storage_attach(raw, 0, page, 0, &s), -EPERM);
+    ASSERT_ERR(lshm_segment_attach(raw, LSHM_STORAGE_READONLY, &other), -EPERM);
+    ASSERT(s == NULL && other == NULL);
+    close(raw);
+    ASSERT_EQ(fd_count(), fds);
+}
+
+static void test_zero_length(void) {
+    lshm_segment *seg, *other;
+    ASSERT_OK(lshm_segment_create(0, 0, &seg));
+    ASSERT(lshm_segment_data(seg) == NULL);
+    ASSERT_UINT_EQ(lshm_segment_size(seg), 0);
+    int fd = lshm_segment_fd(seg);
+    ASSERT_GE(fd, 0);
+    ASSERT_OK(lshm_segment_attach(fd, 0, &other));
+    ASSERT(lshm_segment_data(other) == NULL);
+    ASSERT_UINT_EQ(lshm_segment_size(other), 0);
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_attach(fd, 0, 0, 0, &s));
+    ASSERT(lshm_storage_data(s) == NULL);
+    lshm_storage_release(s);
+    ASSERT_ERR(lshm_storage_attach(fd, 1, 0, 0, &s), -EINVAL);
+    lshm_segment_release(other);
+    lshm_segment_release(seg);
+    ASSERT_OK(lshm_storage_create_shared(0, 0, &s));
+    ASSERT(lshm_storage_data(s) == NULL);
+    ASSERT(lshm_storage_flags(s) & LSHM_STORAGE_SHARED);
+    lshm_storage_release(s);
+    s = NULL;
+    ASSERT_ERR(lshm_storage_create_shared(10, 1, &s), -EINVAL);
+    ASSERT_ERR(lshm_storage_create_shared(10, 0, NULL), -EINVAL);
+    ASSERT_ERR(lshm_storage_create_shared(SIZE_MAX, 0, &s), -EOVERFLOW);
+    ASSERT(s == NULL);
+}
+
+/* Loop a fault over every point of an operation: it fails with the injected code, nothing
+ * leaks, nothing is written to *out; once past every point it succeeds. */
+typedef int (*op_fn)(int fd, void **out);
+static int op_segment_create(int fd, void **out) {
+    (void)fd;
+    return lshm_segment_create(5 * page, 0, (lshm_segment **)out);
+}
+static int op_segment_attach(int fd, void **out) {
+    return lshm_segment_attach(fd, 0, (lshm_segment **)out);
+}
+static int op_storage_attach(int fd, void **out) {
+    return lshm_storage_attach(fd, 100, page, 0, (lshm_storage **)out);
+}
+static int op_create_shared(int fd, void **out) {
+    (void)fd;
+    return lshm_storage_create_shared(page, 0, (lshm_storage **)out);
+}
+
+static void free_segment(void *p) {
+    lshm_segment_release(p);
+}
+static void free_storage(void *p) {
+    lshm_storage_release(p);
+}
+
+/* Returns how many fault points the operation passed. */
+static int fault_loop(op_fn op, void (*free_out)(void *), int fd, int err) {
+    int fds = fd_count();
+    void *out = NULL;
+    for (int nth = 1;; nth++) {
+        lshm__fault_arm(nth, err);
+        int rc = op(fd, &out);
+        int hit = lshm__fault_points_hit();
+        lshm__fault_arm(0, 0);
+        if (hit < nth) {
+            ASSERT_OK(rc);
+            ASSERT(out != NULL);
+            free_out(out);
+            ASSERT_EQ(fd_count(), fds);
+            return nth - 1;
+        }
+        ASSERT_ERR(rc, err);
+        ASSERT(strstr(lshm_last_error(), "injected") != NULL);
+        ASSERT(out == NULL);
+        ASSERT_EQ(fd_count(), fds);
+    }
+}
+
+static void test_faults(void) {
+    lshm_segment *seg;
+    ASSERT_OK(lshm_segment_create(5 * page, 0, &seg));
+    int fd = lshm_segment_fd(seg);
+    /* memfd, ftruncate, seal, fallocate, mmap */
+    ASSERT_GE(fault_loop(op_segment_create, free_segment, -1, -ENOSPC), 5);
+    ASSERT_GE(fault_loop(op_create_shared, free_storage, -1, -ENOMEM), 5);
+    /* fstat, get_seals, getfl, dup, mmap */
+    ASSERT_GE(fault_loop(op_segment_attach, free_segment, fd, -ENOMEM), 5);
+    ASSERT_GE(fault_loop(op_storage_attach, free_storage, fd, -EMFILE), 5);
+    lshm_segment_release(seg);
+}
+
+static void test_rlimit_fsize(void) {
+    /* A real limit: files may not grow past 1 page, so ftruncate fails with EFBIG (the
+     * kernel would also send SIGXFSZ, which we ignore as any library user may). */
+    int fds = fd_count();
+    struct rlimit saved, low;
+    ASSERT_OK(getrlimit(RLIMIT_FSIZE, &saved));
+    void (*old)(int) = signal(SIGXFSZ, SIG_IGN);
+    low = saved;
+    low.rlim_cur = page;
+    ASSERT_OK(setrlimit(RLIMIT_FSIZE, &low));
+    lshm_segment *seg = NULL;
+    int rc = lshm_segment_create(4 * page, 0, &seg);
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(4 * page, NULL, 0, &s));
+    void *data = lshm_storage_data(s);
+    memset(data, 1, 4 * page);
+    int rc2 = lshm_storage_share(s);
+    ASSERT_OK(setrlimit(RLIMIT_FSIZE, &saved));
+    signal(SIGXFSZ, old);
+    ASSERT_ERR(rc, -EFBIG);
+    ASSERT(strstr(lshm_last_error(), "ftruncate") != NULL);
+    ASSERT(seg == NULL);
+    ASSERT_ERR(rc2, -EFBIG);
+    ASSERT_PTR_EQ(lshm_storage_data(s), data);
+    ASSERT_EQ(lshm_storage_flags(s), 0);
+    ASSERT(all_bytes(data, 4 * page, 1));
+    ASSERT_EQ(fd_count(), fds);
+    lshm_storage_release(s);
+}
+
+int main(void) {
+    page = lshm_page_size();
+    int fds = fd_count();
+    RUN_TEST(test_create);
+    RUN_TEST(test_views);
+    RUN_TEST(test_close_fd);
+    RUN_TEST(test_seal_readonly);
+    RUN_TEST(test_attach);
+    RUN_TEST(test_attach_errors);
+    RUN_TEST(test_zero_length);
+    RUN_TEST(test_faults);
+    RUN_TEST(test_rlimit_fsize);
+    ASSERT_EQ(fd_count(), fds);
+    return 0;
+}

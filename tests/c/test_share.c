@@ -1,0 +1,407 @@
+/*
+ * test_share.c -- lshm_storage_share in one process: same address, raw pointers keep
+ * aliasing, idempotence, 8 threads at once, WHOLE_PAGES and foreign storages, zero bytes,
+ * and failure atomicity (every fault point, and a real RLIMIT_NOFILE limit).
+ */
+#ifndef LSHM_TESTING
+#define LSHM_TESTING /* the fault-injection hooks of internal.h */
+#endif
+#include "internal.h"
+#include "task.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static size_t page;
+
+static void fill(void *p, size_t n, unsigned seed) {
+    unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        b[i] = (unsigned char)(i * 31 + seed);
+}
+
+static int check(const void *p, size_t n, unsigned seed) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != (unsigned char)(i * 31 + seed))
+            return 0;
+    return 1;
+}
+
+static void assert_sealed_memfd(int fd, uint64_t size) {
+    ASSERT_GE(fd, 0);
+    ASSERT(fcntl(fd, F_GETFD) & FD_CLOEXEC);
+    int seals = fcntl(fd, F_GET_SEALS);
+    ASSERT((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW));
+    struct stat st;
+    ASSERT_OK(fstat(fd, &st));
+    ASSERT_UINT_EQ(st.st_size, size);
+}
+
+static void test_same_address(void) {
+    const size_t n = 3 * page + 100;
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(n, NULL, LSHM_STORAGE_RESIZABLE, &s));
+    unsigned char *raw = lshm_storage_data(s); /* a raw pointer taken before the share */
+    fill(raw, n, 1);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+    ASSERT_EQ(lshm_storage_flags(s), LSHM_STORAGE_SHARED); /* RESIZABLE cleared */
+    ASSERT_ERR(lshm_storage_resize(s, 10), -EPERM);
+    ASSERT(check(raw, n, 1));
+    ASSERT(lshm_storage_segment(s) == NULL); /* shared in place: its own memfd */
+    int fd;
+    uint64_t off;
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    ASSERT_UINT_EQ(off, 0);
+    assert_sealed_memfd(fd, 4 * page);
+    ASSERT_EQ(ftruncate(fd, 0), -1); /* no holder can shrink it under our mapping */
+    /* A write through the old pointer is in the memfd ... */
+    raw[5] = 0xee;
+    unsigned char b = 0;
+    ASSERT_EQ(pread(fd, &b, 1, 5), 1);
+    ASSERT_EQ(b, 0xee);
+    /* ... and a write to the memfd shows through the old pointer and the accessor. */
+    b = 0x11;
+    ASSERT_EQ(pwrite(fd, &b, 1, n - 1), 1);
+    ASSERT_EQ(raw[n - 1], 0x11);
+    ASSERT_EQ(((unsigned char *)lshm_storage_data(s))[n - 1], 0x11);
+    /* Idempotent: the same fd, nothing copied again. */
+    ASSERT_OK(lshm_storage_share(s));
+    int fd2;
+    ASSERT_OK(lshm_storage_fd(s, &fd2, &off));
+    ASSERT_EQ(fd2, fd);
+    lshm_storage_release(s);
+}
+
+static void test_in_place_struct(void) {
+    void *mem = aligned_alloc(lshm_storage_alignof(), lshm_storage_sizeof());
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_init(mem, page, NULL, 0, &s));
+    fill(lshm_storage_data(s), page, 2);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_EQ(lshm_storage_flags(s), LSHM_STORAGE_SHARED | LSHM_STORAGE_INPLACE);
+    ASSERT(check(lshm_storage_data(s), page, 2));
+    ASSERT_OK(lshm_storage_fini(s)); /* unmaps and closes the memfd */
+    free(mem);
+}
+
+static void test_zero_bytes(void) {
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(0, NULL, 0, &s));
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT(lshm_storage_data(s) == NULL);
+    ASSERT(lshm_storage_flags(s) & LSHM_STORAGE_SHARED);
+    int fd;
+    uint64_t off;
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    assert_sealed_memfd(fd, 0);
+    /* The fd attaches as a zero-byte storage elsewhere. */
+    lshm_storage *t;
+    ASSERT_OK(lshm_storage_attach(fd, 0, 0, 0, &t));
+    ASSERT(lshm_storage_data(t) == NULL);
+    ASSERT_UINT_EQ(lshm_storage_nbytes(t), 0);
+    lshm_storage_release(t);
+    lshm_storage_release(s);
+    /* zero-byte foreign memory too */
+    ASSERT_OK(lshm_storage_create_foreign(NULL, 0, NULL, NULL, 0, &s));
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT(lshm_storage_data(s) == NULL);
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    assert_sealed_memfd(fd, 0);
+    lshm_storage_release(s);
+}
+
+typedef struct pages_ctx {
+    int allocs, frees;
+    void *ptr;
+    int shared_fd; /* a dup of the memfd, to prove the freed range is private again */
+} pages_ctx;
+
+static void *pages_alloc(void *ctx, size_t nbytes) {
+    pages_ctx *c = ctx;
+    c->allocs++;
+    size_t len = (nbytes + page - 1) / page * page;
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT(p != MAP_FAILED);
+    return c->ptr = p;
+}
+
+static void pages_free(void *ctx, void *ptr, size_t nbytes) {
+    pages_ctx *c = ctx;
+    c->frees++;
+    ASSERT_PTR_EQ(ptr, c->ptr);
+    /* The library put private pages back: writing here must not reach the memfd. */
+    memset(ptr, 0x77, nbytes);
+    unsigned char b = 0;
+    ASSERT_EQ(pread(c->shared_fd, &b, 1, 0), 1);
+    ASSERT_NE(b, 0x77);
+    size_t len = (nbytes + page - 1) / page * page;
+    ASSERT_OK(munmap(ptr, len));
+}
+
+static void test_whole_pages_allocator(void) {
+    pages_ctx c = {0};
+    lshm_allocator a = {pages_alloc, pages_free, &c, LSHM_ALLOCATOR_WHOLE_PAGES};
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(2 * page + 1, &a, 0, &s));
+    void *raw = lshm_storage_data(s);
+    fill(raw, 2 * page + 1, 3);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_PTR_EQ(lshm_storage_data(s), raw); /* in place */
+    ASSERT(check(raw, 2 * page + 1, 3));
+    int fd;
+    uint64_t off;
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    c.shared_fd = dup(fd);
+    lshm_storage_release(s);
+    ASSERT_EQ(c.allocs, 1);
+    ASSERT_EQ(c.frees, 1);
+    close(c.shared_fd);
+}
+
+typedef struct heap_ctx {
+    int frees;
+    void *freed;
+} heap_ctx;
+
+static void *heap_alloc(void *ctx, size_t nbytes) {
+    (void)ctx;
+    return malloc(nbytes);
+}
+
+static void heap_free(void *ctx, void *ptr, size_t nbytes) {
+    heap_ctx *c = ctx;
+    c->frees++;
+    c->freed = ptr;
+    free(ptr);
+}
+
+static void test_plain_allocator_swaps(void) {
+    heap_ctx c = {0};
+    lshm_allocator a = {heap_alloc, heap_free, &c, 0};
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(1000, &a, 0, &s));
+    void *old = lshm_storage_data(s);
+    fill(old, 1000, 4);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_EQ(c.frees, 1); /* the old block went back at once */
+    ASSERT_PTR_EQ(c.freed, old);
+    ASSERT(lshm_storage_data(s) != old);
+    ASSERT(check(lshm_storage_data(s), 1000, 4));
+    lshm_storage_release(s);
+    ASSERT_EQ(c.frees, 1); /* and never again */
+}
+
+static int release_calls;
+static void count_release(void *ctx, void *data, size_t nbytes) {
+    (void)nbytes;
+    release_calls++;
+    free(data);
+    ASSERT(ctx == &release_calls);
+}
+
+static void test_foreign_swaps(void) {
+    release_calls = 0;
+    char *buf = malloc(5000);
+    fill(buf, 5000, 5);
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create_foreign(buf, 5000, count_release, &release_calls, 0, &s));
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_EQ(release_calls, 1);
+    ASSERT(lshm_storage_data(s) != buf);
+    ASSERT(check(lshm_storage_data(s), 5000, 5));
+    ASSERT_OK(lshm_storage_share(s));
+    lshm_storage_release(s);
+    ASSERT_EQ(release_calls, 1); /* exactly once */
+}
+
+/* ---- concurrency --------------------------------------------------------------------------- */
+
+enum { THREADS = 8 };
+static pthread_barrier_t barrier;
+typedef struct share_job {
+    lshm_storage *s;
+    int rc, fd;
+} share_job;
+
+static void *share_thread(void *arg) {
+    share_job *job = arg;
+    pthread_barrier_wait(&barrier);
+    job->rc = lshm_storage_share(job->s);
+    uint64_t off;
+    if (job->rc == 0)
+        job->rc = lshm_storage_fd(job->s, &job->fd, &off);
+    return NULL;
+}
+
+static void test_concurrent_shares(void) {
+    int fds = fd_count();
+    for (int round = 0; round < 20; round++) {
+        lshm_storage *s;
+        size_t n = (size_t)(round + 1) * page * 4;
+        ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+        void *raw = lshm_storage_data(s);
+        fill(raw, n, (unsigned)round);
+        pthread_t t[THREADS];
+        share_job jobs[THREADS];
+        ASSERT_OK(pthread_barrier_init(&barrier, NULL, THREADS));
+        for (int i = 0; i < THREADS; i++) {
+            jobs[i] = (share_job){s, -1, -1};
+            ASSERT_OK(pthread_create(&t[i], NULL, share_thread, &jobs[i]));
+        }
+        for (int i = 0; i < THREADS; i++)
+            ASSERT_OK(pthread_join(t[i], NULL));
+        pthread_barrier_destroy(&barrier);
+        for (int i = 0; i < THREADS; i++) {
+            ASSERT_OK(jobs[i].rc);
+            ASSERT_EQ(jobs[i].fd, jobs[0].fd); /* one memfd: copied once */
+        }
+        ASSERT_EQ(fd_count(), fds + 1);
+        ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+        ASSERT(check(raw, n, (unsigned)round));
+        lshm_storage_release(s);
+    }
+    ASSERT_EQ(fd_count(), fds);
+}
+
+/* ---- failure atomicity --------------------------------------------------------------------- */
+
+typedef int (*make_fn)(lshm_storage **s, size_t n);
+
+static int make_pages(lshm_storage **s, size_t n) {
+    return lshm_storage_create(n, NULL, LSHM_STORAGE_RESIZABLE, s);
+}
+
+static int make_foreign(lshm_storage **s, size_t n) {
+    release_calls = 0;
+    void *buf = n > 0 ? malloc(n) : NULL; /* count_release frees it (free(NULL) for 0 bytes) */
+    return lshm_storage_create_foreign(buf, n, count_release, &release_calls, 0, s);
+}
+
+/* Fail each fault point of a share in turn; the storage must come out exactly as it went in
+ * and a later share must work. */
+static void share_fault_loop(make_fn make, size_t n, int err) {
+    lshm_storage *s;
+    ASSERT_OK(make(&s, n));
+    void *data = lshm_storage_data(s);
+    fill(data, n, 9);
+    unsigned flags = lshm_storage_flags(s);
+    int fds = fd_count();
+    int points = 0;
+    for (int nth = 1;; nth++) {
+        lshm__fault_arm(nth, err);
+        int rc = lshm_storage_share(s);
+        int hit = lshm__fault_points_hit();
+        lshm__fault_arm(0, 0);
+        if (hit < nth) { /* ran past every point: this was the successful share */
+            ASSERT_OK(rc);
+            break;
+        }
+        points++;
+        ASSERT_ERR(rc, err);
+        ASSERT(strstr(lshm_last_error(), "injected") != NULL);
+        ASSERT_PTR_EQ(lshm_storage_data(s), data);
+        ASSERT_EQ(lshm_storage_flags(s), flags);
+        ASSERT_EQ(lshm_storage_refcount(s), 1);
+        ASSERT_EQ(fd_count(), fds);
+        ASSERT(check(lshm_storage_data(s), n, 9));
+        int fd;
+        uint64_t off;
+        ASSERT_ERR(lshm_storage_fd(s, &fd, &off), -ENODATA);
+    }
+    ASSERT_GE(points, n > 0 ? 5 : 2); /* memfd, ftruncate, seal, pwrite, mmap; 0: memfd, seal */
+    ASSERT(lshm_storage_flags(s) & LSHM_STORAGE_SHARED);
+    ASSERT(check(lshm_storage_data(s), n, 9));
+    ASSERT_EQ(fd_count(), fds + 1);
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), fds - 0);
+}
+
+static void test_fault_atomicity(void) {
+    share_fault_loop(make_pages, 3 * page + 7, -ENOMEM);
+    share_fault_loop(make_pages, 3 * page + 7, -ENOSPC);
+    share_fault_loop(make_pages, 0, -EMFILE);
+    share_fault_loop(make_foreign, 1234, -ENOMEM);
+    share_fault_loop(make_foreign, 0, -ENOMEM);
+}
+
+static void test_rlimit_nofile(void) {
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
+    void *data = lshm_storage_data(s);
+    fill(data, page, 11);
+    int fds = fd_count();
+    struct rlimit saved, low;
+    ASSERT_OK(getrlimit(RLIMIT_NOFILE, &saved));
+    int lowest_free = dup(0);
+    ASSERT_GE(lowest_free, 0);
+    close(lowest_free);
+    low = saved;
+    low.rlim_cur = (rlim_t)lowest_free; /* the next fd would be at the limit */
+    ASSERT_OK(setrlimit(RLIMIT_NOFILE, &low));
+    int rc = lshm_storage_share(s);
+    ASSERT_OK(setrlimit(RLIMIT_NOFILE, &saved));
+    ASSERT_ERR(rc, -EMFILE);
+    ASSERT(strstr(lshm_last_error(), "memfd_create") != NULL);
+    ASSERT_PTR_EQ(lshm_storage_data(s), data);
+    ASSERT_EQ(lshm_storage_flags(s), 0);
+    ASSERT(check(data, page, 11));
+    ASSERT_EQ(fd_count(), fds);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT(check(data, page, 11));
+    lshm_storage_release(s);
+}
+
+static void test_large(void) {
+    const size_t n = (64u << 20) + 3;
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+    unsigned char *p = lshm_storage_data(s);
+    for (size_t i = 0; i < n; i += 4093)
+        p[i] = (unsigned char)(i >> 12);
+    p[n - 1] = 0xfe;
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_PTR_EQ(lshm_storage_data(s), p);
+    for (size_t i = 0; i < n; i += 4093)
+        ASSERT_EQ(p[i], (unsigned char)(i >> 12));
+    ASSERT_EQ(p[n - 1], 0xfe);
+    lshm_storage_release(s);
+}
+
+static void test_copy_between_shared(void) {
+    lshm_storage *a, *b;
+    ASSERT_OK(lshm_storage_create(1000, NULL, 0, &a));
+    ASSERT_OK(lshm_storage_create_shared(1000, 0, &b));
+    fill(lshm_storage_data(a), 1000, 12);
+    ASSERT_OK(lshm_storage_share(a));
+    ASSERT_OK(lshm_storage_copy(b, a));
+    ASSERT(check(lshm_storage_data(b), 1000, 12));
+    ASSERT_OK(lshm_storage_share(b)); /* already shared: a no-op */
+    lshm_storage_release(a);
+    lshm_storage_release(b);
+    ASSERT_ERR(lshm_storage_share(NULL), -EINVAL);
+}
+
+int main(void) {
+    page = lshm_page_size();
+    int fds = fd_count();
+    RUN_TEST(test_same_address);
+    RUN_TEST(test_in_place_struct);
+    RUN_TEST(test_zero_bytes);
+    RUN_TEST(test_whole_pages_allocator);
+    RUN_TEST(test_plain_allocator_swaps);
+    RUN_TEST(test_foreign_swaps);
+    RUN_TEST(test_concurrent_shares);
+    RUN_TEST(test_fault_atomicity);
+    RUN_TEST(test_rlimit_nofile);
+    RUN_TEST(test_large);
+    RUN_TEST(test_copy_between_shared);
+    ASSERT_EQ(fd_count(), fds);
+    return 0;
+}
