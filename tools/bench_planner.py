@@ -178,7 +178,8 @@ ANCHORS = [("tflite", anchor_tflite), ("online", anchor_online), ("lifo", anchor
 
 
 def read_trace(path):
-    d = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.int64, ndmin=2)
+    d = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.int64, ndmin=2, usecols=(0, 1, 2, 3),
+                   converters={0: lambda s: 0})  # ids may be names ("b1")
     if d.size == 0:
         return None
     lo = np.ascontiguousarray(d[:, 1]); up = np.ascontiguousarray(d[:, 2])
