@@ -10,7 +10,9 @@
  * The order of steps is what makes a failure harmless: memfd_create, ftruncate, seal against
  * shrink/grow, pwrite the bytes. None of these touches the storage, so a failure at any of
  * them closes the memfd and leaves the storage exactly as it was. Only the last mmap replaces
- * the storage's pages. The copy uses pwrite rather than writing through a fresh mapping: it
+ * the storage's pages (an mmap over an existing range that the kernel refuses, e.g. at the
+ * vm.max_map_count limit, fails before touching it on the kernels we target; the fault tests
+ * cover every step before it). The copy uses pwrite rather than writing through a fresh mapping: it
  * is the fastest way in (DESIGN section 8: no page faults) and it allocates every page of the
  * memfd, so there is no later SIGBUS and no need for a separate fallocate on this path.
  *

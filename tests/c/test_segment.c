@@ -245,6 +245,10 @@ static void test_attach_errors(void) {
     ASSERT(s == NULL && other == NULL);
     ASSERT_OK(lshm_storage_attach(rdonly, 0, page, LSHM_STORAGE_READONLY, &s));
     ASSERT_EQ(lshm_storage_flags(s), LSHM_STORAGE_SHARED | LSHM_STORAGE_READONLY);
+    /* Through a read-only fd, not even mprotect can make the mapping writable. */
+    void *page_start = (void *)((uintptr_t)lshm_storage_data(s) & ~(uintptr_t)(page - 1));
+    ASSERT_EQ(mprotect(page_start, page, PROT_READ | PROT_WRITE), -1);
+    ASSERT_EQ(errno, EACCES);
     lshm_storage_release(s);
     close(rdonly);
     lshm_segment_release(seg);

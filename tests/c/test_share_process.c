@@ -214,6 +214,27 @@ static void test_child_crash(void) {
     close(sv[1]);
 }
 
+/* Read-only really means read-only: a write through such a storage kills the writer. */
+static void test_readonly_write_faults(void) {
+    lshm_storage *s, *ro;
+    ASSERT_OK(lshm_storage_create_shared(page, 0, &s));
+    int fd;
+    uint64_t off;
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    ASSERT_OK(lshm_storage_attach(fd, 0, page, LSHM_STORAGE_READONLY, &ro));
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        signal(SIGSEGV, SIG_DFL);
+        ((volatile char *)lshm_storage_data(ro))[0] = 1;
+        _exit(0); /* not reached */
+    }
+    wait_child(pid, SIGSEGV);
+    ASSERT_EQ(((char *)lshm_storage_data(s))[0], 0);
+    lshm_storage_release(ro);
+    lshm_storage_release(s);
+}
+
 int main(void) {
     page = lshm_page_size();
     int fds = fd_count();
@@ -221,6 +242,7 @@ int main(void) {
     RUN_TEST(test_scm_rights);
     RUN_TEST(test_readonly_across);
     RUN_TEST(test_child_crash);
+    RUN_TEST(test_readonly_write_faults);
     ASSERT_EQ(fd_count(), fds);
     return 0;
 }
