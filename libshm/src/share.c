@@ -10,9 +10,10 @@
  * The order of steps is what makes a failure harmless: memfd_create, ftruncate, seal against
  * shrink/grow, pwrite the bytes. None of these touches the storage, so a failure at any of
  * them closes the memfd and leaves the storage exactly as it was. Only the last mmap replaces
- * the storage's pages (an mmap over an existing range that the kernel refuses, e.g. at the
- * vm.max_map_count limit, fails before touching it on the kernels we target; the fault tests
- * cover every step before it). The copy uses pwrite rather than writing through a fresh mapping: it
+ * the storage's pages. (That last step is atomic only as far as the kernel makes it: since
+ * Linux 6.12 a MAP_FIXED mmap that fails, e.g. at vm.max_map_count, restores the old mapping;
+ * older kernels may have unmapped it already. The fault tests cover every step before it.)
+ * The copy uses pwrite rather than writing through a fresh mapping: it
  * is the fastest way in (DESIGN section 8: no page faults) and it allocates every page of the
  * memfd, so there is no later SIGBUS and no need for a separate fallocate on this path.
  *
