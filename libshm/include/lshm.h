@@ -301,7 +301,152 @@ LSHM_API int lshm_plan_lower_bound(size_t n, const uint64_t *sizes, const int64_
 /* Arena                                                                                       */
 /* ------------------------------------------------------------------------------------------ */
 
-/* (declared by the arena work; see below this line) */
+/* An arena keeps the storages of a planned set in one slab and backs them with slices of one
+ * buffer, as PyTorch's static-runtime MemoryPlanner does:
+ * - the storage structs live in one malloced slab of lshm_storage_sizeof()-byte slots (aligned
+ *   to lshm_storage_alignof()); each is initialised in place and finalised in place, and the
+ *   slab never moves while any slot is initialised;
+ * - the bytes come from one buffer: private anonymous pages, or with LSHM_ARENA_SHARED one
+ *   segment (one memfd), so the whole set crosses to another process as one fd.
+ * The arena owns one reference to each storage it initialises (the "arena's own reference").
+ * Storages of a private arena wrap borrowed memory (lshm_storage_init_foreign, release NULL);
+ * those of a shared arena view the segment (lshm_storage_init_view). A buffer is zero-filled
+ * when it is created; a buffer that is reused keeps whatever bytes were left in it.
+ *
+ * Two kinds of arena:
+ * - planned (lshm_arena_create): n tensors with known sizes and lifetimes are planned once
+ *   (lshm_plan); lshm_arena_allocate initialises all n storages on their slices,
+ *   lshm_arena_deallocate finalises them. The buffer is kept between iterations (allocate
+ *   after deallocate reuses it, no new mmap or memfd) until lshm_arena_trim or destroy.
+ * - recording (lshm_arena_create_recording): record-then-replay. The first iteration serves
+ *   every lshm_arena_alloc with an ordinary allocation while recording (size, alloc, free)
+ *   events, each event one tick; lshm_arena_end_iteration plans the recorded lifetimes. The
+ *   next iterations serve the k-th alloc of the iteration from the k-th planned slice when the
+ *   request fits it (size <= planned size, and no storage still live overlaps the slice);
+ *   a request that does not fit is served by ordinary allocation (so alloc never fails for
+ *   that reason) and the plan is recomputed at the end of that iteration, each tensor's size
+ *   being the largest seen for it (sizes never shrink, as in PyTorch).
+ *
+ * Thread safety: an arena is NOT thread-safe; one thread at a time may call lshm_arena_*
+ * on a given arena. The storages it hands out are ordinary storages: retaining, releasing and
+ * reading them from other threads is fine. */
+typedef struct lshm_arena lshm_arena;
+
+/* Arena flags. */
+#define LSHM_ARENA_SHARED 0x1u /* the buffer is one segment (memfd); storages are shared */
+
+/* Counters of an arena (lshm_arena_stats). "Current plan" is the plan of a planned arena, or
+ * the latest plan of a recording arena (all zero before its first lshm_arena_end_iteration). */
+typedef struct lshm_arena_counters {
+    uint64_t managed_bytes;  /* sum of the sizes of the current plan's tensors */
+    uint64_t arena_bytes;    /* bytes of the current plan's buffer (its arena_size) */
+    uint64_t lower_bound;    /* the current plan's lower bound (no plan can use fewer bytes) */
+    uint64_t storages;       /* number of tensors in the current plan (slab slots) */
+    uint64_t reuse_count;    /* storages initialised on a slice of an arena buffer that already
+                                existed when the call began, i.e. served with no new system
+                                allocation (no mmap, memfd or malloc for their bytes). A planned
+                                arena's first allocate adds 0 (it creates the buffer), each later
+                                allocate adds n; each replayed alloc served by a slice adds 1. */
+    uint64_t fallback_count; /* recording arenas: allocs served by ordinary allocation because
+                                no plan existed yet or the request did not fit its slice */
+    uint64_t iterations;     /* completed iterations: successful deallocate calls (planned) or
+                                end_iteration calls (recording) */
+    uint64_t replans;        /* plans recomputed because a request did not fit (the first plan
+                                of a recording arena is not counted) */
+} lshm_arena_counters;
+
+/* Plan n tensors (as lshm_plan: sizes[i] bytes live from firsts[i] to lasts[i]; opts NULL means
+ * the defaults of lshm_plan_options_init) and create a planned arena for them. The slab is
+ * allocated here; no buffer yet (lshm_arena_allocate makes it). flags: 0 or LSHM_ARENA_SHARED.
+ * The caller owns *out and frees it with lshm_arena_destroy. Thread-safe (no shared state).
+ * Errors: -EINVAL (NULL arrays with n > 0, NULL out, bad plan input as lshm_plan, unknown
+ * flags), -EOVERFLOW, -ENOMEM. n == 0 is valid (an arena of nothing). */
+LSHM_API int lshm_arena_create(size_t n, const uint64_t *sizes, const int64_t *firsts,
+                               const int64_t *lasts, const lshm_plan_options *opts,
+                               unsigned flags, lshm_arena **out);
+
+/* Create a recording arena (record-then-replay, see above). opts: the alignment and
+ * time_limit used for every plan (NULL: defaults); its interval flag is ignored, since the
+ * arena numbers the ticks itself. flags: 0 or LSHM_ARENA_SHARED (every storage it hands out,
+ * ordinary or planned, is shared memory). Errors: -EINVAL, -ENOMEM. */
+LSHM_API int lshm_arena_create_recording(const lshm_plan_options *opts, unsigned flags,
+                                         lshm_arena **out);
+
+/* Destroy an arena: finalises any storages it still holds (deallocate), then frees the slab
+ * and the buffer. Refuses with -EBUSY, changing nothing, while any of its storages has
+ * references beyond the arena's own (a numpy array alive, a retained pointer) or, for a
+ * recording arena, while storages from lshm_arena_alloc are not yet freed. NULL: returns 0. */
+LSHM_API int lshm_arena_destroy(lshm_arena *arena);
+
+/* Planned arenas: initialise all n storages in place on their slices of the buffer. The
+ * buffer is created on the first call (zero-filled) and reused afterwards. Each storage has
+ * one reference, the arena's own: borrow it with lshm_arena_storage, retain it to keep it.
+ * Errors: -EINVAL (NULL, recording arena), -EBUSY (already allocated), -ENOMEM, -ENOSPC,
+ * -EMFILE (creating the buffer). On failure no storage is initialised. */
+LSHM_API int lshm_arena_allocate(lshm_arena *arena);
+
+/* Planned arenas: finalise every storage in place (their slices become free; the buffer is
+ * kept for the next allocate). Refuses with -EBUSY, changing nothing, if any storage still has
+ * references beyond the arena's own. Not allocated: returns 0. Errors: -EINVAL (NULL,
+ * recording arena), -EBUSY. */
+LSHM_API int lshm_arena_deallocate(lshm_arena *arena);
+
+/* Free the kept buffer (the next allocate or replay makes a new one). Errors: -EINVAL (NULL),
+ * -EBUSY (storages are initialised on it: deallocate, or free them, first). */
+LSHM_API int lshm_arena_trim(lshm_arena *arena);
+
+/* Number of tensors of the current plan (0 for NULL). */
+LSHM_API size_t lshm_arena_count(const lshm_arena *arena);
+
+/* Planned arenas: the storage of tensor i (borrowed; valid until deallocate or destroy;
+ * retain it to keep it, which makes deallocate refuse until released).
+ * Errors: -EINVAL (NULL, i >= count, recording arena), -ENODATA (not allocated). */
+LSHM_API int lshm_arena_storage(const lshm_arena *arena, size_t i, lshm_storage **out);
+
+/* Offset of tensor i in the buffer, by the current plan. Errors: -EINVAL (NULL, i >= count). */
+LSHM_API int lshm_arena_offset(const lshm_arena *arena, size_t i, uint64_t *offset);
+
+/* First byte of the buffer, or NULL when there is none (not created yet, trimmed, or of
+ * zero bytes). Borrowed. */
+LSHM_API void *lshm_arena_data(const lshm_arena *arena);
+
+/* Bytes the current plan needs (its arena_size); 0 for NULL or before a first plan. */
+LSHM_API uint64_t lshm_arena_size(const lshm_arena *arena);
+
+/* The memfd of a shared arena's buffer (borrowed: dup it to keep it; valid until the buffer
+ * is trimmed, replaced by a re-plan, or the arena destroyed). Another process maps it with
+ * lshm_segment_attach and finds tensor i at lshm_arena_offset(i).
+ * Errors: -EINVAL (NULL), -ENODATA (private arena, or no buffer yet). */
+LSHM_API int lshm_arena_fd(const lshm_arena *arena, int *fd);
+
+/* Copy the counters into *out. Errors: -EINVAL (NULL). */
+LSHM_API int lshm_arena_stats(const lshm_arena *arena, lshm_arena_counters *out);
+
+/* The current plan's result (arena size, lower bound, strategy, time). Errors: -EINVAL (NULL),
+ * -ENODATA (recording arena before its first plan). */
+LSHM_API int lshm_arena_plan_result(const lshm_arena *arena, lshm_plan_result *out);
+
+/* Recording arenas: one allocation event. *out gets a storage of nbytes with one reference,
+ * owned by the caller and given back with lshm_arena_free: a slot of the slab on the planned
+ * slice, or an ordinary storage (heap, whole pages or a memfd) while recording or when the
+ * request does not fit. Zero-filled only when freshly allocated (a reused slice keeps old
+ * bytes). Errors: -EINVAL (NULL, planned arena), -ENOMEM, -ENOSPC, -EMFILE, -EOVERFLOW. */
+LSHM_API int lshm_arena_alloc(lshm_arena *arena, size_t nbytes, lshm_storage **out);
+
+/* Recording arenas: one free event; drops the caller's reference to a storage returned by
+ * lshm_arena_alloc of this iteration. Its memory may be handed to a later alloc, so the
+ * caller's reference must be the last one: -EBUSY (nothing recorded) while others exist.
+ * Errors: -EINVAL (NULL, planned arena, storage not from this iteration's allocs), -EBUSY. */
+LSHM_API int lshm_arena_free(lshm_arena *arena, lshm_storage *s);
+
+/* Recording arenas: end the iteration. Plans the recorded events if there is no plan yet or a
+ * request did not fit, creating a buffer for the new plan (a shared arena gets a new memfd),
+ * and resets the alloc counter so the next alloc is the iteration's first. Every storage
+ * allocated in the iteration must have been freed. Errors: -EINVAL (NULL, planned arena),
+ * -EBUSY (storages not freed; nothing changes), -ENOMEM, -ENOSPC, -EMFILE (planning or the
+ * new buffer failed: the iteration is ended anyway, allocs fall back to ordinary allocation,
+ * and the next end_iteration tries again). */
+LSHM_API int lshm_arena_end_iteration(lshm_arena *arena);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,456 @@
+/*
+ * test_arena.c -- the arena: slab of storages initialised and finalised in place, slices of one
+ * buffer (private or one memfd), allocate/deallocate cycles without fd or mapping leaks, buffer
+ * reuse and trim, -EBUSY on live references, a shared arena seen from a forked child,
+ * record-then-replay with a grown request that re-plans, stats, and bad input.
+ */
+#include "task.h"
+
+#include <errno.h>
+#include <stdint.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* Lines of /proc/self/maps: the number of mappings of this process. */
+static int map_count(void) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (f == NULL)
+        return -1;
+    int n = 0, c;
+    while ((c = fgetc(f)) != EOF)
+        if (c == '\n')
+            n++;
+    fclose(f);
+    return n;
+}
+
+/* A small network: 6 tensors, a chain with one skip connection (half-open lifetimes). */
+enum { N = 6 };
+static const uint64_t sizes[N] = {4096, 10000, 3000, 10000, 64, 0};
+static const int64_t firsts[N] = {0, 1, 2, 3, 4, 2};
+static const int64_t lasts[N] = {2, 4, 4, 5, 6, 3};
+
+static lshm_arena *make(unsigned flags) {
+    lshm_arena *a = NULL;
+    ASSERT_OK(lshm_arena_create(N, sizes, firsts, lasts, NULL, flags, &a));
+    ASSERT(a != NULL);
+    return a;
+}
+
+static void test_slab_in_place(void) {
+    lshm_arena *a = make(0);
+    ASSERT_EQ(lshm_arena_count(a), N);
+    ASSERT(lshm_arena_data(a) == NULL); /* no buffer before the first allocate */
+    lshm_plan_result plan;
+    ASSERT_OK(lshm_arena_plan_result(a, &plan));
+    ASSERT_UINT_EQ(lshm_arena_size(a), plan.arena_size);
+    ASSERT(plan.arena_size >= plan.lower_bound);
+    uint64_t offsets[N];
+    for (size_t i = 0; i < N; i++)
+        ASSERT_OK(lshm_arena_offset(a, i, &offsets[i]));
+    lshm_plan_options opts;
+    lshm_plan_options_init(&opts);
+    ASSERT_OK(lshm_plan_validate(N, sizes, firsts, lasts, offsets, &opts, plan.arena_size));
+
+    ASSERT_OK(lshm_arena_allocate(a));
+    char *base = lshm_arena_data(a);
+    ASSERT(base != NULL);
+    ASSERT_EQ((uintptr_t)base % lshm_page_size(), 0);
+    lshm_storage *s[N];
+    for (size_t i = 0; i < N; i++) {
+        ASSERT_OK(lshm_arena_storage(a, i, &s[i]));
+        /* The slab: consecutive slots of lshm_storage_sizeof() bytes, suitably aligned. */
+        ASSERT_EQ((uintptr_t)s[i] % lshm_storage_alignof(), 0);
+        if (i > 0)
+            ASSERT_EQ((uintptr_t)s[i] - (uintptr_t)s[i - 1], lshm_storage_sizeof());
+        ASSERT_EQ(lshm_storage_refcount(s[i]), 1);
+        ASSERT_UINT_EQ(lshm_storage_nbytes(s[i]), sizes[i]);
+        ASSERT(lshm_storage_flags(s[i]) & LSHM_STORAGE_INPLACE);
+        ASSERT_EQ(lshm_storage_flags(s[i]) & LSHM_STORAGE_SHARED, 0);
+        if (sizes[i] > 0)
+            ASSERT_PTR_EQ(lshm_storage_data(s[i]), base + offsets[i]);
+        else
+            ASSERT(lshm_storage_data(s[i]) == NULL);
+    }
+    /* Fresh buffer: zero. Tensors alive at once do not share bytes: write each with its own
+     * value when its life begins and check, at every time, that every live one keeps its value. */
+    for (size_t i = 0; i < N; i++) {
+        unsigned char *p = lshm_storage_data(s[i]);
+        for (size_t b = 0; b < sizes[i]; b++)
+            ASSERT_EQ(p[b], 0);
+    }
+    for (int64_t t = 0; t < 6; t++) {
+        for (size_t i = 0; i < N; i++)
+            if (firsts[i] == t && sizes[i] > 0)
+                memset(lshm_storage_data(s[i]), (int)(i + 1), sizes[i]);
+        for (size_t j = 0; j < N; j++) {
+            if (firsts[j] > t || lasts[j] <= t || sizes[j] == 0)
+                continue;
+            const unsigned char *q = lshm_storage_data(s[j]);
+            for (size_t b = 0; b < sizes[j]; b++)
+                ASSERT_EQ(q[b], j + 1);
+        }
+    }
+    ASSERT_ERR(lshm_arena_allocate(a), -EBUSY); /* allocated already */
+    ASSERT_OK(lshm_arena_deallocate(a));
+    for (size_t i = 0; i < N; i++)
+        ASSERT_EQ(lshm_storage_refcount(s[i]), 0); /* finalised in place */
+    lshm_storage *t = NULL;
+    ASSERT_ERR(lshm_arena_storage(a, 0, &t), -ENODATA);
+    ASSERT_OK(lshm_arena_deallocate(a)); /* not allocated: nothing to do */
+    ASSERT_OK(lshm_arena_destroy(a));
+    ASSERT_OK(lshm_arena_destroy(NULL));
+}
+
+static void test_cycles_reuse_and_trim(void) {
+    for (unsigned flags = 0; flags <= LSHM_ARENA_SHARED; flags += LSHM_ARENA_SHARED) {
+        lshm_arena *a = make(flags);
+        ASSERT_OK(lshm_arena_allocate(a));
+        void *base = lshm_arena_data(a);
+        ASSERT_OK(lshm_arena_deallocate(a));
+        int fds = fd_count(), maps = map_count();
+        enum { CYCLES = 300 };
+        for (int c = 0; c < CYCLES; c++) {
+            ASSERT_OK(lshm_arena_allocate(a));
+            ASSERT_PTR_EQ(lshm_arena_data(a), base); /* the kept buffer, no new mmap */
+            lshm_storage *s;
+            ASSERT_OK(lshm_arena_storage(a, 1, &s));
+            memset(lshm_storage_data(s), c & 0xff, sizes[1]);
+            ASSERT_OK(lshm_arena_deallocate(a));
+        }
+        ASSERT_EQ(fd_count(), fds);
+        ASSERT_EQ(map_count(), maps);
+        lshm_arena_counters st;
+        ASSERT_OK(lshm_arena_stats(a, &st));
+        ASSERT_UINT_EQ(st.reuse_count, (uint64_t)CYCLES * N); /* the first allocate: 0 */
+        ASSERT_UINT_EQ(st.iterations, CYCLES + 1);
+        ASSERT_UINT_EQ(st.storages, N);
+        ASSERT_UINT_EQ(st.managed_bytes, 4096 + 10000 + 3000 + 10000 + 64);
+        ASSERT_UINT_EQ(st.arena_bytes, lshm_arena_size(a));
+        ASSERT(st.lower_bound <= st.arena_bytes);
+        ASSERT(st.arena_bytes < st.managed_bytes); /* the plan reuses memory */
+        ASSERT_UINT_EQ(st.replans, 0);
+
+        /* trim gives the buffer back; the next allocate makes a new one (zero-filled). */
+        ASSERT_OK(lshm_arena_allocate(a));
+        ASSERT_ERR(lshm_arena_trim(a), -EBUSY);
+        ASSERT_OK(lshm_arena_deallocate(a));
+        ASSERT_OK(lshm_arena_trim(a));
+        ASSERT(lshm_arena_data(a) == NULL);
+        if (flags & LSHM_ARENA_SHARED)
+            ASSERT_EQ(fd_count(), fds - 1);
+        ASSERT_LE(map_count(), maps);
+        ASSERT_OK(lshm_arena_allocate(a));
+        lshm_storage *s;
+        ASSERT_OK(lshm_arena_storage(a, 1, &s));
+        const unsigned char *p = lshm_storage_data(s);
+        for (size_t b = 0; b < sizes[1]; b++)
+            ASSERT_EQ(p[b], 0);
+        ASSERT_OK(lshm_arena_storage(a, 0, &s));
+        ASSERT_OK(lshm_arena_destroy(a)); /* deallocates and frees everything */
+        ASSERT_EQ(fd_count(), fds - ((flags & LSHM_ARENA_SHARED) ? 1 : 0));
+        ASSERT_LE(map_count(), maps);
+    }
+}
+
+static void test_busy_while_referenced(void) {
+    lshm_arena *a = make(0);
+    ASSERT_OK(lshm_arena_allocate(a));
+    lshm_storage *s[N];
+    for (size_t i = 0; i < N; i++)
+        ASSERT_OK(lshm_arena_storage(a, i, &s[i]));
+    void *data3 = lshm_storage_data(s[3]);
+    lshm_storage_retain(s[3]); /* e.g. a numpy array over tensor 3 */
+    ASSERT_ERR(lshm_arena_deallocate(a), -EBUSY);
+    ASSERT(strstr(lshm_last_error(), "storage 3") != NULL);
+    ASSERT_ERR(lshm_arena_destroy(a), -EBUSY);
+    ASSERT_ERR(lshm_arena_trim(a), -EBUSY);
+    /* Nothing changed: every storage is still initialised with its bytes. */
+    for (size_t i = 0; i < N; i++)
+        ASSERT_EQ(lshm_storage_refcount(s[i]), i == 3 ? 2 : 1);
+    ASSERT_PTR_EQ(lshm_storage_data(s[3]), data3);
+    lshm_storage_release(s[3]);
+    ASSERT_OK(lshm_arena_deallocate(a));
+    ASSERT_OK(lshm_arena_destroy(a));
+}
+
+static void test_shared_fork(void) {
+    lshm_arena *a = make(LSHM_ARENA_SHARED);
+    int fd = -1;
+    ASSERT_ERR(lshm_arena_fd(a, &fd), -ENODATA); /* no buffer yet */
+    ASSERT_OK(lshm_arena_allocate(a));
+    ASSERT_OK(lshm_arena_fd(a, &fd));
+    ASSERT_GE(fd, 0);
+    lshm_storage *s[N];
+    for (size_t i = 0; i < N; i++) {
+        ASSERT_OK(lshm_arena_storage(a, i, &s[i]));
+        ASSERT(lshm_storage_flags(s[i]) & LSHM_STORAGE_SHARED);
+        ASSERT(lshm_storage_segment(s[i]) != NULL);
+        if (sizes[i] == 0)
+            continue;
+        int sfd = -1;
+        uint64_t off = 0, planned = 0;
+        ASSERT_OK(lshm_storage_fd(s[i], &sfd, &off));
+        ASSERT_OK(lshm_arena_offset(a, i, &planned));
+        ASSERT_EQ(sfd, fd); /* one fd for the whole set */
+        ASSERT_UINT_EQ(off, planned);
+    }
+    memset(lshm_storage_data(s[3]), 0xab, sizes[3]);
+    uint64_t off3 = 0, off4 = 0;
+    ASSERT_OK(lshm_arena_offset(a, 3, &off3));
+    ASSERT_OK(lshm_arena_offset(a, 4, &off4));
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        /* The child maps the fd afresh, as a receiver of the fd would. */
+        lshm_segment *seg = NULL;
+        if (lshm_segment_attach(fd, 0, &seg) != 0)
+            _exit(2);
+        if (lshm_segment_size(seg) < lshm_arena_size(a))
+            _exit(3);
+        const unsigned char *p = (const unsigned char *)lshm_segment_data(seg) + off3;
+        for (size_t b = 0; b < sizes[3]; b++)
+            if (p[b] != 0xab)
+                _exit(4);
+        memset((char *)lshm_segment_data(seg) + off4, 0x77, sizes[4]);
+        lshm_segment_release(seg);
+        _exit(0);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status));
+    ASSERT_EQ(WEXITSTATUS(status), 0);
+    const unsigned char *q = lshm_storage_data(s[4]);
+    for (size_t b = 0; b < sizes[4]; b++)
+        ASSERT_EQ(q[b], 0x77); /* the child's write, through the same memfd */
+    ASSERT_OK(lshm_arena_destroy(a));
+}
+
+/* One iteration of a recorded program: t0 = alloc(a0); t1 = alloc(a1); free t0;
+ * t2 = alloc(a2); free t1; t3 = alloc(a3); free t2; free t3. */
+static void run_iteration(lshm_arena *a, const size_t req[4], lshm_storage *seen[4]) {
+    lshm_storage *t[4];
+    ASSERT_OK(lshm_arena_alloc(a, req[0], &t[0]));
+    ASSERT_OK(lshm_arena_alloc(a, req[1], &t[1]));
+    memset(lshm_storage_data(t[0]), 1, req[0]);
+    memset(lshm_storage_data(t[1]), 2, req[1]);
+    ASSERT_OK(lshm_arena_free(a, t[0]));
+    ASSERT_OK(lshm_arena_alloc(a, req[2], &t[2]));
+    memset(lshm_storage_data(t[2]), 3, req[2]);
+    for (size_t b = 0; b < req[1]; b++)
+        ASSERT_EQ(((unsigned char *)lshm_storage_data(t[1]))[b], 2);
+    ASSERT_OK(lshm_arena_free(a, t[1]));
+    ASSERT_OK(lshm_arena_alloc(a, req[3], &t[3]));
+    memset(lshm_storage_data(t[3]), 4, req[3]);
+    for (size_t b = 0; b < req[2]; b++)
+        ASSERT_EQ(((unsigned char *)lshm_storage_data(t[2]))[b], 3);
+    ASSERT_OK(lshm_arena_free(a, t[2]));
+    for (size_t b = 0; b < req[3]; b++)
+        ASSERT_EQ(((unsigned char *)lshm_storage_data(t[3]))[b], 4);
+    ASSERT_OK(lshm_arena_free(a, t[3]));
+    for (int i = 0; i < 4; i++)
+        seen[i] = t[i];
+}
+
+static void test_record_replay(void) {
+    for (unsigned flags = 0; flags <= LSHM_ARENA_SHARED; flags += LSHM_ARENA_SHARED) {
+        lshm_arena *a = NULL;
+        ASSERT_OK(lshm_arena_create_recording(NULL, flags, &a));
+        lshm_plan_result plan;
+        ASSERT_ERR(lshm_arena_plan_result(a, &plan), -ENODATA);
+        ASSERT_UINT_EQ(lshm_arena_size(a), 0);
+        const size_t req[4] = {1000, 2000, 3000, 500};
+        lshm_storage *seen[4];
+        lshm_arena_counters st;
+
+        /* Iteration 1: recording, ordinary allocations (heap storages, not in the slab). */
+        run_iteration(a, req, seen);
+        ASSERT_OK(lshm_arena_stats(a, &st));
+        ASSERT_UINT_EQ(st.fallback_count, 4);
+        ASSERT_UINT_EQ(st.reuse_count, 0);
+        ASSERT_OK(lshm_arena_end_iteration(a));
+        ASSERT_OK(lshm_arena_plan_result(a, &plan));
+        ASSERT_EQ(lshm_arena_count(a), 4);
+        /* Live sets: {0,1}, {1,2}, {2,3}: LB = the pair {1,2}, give or take alignment. */
+        ASSERT_GE(plan.lower_bound, 2000 + 3000);
+        ASSERT_LE(plan.lower_bound, 2048 + 3008);
+        ASSERT(plan.arena_size >= plan.lower_bound);
+        ASSERT_OK(lshm_arena_stats(a, &st));
+        ASSERT_UINT_EQ(st.iterations, 1);
+        ASSERT_UINT_EQ(st.replans, 0);
+        ASSERT_UINT_EQ(st.storages, 4);
+        ASSERT_UINT_EQ(st.managed_bytes, 1000 + 2000 + 3000 + 500);
+        ASSERT_UINT_EQ(st.arena_bytes, plan.arena_size);
+        ASSERT_UINT_EQ(st.lower_bound, plan.lower_bound);
+
+        /* Iterations 2-4: replayed from the buffer, same slots each time, no new mappings. */
+        int fds = fd_count(), maps = map_count();
+        char *base = lshm_arena_data(a);
+        lshm_storage *first[4];
+        for (int it = 0; it < 3; it++) {
+            run_iteration(a, req, seen);
+            for (int i = 0; i < 4; i++) {
+                uint64_t off;
+                ASSERT_OK(lshm_arena_offset(a, (size_t)i, &off));
+                if (it == 0)
+                    first[i] = seen[i];
+                ASSERT_PTR_EQ(seen[i], first[i]); /* slot i of the slab, every time */
+            }
+            ASSERT_OK(lshm_arena_end_iteration(a));
+        }
+        ASSERT_EQ(fd_count(), fds);
+        ASSERT_EQ(map_count(), maps);
+        ASSERT_PTR_EQ(lshm_arena_data(a), base);
+        ASSERT_OK(lshm_arena_stats(a, &st));
+        ASSERT_UINT_EQ(st.reuse_count, 12);
+        ASSERT_UINT_EQ(st.fallback_count, 4);
+        ASSERT_UINT_EQ(st.iterations, 4);
+        ASSERT_UINT_EQ(st.replans, 0);
+
+        /* Iteration 5: request 2 grew: served by ordinary allocation, then re-planned. */
+        const size_t grown[4] = {1000, 2000, 9000, 500};
+        run_iteration(a, grown, seen);
+        ASSERT_OK(lshm_arena_stats(a, &st));
+        ASSERT_UINT_EQ(st.fallback_count, 5);
+        ASSERT_UINT_EQ(st.reuse_count, 15);
+        ASSERT_UINT_EQ(st.replans, 0);
+        ASSERT_OK(lshm_arena_end_iteration(a));
+        ASSERT_OK(lshm_arena_stats(a, &st));
+        ASSERT_UINT_EQ(st.replans, 1);
+        ASSERT_UINT_EQ(st.managed_bytes, 1000 + 2000 + 9000 + 500);
+        ASSERT_GE(st.lower_bound, 9000 + 2000);
+        ASSERT_LE(st.lower_bound, 9024 + 2048);
+        ASSERT(lshm_arena_size(a) >= st.lower_bound);
+
+        /* Iteration 6: the grown sequence fits; iteration 7: the old sizes still fit (sizes
+         * never shrink), so neither re-plans. */
+        run_iteration(a, grown, seen);
+        ASSERT_OK(lshm_arena_end_iteration(a));
+        run_iteration(a, req, seen);
+        ASSERT_OK(lshm_arena_end_iteration(a));
+        ASSERT_OK(lshm_arena_stats(a, &st));
+        ASSERT_UINT_EQ(st.replans, 1);
+        ASSERT_UINT_EQ(st.fallback_count, 5);
+        ASSERT_UINT_EQ(st.reuse_count, 23);
+        ASSERT_UINT_EQ(st.iterations, 7);
+        ASSERT_OK(lshm_arena_destroy(a));
+    }
+}
+
+static void test_replay_out_of_order_never_aliases(void) {
+    /* Recorded: x = alloc; free x; y = alloc; free y: the plan gives both the same slice.
+     * Replayed with y allocated before x is freed: y must not alias x. */
+    lshm_arena *a = NULL;
+    ASSERT_OK(lshm_arena_create_recording(NULL, 0, &a));
+    lshm_storage *x, *y;
+    ASSERT_OK(lshm_arena_alloc(a, 4096, &x));
+    ASSERT_OK(lshm_arena_free(a, x));
+    ASSERT_OK(lshm_arena_alloc(a, 4096, &y));
+    ASSERT_OK(lshm_arena_free(a, y));
+    ASSERT_OK(lshm_arena_end_iteration(a));
+    ASSERT_UINT_EQ(lshm_arena_size(a), 4096);
+    ASSERT_OK(lshm_arena_alloc(a, 4096, &x));
+    ASSERT_OK(lshm_arena_alloc(a, 4096, &y));
+    char *px = lshm_storage_data(x), *py = lshm_storage_data(y);
+    ASSERT(px + 4096 <= py || py + 4096 <= px);
+    ASSERT_OK(lshm_arena_free(a, y));
+    ASSERT_OK(lshm_arena_free(a, x));
+    ASSERT_OK(lshm_arena_end_iteration(a)); /* re-plans for the new order */
+    lshm_arena_counters st;
+    ASSERT_OK(lshm_arena_stats(a, &st));
+    ASSERT_UINT_EQ(st.replans, 1);
+    ASSERT_UINT_EQ(lshm_arena_size(a), 8192);
+    ASSERT_OK(lshm_arena_destroy(a));
+}
+
+static void test_bad_input(void) {
+    lshm_arena *a = NULL;
+    int64_t bad_last[N];
+    memcpy(bad_last, lasts, sizeof bad_last);
+    bad_last[2] = -1; /* first > last */
+    ASSERT_ERR(lshm_arena_create(N, sizes, firsts, bad_last, NULL, 0, &a), -EINVAL);
+    ASSERT(a == NULL);
+    ASSERT_ERR(lshm_arena_create(N, NULL, firsts, lasts, NULL, 0, &a), -EINVAL);
+    ASSERT_ERR(lshm_arena_create(N, sizes, firsts, lasts, NULL, 0x100, &a), -EINVAL);
+    ASSERT_ERR(lshm_arena_create(N, sizes, firsts, lasts, NULL, 0, NULL), -EINVAL);
+    lshm_plan_options opts;
+    lshm_plan_options_init(&opts);
+    opts.alignment = 48; /* not a power of two */
+    ASSERT_ERR(lshm_arena_create(N, sizes, firsts, lasts, &opts, 0, &a), -EINVAL);
+    ASSERT_ERR(lshm_arena_create_recording(NULL, 0x100, &a), -EINVAL);
+    ASSERT_ERR(lshm_arena_create_recording(NULL, 0, NULL), -EINVAL);
+
+    /* n == 0: an arena of nothing. */
+    ASSERT_OK(lshm_arena_create(0, NULL, NULL, NULL, NULL, 0, &a));
+    ASSERT_OK(lshm_arena_allocate(a));
+    ASSERT_UINT_EQ(lshm_arena_size(a), 0);
+    ASSERT_OK(lshm_arena_deallocate(a));
+    ASSERT_OK(lshm_arena_destroy(a));
+
+    /* NULL arenas. */
+    lshm_storage *s = NULL;
+    uint64_t off;
+    int fd;
+    lshm_arena_counters st;
+    ASSERT_ERR(lshm_arena_allocate(NULL), -EINVAL);
+    ASSERT_ERR(lshm_arena_deallocate(NULL), -EINVAL);
+    ASSERT_ERR(lshm_arena_trim(NULL), -EINVAL);
+    ASSERT_ERR(lshm_arena_storage(NULL, 0, &s), -EINVAL);
+    ASSERT_ERR(lshm_arena_offset(NULL, 0, &off), -EINVAL);
+    ASSERT_ERR(lshm_arena_fd(NULL, &fd), -EINVAL);
+    ASSERT_ERR(lshm_arena_stats(NULL, &st), -EINVAL);
+    ASSERT_ERR(lshm_arena_alloc(NULL, 1, &s), -EINVAL);
+    ASSERT_ERR(lshm_arena_free(NULL, s), -EINVAL);
+    ASSERT_ERR(lshm_arena_end_iteration(NULL), -EINVAL);
+    ASSERT_EQ(lshm_arena_count(NULL), 0);
+    ASSERT(lshm_arena_data(NULL) == NULL);
+    ASSERT_UINT_EQ(lshm_arena_size(NULL), 0);
+
+    /* The wrong kind of arena, out-of-range indices, a private arena's fd. */
+    a = make(0);
+    ASSERT_ERR(lshm_arena_alloc(a, 10, &s), -EINVAL);
+    ASSERT_ERR(lshm_arena_end_iteration(a), -EINVAL);
+    ASSERT_ERR(lshm_arena_offset(a, N, &off), -EINVAL);
+    ASSERT_OK(lshm_arena_allocate(a));
+    ASSERT_ERR(lshm_arena_storage(a, N, &s), -EINVAL);
+    ASSERT_ERR(lshm_arena_storage(a, 0, NULL), -EINVAL);
+    ASSERT_ERR(lshm_arena_fd(a, &fd), -ENODATA);
+    ASSERT_OK(lshm_arena_destroy(a));
+
+    lshm_arena *r = NULL;
+    ASSERT_OK(lshm_arena_create_recording(NULL, 0, &r));
+    ASSERT_ERR(lshm_arena_allocate(r), -EINVAL);
+    ASSERT_ERR(lshm_arena_storage(r, 0, &s), -EINVAL);
+    lshm_storage *t = NULL, *other = NULL;
+    ASSERT_OK(lshm_arena_alloc(r, 100, &t));
+    ASSERT_OK(lshm_storage_create(100, NULL, 0, &other));
+    ASSERT_ERR(lshm_arena_free(r, other), -EINVAL); /* not from this arena */
+    ASSERT_ERR(lshm_arena_free(r, NULL), -EINVAL);
+    lshm_storage_release(other);
+    ASSERT_ERR(lshm_arena_end_iteration(r), -EBUSY); /* t not freed */
+    ASSERT_ERR(lshm_arena_destroy(r), -EBUSY);
+    lshm_storage_retain(t);
+    ASSERT_ERR(lshm_arena_free(r, t), -EBUSY); /* another reference: nothing recorded */
+    lshm_storage_release(t);
+    ASSERT_OK(lshm_arena_free(r, t));
+    ASSERT_OK(lshm_arena_end_iteration(r));
+    /* Replay: the slot storage; freeing it twice is refused. */
+    ASSERT_OK(lshm_arena_alloc(r, 100, &t));
+    ASSERT(lshm_storage_flags(t) & LSHM_STORAGE_INPLACE);
+    ASSERT_OK(lshm_arena_free(r, t));
+    ASSERT_ERR(lshm_arena_free(r, t), -EINVAL);
+    ASSERT_OK(lshm_arena_end_iteration(r));
+    ASSERT_OK(lshm_arena_end_iteration(r)); /* an empty iteration is fine */
+    ASSERT_OK(lshm_arena_destroy(r));
+}
+
+int main(void) {
+    RUN_TEST(test_slab_in_place);
+    RUN_TEST(test_cycles_reuse_and_trim);
+    RUN_TEST(test_busy_while_referenced);
+    RUN_TEST(test_shared_fork);
+    RUN_TEST(test_record_replay);
+    RUN_TEST(test_replay_out_of_order_never_aliases);
+    RUN_TEST(test_bad_input);
+    return 0;
+}
