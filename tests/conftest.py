@@ -2,7 +2,8 @@
 
 `python -m pytest` puts the current directory on sys.path, where the source `pyshm/` has no
 compiled library; drop the repository root so `import pyshm` finds the installed package
-(a regular or editable install; PYSHM_LIBRARY can still point at another build).
+(a regular or editable install). With PYSHM_LIBRARY pointing at a built liblshm.so, the source
+folder works as it is and is left on the path.
 """
 
 import os
@@ -11,7 +12,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
+if not os.environ.get("PYSHM_LIBRARY"):
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
 
 
 def open_fds() -> set:
