@@ -23,6 +23,7 @@ from ._ffi import (
     ShmValueError,
     lib as _lib,
 )
+from .arena import Arena
 from .arrays import copy, empty, is_shared, share_memory_, storage_of, zeros
 from .planner import Plan, lower_bound, plan
 from .storage import Storage
@@ -40,6 +41,7 @@ __all__ = [
     "plan",
     "lower_bound",
     "Plan",
+    "Arena",
     "ShmError",
     "ShmMemoryError",
     "ShmValueError",

@@ -171,8 +171,26 @@ class PlanResult(ctypes.Structure):
     ]
 
 
+class ArenaCounters(ctypes.Structure):
+    """lshm_arena_counters: see lshm_arena_stats in lshm.h."""
+
+    _fields_ = [
+        ("managed_bytes", c_uint64),
+        ("arena_bytes", c_uint64),
+        ("lower_bound", c_uint64),
+        ("storages", c_uint64),
+        ("reuse_count", c_uint64),
+        ("fallback_count", c_uint64),
+        ("iterations", c_uint64),
+        ("replans", c_uint64),
+    ]
+
+
+ARENA_SHARED = 0x1
+
 _storage_p = c_void_p
 _segment_p = c_void_p
+_arena_p = c_void_p
 _u64_p = POINTER(c_uint64)
 _i64_p = POINTER(c_int64)
 
@@ -269,6 +287,34 @@ _TABLE = [
         [c_size_t, _u64_p, _i64_p, _i64_p, POINTER(PlanOptions), _u64_p],
         True,
     ),
+    # arena
+    (
+        "lshm_arena_create",
+        c_int,
+        [c_size_t, _u64_p, _i64_p, _i64_p, POINTER(PlanOptions), c_uint, POINTER(_arena_p)],
+        True,
+    ),
+    (
+        "lshm_arena_create_recording",
+        c_int,
+        [POINTER(PlanOptions), c_uint, POINTER(_arena_p)],
+        True,
+    ),
+    ("lshm_arena_destroy", c_int, [_arena_p], True),
+    ("lshm_arena_allocate", c_int, [_arena_p], True),
+    ("lshm_arena_deallocate", c_int, [_arena_p], True),
+    ("lshm_arena_trim", c_int, [_arena_p], True),
+    ("lshm_arena_count", c_size_t, [_arena_p], False),
+    ("lshm_arena_storage", c_int, [_arena_p, c_size_t, POINTER(_storage_p)], True),
+    ("lshm_arena_offset", c_int, [_arena_p, c_size_t, _u64_p], True),
+    ("lshm_arena_data", c_void_p, [_arena_p], False),
+    ("lshm_arena_size", c_uint64, [_arena_p], False),
+    ("lshm_arena_fd", c_int, [_arena_p, POINTER(c_int)], True),
+    ("lshm_arena_stats", c_int, [_arena_p, POINTER(ArenaCounters)], True),
+    ("lshm_arena_plan_result", c_int, [_arena_p, POINTER(PlanResult)], True),
+    ("lshm_arena_alloc", c_int, [_arena_p, c_size_t, POINTER(_storage_p)], True),
+    ("lshm_arena_free", c_int, [_arena_p, _storage_p], True),
+    ("lshm_arena_end_iteration", c_int, [_arena_p], True),
 ]
 
 for _name, _restype, _argtypes, _status in _TABLE:

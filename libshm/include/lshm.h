@@ -434,8 +434,11 @@ LSHM_API int lshm_arena_plan_result(const lshm_arena *arena, lshm_plan_result *o
 LSHM_API int lshm_arena_alloc(lshm_arena *arena, size_t nbytes, lshm_storage **out);
 
 /* Recording arenas: one free event; drops the caller's reference to a storage returned by
- * lshm_arena_alloc of this iteration. Its memory may be handed to a later alloc, so the
- * caller's reference must be the last one: -EBUSY (nothing recorded) while others exist.
+ * lshm_arena_alloc of this iteration. A storage on the arena's buffer (a slab slot, flag
+ * LSHM_STORAGE_INPLACE) has its slice handed to later allocs, so the caller's reference must
+ * be its last one: -EBUSY (nothing recorded) while others exist. An ordinary storage
+ * (recording iteration or fallback) just loses the caller's reference; other references keep
+ * its memory alive as for any storage.
  * Errors: -EINVAL (NULL, planned arena, storage not from this iteration's allocs), -EBUSY. */
 LSHM_API int lshm_arena_free(lshm_arena *arena, lshm_storage *s);
 

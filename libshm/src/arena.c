@@ -553,10 +553,13 @@ int lshm_arena_free(lshm_arena *a, lshm_storage *s) {
     if (k == a->nrecords)
         return LSHM_FAIL(-EINVAL, "free: storage %p was not allocated by arena %p in this "
                          "iteration, or was freed already", (void *)s, (void *)a);
+    /* A slice of the buffer goes to later allocs, so nobody else may still hold it; an
+     * ordinary storage's memory is never handed out again, so other references just keep it
+     * alive as usual. */
     size_t refs = lshm_storage_refcount(s);
-    if (refs != 1)
-        return LSHM_FAIL(-EBUSY, "free: storage %p still has %zu references beyond the caller's",
-                         (void *)s, refs - 1);
+    if (a->records[k].in_slot && refs != 1)
+        return LSHM_FAIL(-EBUSY, "free: storage %p on the arena's buffer still has %zu "
+                         "references beyond the caller's", (void *)s, refs - 1);
     if (a->records[k].in_slot)
         slot_fini(a, k);
     else

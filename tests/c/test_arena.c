@@ -429,14 +429,21 @@ static void test_bad_input(void) {
     lshm_storage_release(other);
     ASSERT_ERR(lshm_arena_end_iteration(r), -EBUSY); /* t not freed */
     ASSERT_ERR(lshm_arena_destroy(r), -EBUSY);
+    /* An ordinary storage: another reference keeps its memory after the free. */
+    ASSERT_EQ(lshm_storage_flags(t) & LSHM_STORAGE_INPLACE, 0);
     lshm_storage_retain(t);
-    ASSERT_ERR(lshm_arena_free(r, t), -EBUSY); /* another reference: nothing recorded */
-    lshm_storage_release(t);
     ASSERT_OK(lshm_arena_free(r, t));
+    ASSERT_EQ(lshm_storage_refcount(t), 1);
+    memset(lshm_storage_data(t), 1, 100);
+    lshm_storage_release(t);
     ASSERT_OK(lshm_arena_end_iteration(r));
-    /* Replay: the slot storage; freeing it twice is refused. */
+    /* Replay: the slot storage refuses while referenced; freeing it twice is refused. */
     ASSERT_OK(lshm_arena_alloc(r, 100, &t));
     ASSERT(lshm_storage_flags(t) & LSHM_STORAGE_INPLACE);
+    lshm_storage_retain(t);
+    ASSERT_ERR(lshm_arena_free(r, t), -EBUSY); /* another reference: nothing recorded */
+    ASSERT_ERR(lshm_arena_end_iteration(r), -EBUSY);
+    lshm_storage_release(t);
     ASSERT_OK(lshm_arena_free(r, t));
     ASSERT_ERR(lshm_arena_free(r, t), -EINVAL);
     ASSERT_OK(lshm_arena_end_iteration(r));

@@ -1,0 +1,353 @@
+"""Arena: the storages of a planned set in one slab, backed by slices of one buffer."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import _ffi
+from ._ffi import lib
+from .arrays import ArrayOwner, ShapeLike, _nbytes_of, _normalize_shape, _owner_of
+from .planner import Plan, _inputs, _options, _p
+from .storage import Storage
+
+__all__ = ["Arena", "ArenaStats"]
+
+_u64_p = ctypes.POINTER(ctypes.c_uint64)
+_i64_p = ctypes.POINTER(ctypes.c_int64)
+
+
+@dataclass(frozen=True)
+class ArenaStats:
+    """Counters of an arena (see ``lshm_arena_stats`` in lshm.h for the exact definitions).
+
+    ``reuse_count`` counts storages served from an arena buffer that already existed, i.e.
+    with no new system allocation; ``fallback_count`` the allocations of a recording arena
+    served by ordinary allocation (recording iteration, or a request that did not fit).
+    """
+
+    managed_bytes: int
+    arena_bytes: int
+    lower_bound: int
+    storages: int
+    reuse_count: int
+    fallback_count: int
+    iterations: int
+    replans: int
+
+
+class _ArenaArrayOwner(ArrayOwner):
+    """An ArrayOwner that also keeps its arena alive (the buffer must outlive the array)."""
+
+    __slots__ = ("_arena",)
+
+
+def _unless_no_data(func, *args) -> bool:
+    """Call ``func``; False when it reports ENODATA (nothing there yet), True on success."""
+    try:
+        func(*args)
+    except _ffi.ShmError as exc:
+        if exc.errno == errno.ENODATA:
+            return False
+        raise
+    return True
+
+
+def _destroy(handle: int, live: dict) -> None:
+    # Finalizer: no arrays are alive (each one keeps the Arena object alive), so only the
+    # references the Arena itself holds remain; give them back, then the arena.
+    for storage in list(live):
+        try:
+            lib.lshm_arena_free(handle, storage)
+        except OSError:
+            pass
+    live.clear()
+    try:
+        lib.lshm_arena_destroy(handle)
+    except OSError:
+        pass  # something still holds a storage: leaking beats freeing memory in use
+
+
+class Arena:
+    """Tensors with planned offsets in one buffer, as numpy arrays.
+
+    Two ways to make one:
+
+    * ``Arena(sizes, firsts, lasts)`` plans ``n`` tensors (see :func:`pyshm.plan`; ``.plan``
+      holds the result). :meth:`allocate` backs each tensor with its slice of one buffer,
+      :meth:`array` views tensor ``i`` as a numpy array, :meth:`deallocate` detaches them.
+    * ``Arena.recording()`` learns the plan: iteration 1 serves :meth:`empty` with ordinary
+      memory while recording (alloc, free) events, :meth:`end_iteration` plans them, and
+      later iterations are served from the arena's buffer (re-planning when a request grows).
+
+    With ``shared=True`` the buffer is one anonymous memfd: ``.fd`` can be sent to another
+    process, which maps it (``pyshm.Storage.attach(fd, nbytes, offset=arena.offset(i))``).
+
+    Lifetime contract:
+
+    * The arena owns the buffer and the storage structs. :meth:`close` (or leaving a ``with``
+      block) frees them; it raises :class:`BufferError` and changes nothing while any array
+      made by the arena is alive. Without close, the memory goes when the arena object and
+      every array made from it are gone.
+    * Every array holds a reference to its storage and to the arena, so the bytes it sees stay
+      mapped as long as it lives. :meth:`deallocate` raises :class:`BufferError` (changing
+      nothing) while an array from :meth:`array` is alive: delete the arrays first.
+    * The buffer is kept between :meth:`allocate` calls (no new mmap); :meth:`trim` frees it.
+      Bytes are zero in a new buffer and left as they were in a reused one.
+    * Recording arenas: :meth:`free` says a tensor is dead, and its slice may be handed to the
+      next :meth:`empty` of the iteration. Using a freed array afterwards is a logic error like
+      a use-after-free in C, except that it never touches unmapped memory (it may see another
+      tensor's bytes). :meth:`free` raises :class:`BufferError` while another
+      :class:`~pyshm.Storage` handle on a buffer slice exists.
+    * An arena is not thread-safe: use it from one thread at a time. Its arrays are ordinary
+      arrays and may be used from any thread.
+    """
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        firsts: Sequence[int],
+        lasts: Sequence[int],
+        *,
+        alignment: int = 64,
+        inclusive: bool = False,
+        shared: bool = False,
+        time_limit: float = 0.0,
+    ) -> None:
+        n, sizes_a, firsts_a, lasts_a = _inputs(sizes, firsts, lasts)
+        opts = _options(alignment, inclusive, time_limit)
+        out = ctypes.c_void_p()
+        lib.lshm_arena_create(
+            n, _p(sizes_a, _u64_p), _p(firsts_a, _i64_p), _p(lasts_a, _i64_p),
+            ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out),
+        )
+        self._setup(out.value, recording=False, shared=shared, alignment=int(opts.alignment),
+                    inclusive=inclusive)
+
+    @classmethod
+    def recording(
+        cls, *, shared: bool = False, alignment: int = 64, time_limit: float = 0.0
+    ) -> "Arena":
+        """A record-then-replay arena: use :meth:`empty`, :meth:`free`, :meth:`end_iteration`."""
+        opts = _options(alignment, False, time_limit)
+        out = ctypes.c_void_p()
+        lib.lshm_arena_create_recording(
+            ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out)
+        )
+        self = cls.__new__(cls)
+        self._setup(out.value, recording=True, shared=shared, alignment=int(opts.alignment),
+                    inclusive=False)
+        return self
+
+    def _setup(self, handle: int, *, recording: bool, shared: bool, alignment: int,
+               inclusive: bool) -> None:
+        self._handle = handle
+        self._recording = recording
+        self._shared = shared
+        self._alignment = alignment
+        self._inclusive = inclusive
+        # Recording arenas: storages handed out and not freed yet -> the reference we hold.
+        self._live: dict = {}
+        self._owners: "weakref.WeakSet[_ArenaArrayOwner]" = weakref.WeakSet()
+        self._finalizer = weakref.finalize(self, _destroy, handle, self._live)
+        self._finalizer.atexit = False
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    @property
+    def _as_parameter_(self) -> int:
+        if self._handle is None:
+            raise ValueError("operation on a closed pyshm.Arena")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        """Free the storages, the slab and the buffer (idempotent).
+
+        Raises :class:`BufferError`, changing nothing, while arrays made by the arena live.
+        """
+        if self._handle is None:
+            return
+        alive = len(self._owners)
+        if alive:
+            raise _ffi.ShmBufferError(
+                errno.EBUSY, f"pyshm.Arena.close: {alive} array(s) made by the arena are alive"
+            )
+        for storage in list(self._live):
+            lib.lshm_arena_free(self._handle, storage)
+            del self._live[storage]
+        lib.lshm_arena_destroy(self._handle)
+        self._finalizer.detach()
+        self._handle = None
+
+    def __enter__(self) -> "Arena":
+        self._as_parameter_
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return lib.lshm_arena_count(self._as_parameter_)
+
+    def __repr__(self) -> str:
+        if self._handle is None:
+            return "<pyshm.Arena closed>"
+        kind = "recording" if self._recording else "planned"
+        where = "shared" if self._shared else "private"
+        return f"<pyshm.Arena {kind} {where} {len(self)} tensors, {self.size} bytes>"
+
+    # ---- planned arenas -------------------------------------------------------------------
+
+    def allocate(self) -> "Arena":
+        """Back every planned tensor with its slice of the buffer (kept between calls)."""
+        lib.lshm_arena_allocate(self._as_parameter_)
+        return self
+
+    def deallocate(self) -> None:
+        """Detach every storage; :class:`BufferError` while arrays from :meth:`array` live."""
+        lib.lshm_arena_deallocate(self._as_parameter_)
+
+    def trim(self) -> None:
+        """Free the kept buffer (the next :meth:`allocate` maps a new one)."""
+        lib.lshm_arena_trim(self._as_parameter_)
+
+    def array(self, i: int, shape: Optional[ShapeLike] = None, dtype: Any = np.uint8) -> np.ndarray:
+        """A numpy array over planned tensor ``i`` (the arena must be allocated).
+
+        ``shape=None`` views all its bytes as a 1-D array of ``dtype``. The array keeps the
+        storage and the arena alive, and makes :meth:`deallocate` refuse until it is gone.
+        """
+        out = ctypes.c_void_p()
+        lib.lshm_arena_storage(self._as_parameter_, int(i), ctypes.byref(out))
+        return self._wrap(out.value, shape, dtype)
+
+    def storage(self, i: int) -> Storage:
+        """A :class:`Storage` handle (its own reference) on planned tensor ``i``."""
+        out = ctypes.c_void_p()
+        lib.lshm_arena_storage(self._as_parameter_, int(i), ctypes.byref(out))
+        return Storage._from_handle(lib.lshm_storage_retain(out.value))
+
+    # ---- recording arenas -----------------------------------------------------------------
+
+    def empty(self, shape: ShapeLike, dtype: Any = np.float64) -> np.ndarray:
+        """Recording arenas: one allocation, served from the plan when it fits."""
+        dtype = np.dtype(dtype)
+        dims = _normalize_shape(shape)
+        out = ctypes.c_void_p()
+        lib.lshm_arena_alloc(self._as_parameter_, _nbytes_of(dims, dtype), ctypes.byref(out))
+        self._live[out.value] = True
+        return self._wrap(out.value, dims, dtype)
+
+    def free(self, array: Any) -> None:
+        """Recording arenas: tensor ``array`` (from :meth:`empty`) is dead from now on."""
+        owner = _owner_of(array)
+        handle = getattr(owner, "_handle", None)
+        if not isinstance(owner, _ArenaArrayOwner) or owner._arena is not self or (
+            handle not in self._live
+        ):
+            raise ValueError("free expects a live array made by this arena's empty()")
+        in_slot = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_INPLACE)
+        if in_slot:
+            # Our reference and the owner's: anything more is a Storage handle elsewhere.
+            refs = lib.lshm_storage_refcount(handle)
+            if refs != 2:
+                raise _ffi.ShmBufferError(
+                    errno.EBUSY, f"pyshm.Arena.free: {refs - 2} other reference(s) to the storage"
+                )
+            # The slice goes to later allocs: the owner gives up its reference (the bytes stay
+            # mapped, since the owner keeps the arena alive) and forgets the storage.
+            owner._finalizer()
+            owner._handle = None
+        lib.lshm_arena_free(self._as_parameter_, handle)
+        del self._live[handle]
+
+    def end_iteration(self) -> None:
+        """Recording arenas: end the iteration (plans after the first, or after a misfit)."""
+        lib.lshm_arena_end_iteration(self._as_parameter_)
+
+    # ---- information ----------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Bytes of the current plan's buffer (0 before a recording arena's first plan)."""
+        return int(lib.lshm_arena_size(self._as_parameter_))
+
+    def offset(self, i: int) -> int:
+        """Offset of tensor ``i`` in the buffer (and in ``.fd``)."""
+        value = ctypes.c_uint64()
+        lib.lshm_arena_offset(self._as_parameter_, int(i), ctypes.byref(value))
+        return int(value.value)
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        """The current plan (None for a recording arena before its first plan)."""
+        result = _ffi.PlanResult()
+        if not _unless_no_data(lib.lshm_arena_plan_result, self._as_parameter_, ctypes.byref(result)):
+            return None
+        offsets = np.array([self.offset(i) for i in range(len(self))], dtype=np.uint64)
+        return Plan(
+            offsets=offsets,
+            arena_size=int(result.arena_size),
+            lower_bound=int(result.lower_bound),
+            strategy=result.strategy.decode("utf-8", "replace"),
+            optimal=bool(result.optimal),
+            seconds=float(result.seconds),
+            alignment=self._alignment,
+            inclusive=self._inclusive,
+        )
+
+    @property
+    def stats(self) -> ArenaStats:
+        counters = _ffi.ArenaCounters()
+        lib.lshm_arena_stats(self._as_parameter_, ctypes.byref(counters))
+        return ArenaStats(**{name: int(getattr(counters, name)) for name, _ in counters._fields_})
+
+    @property
+    def shared(self) -> bool:
+        return self._shared
+
+    @property
+    def fd(self) -> Optional[int]:
+        """The memfd of a shared arena's buffer (borrowed: dup it to keep it), else None."""
+        if not self._shared:
+            return None
+        fd = ctypes.c_int(-1)
+        if not _unless_no_data(lib.lshm_arena_fd, self._as_parameter_, ctypes.byref(fd)):
+            return None
+        return fd.value
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of the buffer's first byte (0 when there is none)."""
+        return lib.lshm_arena_data(self._as_parameter_) or 0
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _wrap(self, handle: int, shape: Optional[ShapeLike], dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = lib.lshm_storage_nbytes(handle)
+        if shape is None:
+            if dtype.itemsize == 0 or nbytes % dtype.itemsize:
+                raise ValueError(f"{nbytes} bytes are not a whole number of {dtype} items")
+            shape = (nbytes // dtype.itemsize,)
+        dims = _normalize_shape(shape)
+        need = _nbytes_of(dims, dtype)
+        if need > nbytes:
+            raise ValueError(f"array of {need} bytes does not fit a tensor of {nbytes} bytes")
+        readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
+        owner = _ArenaArrayOwner(handle, dims, dtype, 0, readonly)
+        owner._arena = self
+        self._owners.add(owner)
+        array = np.asarray(owner)
+        if array.dtype != dtype:  # structured dtypes: make the view exact
+            array = array.view(dtype)
+        return array

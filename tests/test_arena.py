@@ -1,0 +1,266 @@
+"""pyshm.Arena: planned arenas (allocate/deallocate cycles, arrays, BufferError while arrays
+live), shared arenas seen from another process, record-then-replay, stats, bad input."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import pyshm
+from pyshm.arena import ArenaStats
+
+from conftest import open_fds
+
+# A chain with a skip connection: tensor i lives on [firsts[i], lasts[i]).
+SIZES = [4096, 10000, 3000, 10000, 64, 0]
+FIRSTS = [0, 1, 2, 3, 4, 2]
+LASTS = [2, 4, 4, 5, 6, 3]
+
+
+def live_at(t):
+    return [i for i in range(len(SIZES)) if FIRSTS[i] <= t < LASTS[i]]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_planned_arena_arrays_and_lifetime(shared, no_fd_leak):
+    arena = pyshm.Arena(SIZES, FIRSTS, LASTS, shared=shared)
+    plan = arena.plan
+    assert isinstance(plan, pyshm.Plan)
+    assert plan.arena_size == arena.size >= plan.lower_bound
+    pyshm.planner.validate(SIZES, FIRSTS, LASTS, plan.offsets, plan.arena_size, alignment=64)
+    assert len(arena) == len(SIZES)
+    assert arena.fd is None and arena.data_ptr == 0  # no buffer before allocate
+    arena.allocate()
+    assert (arena.fd is not None) == shared
+    base = arena.data_ptr
+    arrays = [arena.array(i) for i in range(len(SIZES))]
+    for i, a in enumerate(arrays):
+        assert a.nbytes == SIZES[i] and a.dtype == np.uint8
+        if SIZES[i]:
+            assert a.ctypes.data == base + arena.offset(i)
+            assert not a.any()  # a new buffer is zero
+        assert pyshm.is_shared(a) == shared
+    # Write each tensor when it starts; every live tensor keeps its own bytes.
+    for t in range(6):
+        for i in range(len(SIZES)):
+            if FIRSTS[i] == t:
+                arrays[i][:] = i + 1
+        for i in live_at(t):
+            assert (arrays[i] == i + 1).all()
+    with pytest.raises(BufferError):
+        arena.deallocate()
+    with pytest.raises(BufferError):
+        arena.close()
+    view = arrays[1][::2]
+    del arrays, a
+    with pytest.raises(BufferError):  # a view keeps the storage referenced
+        arena.deallocate()
+    del view
+    arena.deallocate()
+    with pytest.raises(OSError):  # not allocated
+        arena.array(0)
+    arena.close()
+    arena.close()  # idempotent
+    with pytest.raises(ValueError):
+        arena.allocate()
+
+
+def test_typed_arrays_and_bounds():
+    with pyshm.Arena([800, 80], [0, 0], [1, 1]) as arena:
+        arena.allocate()
+        x = arena.array(0, (10, 10), np.float64)
+        y = arena.array(1, None, np.int32)
+        assert x.shape == (10, 10) and y.shape == (20,)
+        x[:] = 1.5
+        y[:] = 7
+        assert x.sum() == 150 and y.sum() == 140
+        with pytest.raises(ValueError):
+            arena.array(0, (101,), np.float64)  # larger than the tensor
+        with pytest.raises(ValueError):
+            arena.array(2)  # no such tensor
+        with pytest.raises(ValueError):
+            arena.array(1, None, np.dtype("V3"))  # 80 bytes are not whole 3-byte items
+        s = arena.storage(0)
+        assert s.nbytes == 800 and s.data_ptr == x.ctypes.data
+        s.close()
+        del x, y
+        arena.deallocate()
+
+
+def test_allocate_deallocate_1000_cycles_fd_and_buffer_stable():
+    for shared in (False, True):
+        arena = pyshm.Arena(SIZES, FIRSTS, LASTS, shared=shared)
+        arena.allocate()
+        base = arena.data_ptr
+        arena.deallocate()
+        gc.collect()
+        fds = open_fds()
+        for cycle in range(1000):
+            arena.allocate()
+            assert arena.data_ptr == base  # the kept buffer
+            a = arena.array(3, (2500,), np.float32)
+            a[:] = cycle
+            del a
+            arena.deallocate()
+        gc.collect()
+        assert open_fds() == fds
+        stats = arena.stats
+        assert isinstance(stats, ArenaStats)
+        assert stats.reuse_count == 1000 * len(SIZES)
+        assert stats.iterations == 1001
+        assert stats.storages == len(SIZES)
+        assert stats.managed_bytes == sum(SIZES)
+        assert stats.arena_bytes == arena.size
+        assert stats.lower_bound <= stats.arena_bytes < stats.managed_bytes
+        arena.trim()
+        assert arena.data_ptr == 0
+        arena.close()
+
+
+def test_shared_arena_seen_from_another_process(tmp_path):
+    arena = pyshm.Arena(SIZES, FIRSTS, LASTS, shared=True).allocate()
+    x = arena.array(1, (2500,), np.float32)
+    x[:] = np.arange(2500, dtype=np.float32)
+    fd = arena.fd
+    child = textwrap.dedent(
+        f"""
+        import numpy as np, pyshm
+        s = pyshm.Storage.attach({fd}, {10000}, offset={arena.offset(1)})
+        x = s.asarray((2500,), np.float32)
+        assert (x == np.arange(2500, dtype=np.float32)).all(), x[:5]
+        t = pyshm.Storage.attach({fd}, 64, offset={arena.offset(4)})
+        t.asarray()[:] = 0x5A
+        print("ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", child], pass_fds=[fd], cwd=tmp_path,
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert (arena.array(4) == 0x5A).all()  # the child's write, same memory
+    del x
+    gc.collect()
+    arena.close()
+
+
+def run_program(arena, sizes):
+    """t0 = alloc; t1 = alloc; free t0; t2 = alloc; free t1; t3 = alloc; free t2; free t3."""
+    t0 = arena.empty(sizes[0] // 8, np.float64)
+    t1 = arena.empty(sizes[1] // 8, np.float64)
+    t0[:] = 1
+    t1[:] = 2
+    arena.free(t0)
+    t2 = arena.empty(sizes[2] // 8, np.float64)
+    t2[:] = 3
+    assert (t1 == 2).all()
+    arena.free(t1)
+    t3 = arena.empty(sizes[3] // 8, np.float64)
+    t3[:] = 4
+    assert (t2 == 3).all()
+    arena.free(t2)
+    assert (t3 == 4).all()
+    arena.free(t3)
+    arena.end_iteration()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_record_then_replay(shared, no_fd_leak):
+    arena = pyshm.Arena.recording(shared=shared)
+    assert arena.plan is None and arena.size == 0
+    sizes = [8000, 16000, 24000, 4000]
+    run_program(arena, sizes)  # recording: ordinary allocations
+    stats = arena.stats
+    assert (stats.fallback_count, stats.reuse_count, stats.iterations) == (4, 0, 1)
+    plan = arena.plan
+    assert plan is not None and len(plan.offsets) == 4
+    assert plan.lower_bound >= 16000 + 24000 and plan.arena_size >= plan.lower_bound
+    base = arena.data_ptr
+    for _ in range(5):
+        run_program(arena, sizes)  # replayed from the buffer
+    assert arena.data_ptr == base
+    stats = arena.stats
+    assert (stats.fallback_count, stats.reuse_count, stats.replans) == (4, 20, 0)
+    grown = [8000, 16000, 72000, 4000]
+    run_program(arena, grown)  # request 2 does not fit: served ordinarily, then re-planned
+    stats = arena.stats
+    assert (stats.fallback_count, stats.replans, stats.iterations) == (5, 1, 7)
+    assert arena.plan.lower_bound >= 16000 + 72000
+    run_program(arena, grown)
+    run_program(arena, sizes)  # sizes never shrink: still fits
+    assert arena.stats.replans == 1 and arena.stats.fallback_count == 5
+    gc.collect()
+    arena.close()
+
+
+def test_recording_free_rules():
+    arena = pyshm.Arena.recording()
+    a = arena.empty(100)
+    with pytest.raises(ValueError):
+        arena.free(np.zeros(3))  # not from this arena
+    with pytest.raises(ValueError):
+        arena.free(pyshm.empty(3))
+    with pytest.raises(BufferError):
+        arena.end_iteration()  # a is not freed
+    arena.free(a)
+    with pytest.raises(ValueError):
+        arena.free(a)  # twice
+    assert (a == 0).all()  # an ordinary storage: the array keeps its memory
+    arena.end_iteration()
+    b = arena.empty(100)  # now from the buffer
+    handle = pyshm.storage_of(b)
+    with pytest.raises(BufferError):
+        arena.free(b)  # another Storage handle on a buffer slice
+    handle.close()
+    arena.free(b)
+    arena.end_iteration()
+    with pytest.raises(BufferError):
+        arena.close()  # a and b are still alive
+    del a, b
+    gc.collect()
+    arena.close()
+    with pytest.raises(ValueError):
+        arena.empty(3)
+
+
+def test_wrong_kind_and_bad_input():
+    with pytest.raises(ValueError):
+        pyshm.Arena([1, 2], [0, 0], [1])  # mismatched lengths
+    with pytest.raises(ValueError):
+        pyshm.Arena([1], [3], [1])  # first > last
+    with pytest.raises(ValueError):
+        pyshm.Arena([1], [0], [1], alignment=48)
+    with pytest.raises(ValueError):
+        pyshm.Arena([-1], [0], [1])
+    with pytest.raises(OverflowError):
+        pyshm.Arena([1 << 64], [0], [1])
+    with pytest.raises(ValueError):
+        pyshm.Arena.recording(time_limit=-1)
+    planned = pyshm.Arena([10], [0], [1])
+    with pytest.raises(ValueError):
+        planned.empty(3)  # a planned arena has no alloc
+    recording = pyshm.Arena.recording()
+    with pytest.raises(ValueError):
+        recording.allocate()
+    empty = pyshm.Arena([], [], [])
+    empty.allocate()
+    assert len(empty) == 0 and empty.size == 0
+    for arena in (planned, recording, empty):
+        arena.close()
+
+
+def test_garbage_collection_frees_everything(no_fd_leak):
+    arena = pyshm.Arena(SIZES, FIRSTS, LASTS, shared=True).allocate()
+    x = arena.array(0)
+    del arena  # the array keeps the arena alive
+    x[:] = 1
+    del x
+    recording = pyshm.Arena.recording(shared=True)
+    y = recording.empty(10)
+    del recording, y
+    gc.collect()
+
