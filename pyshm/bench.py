@@ -623,7 +623,8 @@ def _run_case(workload: Workload, methods: list, threads: list, repeats: int,
                     else:
                         done.append(f"{method.key} {seconds:.3f} s")
                 if progress:
-                    where = f", {pool_size} threads" if workload.key == "seed" else ""
+                    where = (f", {pool_size} thread{'s' if pool_size > 1 else ''}"
+                             if workload.key == "seed" else "")
                     progress(f"{workload.key} round {round_index + 1}/{repeats}{where}: "
                              + ", ".join(done))
     finally:
