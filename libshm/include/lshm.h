@@ -339,7 +339,7 @@ typedef struct lshm_arena lshm_arena;
  * the latest plan of a recording arena (all zero before its first lshm_arena_end_iteration). */
 typedef struct lshm_arena_counters {
     uint64_t managed_bytes;  /* sum of the sizes of the current plan's tensors */
-    uint64_t arena_bytes;    /* bytes of the current plan's buffer (its arena_size) */
+    uint64_t arena_bytes;    /* bytes of the current plan's buffer (lshm_arena_size) */
     uint64_t lower_bound;    /* the current plan's lower bound (no plan can use fewer bytes) */
     uint64_t storages;       /* number of tensors in the current plan (slab slots) */
     uint64_t reuse_count;    /* storages initialised on a slice of an arena buffer that already
@@ -410,7 +410,9 @@ LSHM_API int lshm_arena_offset(const lshm_arena *arena, size_t i, uint64_t *offs
  * zero bytes). Borrowed. */
 LSHM_API void *lshm_arena_data(const lshm_arena *arena);
 
-/* Bytes the current plan needs (its arena_size); 0 for NULL or before a first plan. */
+/* Bytes of buffer the current plan needs: its arena_size, or more if a tensor that is never
+ * live (first == last, half-open) was placed beyond it, since every tensor gets its slice.
+ * 0 for NULL or before a first plan. */
 LSHM_API uint64_t lshm_arena_size(const lshm_arena *arena);
 
 /* The memfd of a shared arena's buffer (borrowed: dup it to keep it; valid until the buffer

@@ -48,6 +48,8 @@ struct lshm_arena {
     uint64_t *sizes;          /* planned bytes per tensor (count entries) */
     uint64_t *offsets;        /* planned offsets (count entries) */
     lshm_plan_result plan;
+    uint64_t need;            /* buffer bytes: max over tensors of offset + size (at least
+                                 plan.arena_size; a tensor never live still gets its slice) */
 
     /* The slab: capacity slots of stride bytes, aligned to lshm_storage_alignof(). */
     char *slab;
@@ -225,11 +227,15 @@ static int install_plan(lshm_arena *a, size_t n, uint64_t *sizes, const int64_t 
     a->count = n;
     a->plan = result;
     a->have_plan = 1;
-    uint64_t managed = 0;
-    for (size_t i = 0; i < n; i++)
+    uint64_t managed = 0, need = result.arena_size;
+    for (size_t i = 0; i < n; i++) {
         managed += sizes[i]; /* cannot wrap: lshm_plan refused sums that overflow */
+        if (sizes[i] > 0 && offsets[i] + sizes[i] > need)
+            need = offsets[i] + sizes[i];
+    }
+    a->need = need;
     a->stats.managed_bytes = managed;
-    a->stats.arena_bytes = result.arena_size;
+    a->stats.arena_bytes = need;
     a->stats.lower_bound = result.lower_bound;
     a->stats.storages = n;
     return 0;
@@ -330,7 +336,7 @@ int lshm_arena_allocate(lshm_arena *a) {
     if (a->allocated)
         return LSHM_FAIL(-EBUSY, "arena %p is allocated already: deallocate first", (void *)a);
     int reused = 0;
-    if ((rc = buffer_ensure(a, a->plan.arena_size, &reused)) != 0)
+    if ((rc = buffer_ensure(a, a->need, &reused)) != 0)
         return rc;
     for (size_t i = 0; i < a->count; i++) {
         if ((rc = slot_init(a, i, (size_t)a->sizes[i])) != 0) {
@@ -435,7 +441,7 @@ void *lshm_arena_data(const lshm_arena *a) {
 }
 
 uint64_t lshm_arena_size(const lshm_arena *a) {
-    return a == NULL || !a->have_plan ? 0 : a->plan.arena_size;
+    return a == NULL || !a->have_plan ? 0 : a->need;
 }
 
 int lshm_arena_fd(const lshm_arena *a, int *fd) {
@@ -615,7 +621,7 @@ int lshm_arena_end_iteration(lshm_arena *a) {
     if (had_plan)
         a->stats.replans++;
     int reused = 0;
-    if ((rc = buffer_ensure(a, a->plan.arena_size, &reused)) != 0)
+    if ((rc = buffer_ensure(a, a->need, &reused)) != 0)
         return rc; /* no buffer: allocs fall back and mark a misfit until one can be made */
     return 0;
 }

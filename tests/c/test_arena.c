@@ -451,6 +451,26 @@ static void test_bad_input(void) {
     ASSERT_OK(lshm_arena_destroy(r));
 }
 
+static void test_tensor_never_live(void) {
+    /* [3, 3) is empty (half-open): such a tensor still gets a slice inside the buffer. */
+    const uint64_t sz[2] = {100, 5000};
+    const int64_t f[2] = {3, 0}, l[2] = {3, 9};
+    for (unsigned flags = 0; flags <= LSHM_ARENA_SHARED; flags += LSHM_ARENA_SHARED) {
+        lshm_arena *a = NULL;
+        ASSERT_OK(lshm_arena_create(2, sz, f, l, NULL, flags, &a));
+        ASSERT_OK(lshm_arena_allocate(a));
+        for (size_t i = 0; i < 2; i++) {
+            uint64_t off;
+            lshm_storage *s;
+            ASSERT_OK(lshm_arena_offset(a, i, &off));
+            ASSERT(off + sz[i] <= lshm_arena_size(a));
+            ASSERT_OK(lshm_arena_storage(a, i, &s));
+            memset(lshm_storage_data(s), 1, sz[i]);
+        }
+        ASSERT_OK(lshm_arena_destroy(a));
+    }
+}
+
 int main(void) {
     RUN_TEST(test_slab_in_place);
     RUN_TEST(test_cycles_reuse_and_trim);
@@ -458,6 +478,7 @@ int main(void) {
     RUN_TEST(test_shared_fork);
     RUN_TEST(test_record_replay);
     RUN_TEST(test_replay_out_of_order_never_aliases);
+    RUN_TEST(test_tensor_never_live);
     RUN_TEST(test_bad_input);
     return 0;
 }
