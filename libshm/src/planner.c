@@ -13,10 +13,20 @@
  *     spirit of MiniMalloc) bisecting the capacity between LB and the best arena found.
  *
  * Data structures. Times are compressed once (sort) to 0..T so that both interval modes become
- * half-open. Placed tensors live in a static "interval tree" over the tensors sorted by start:
- * an implicit balanced tree (node = middle of its range) whose nodes keep the maximum end of
- * the placed tensors below them, so the placed tensors that overlap a lifetime are found in
- * O((k + 1) log n) without any n x n conflict matrix. Working memory is O(n).
+ * half-open. Two placement engines give the same placements (best/first fit over the gaps
+ * between the placed tensors live with the new one); which one runs depends on the density:
+ *  - sparse (fewer than DENSE_PAIRS_PER_TENSOR tensors overlap a tensor on average): placed
+ *    tensors live in a static "interval tree" over the tensors sorted by start (implicit
+ *    balanced tree whose nodes keep the maximum end of the placed tensors below them), so the
+ *    k placed tensors that overlap a lifetime are listed in O((k + 1) log n) and sorted;
+ *  - dense: a segment tree over time slots whose nodes keep *coalesced* offset ranges (see
+ *    struct engine), so a query merges a few short sorted lists instead of listing thousands of
+ *    live tensors (S_1, Y_1: 1500-2900 live-together tensors per tensor, 20-40x fewer ranges).
+ * No n x n conflict matrix anywhere. LSHM_PLAN_DEBUG=1 prints per-strategy times;
+ * LSHM_PLAN_ENGINE=sparse|dense forces an engine (for benchmarks and tests).
+ *
+ * Portfolio size: above PORTFOLIO_LARGE tensors only the strategies that win on the larger
+ * traces run (see portfolio_large).
  *
  * Every plan is checked by the validator (a sweep over time with a treap of live blocks keyed
  * by offset, O(n log n)) before it is returned.
@@ -472,15 +482,199 @@ typedef struct engine {
     uint32_t *pmax;     /* [m] max end of the placed tensors in the subtree of this node; 0 none */
     uint64_t *plo, *phi; /* [m] placed block by position; phi == 0: not placed */
     block *blocks;      /* [m] scratch: placed blocks overlapping in time */
+    /* Dense mode (seg != 0): a segment tree over the time slots (intervals between consecutive
+     * lifetime boundaries). Node v keeps two coalesced, offset-sorted sets of occupied offset
+     * ranges: here[v], the blocks whose canonical cover includes v (live over all of v), and
+     * sub[v], every block stored at v or below (sub[parent] contains sub[child]). The placed
+     * blocks meeting [l, r) are then the union of sub[] over the canonical nodes of [l, r) and
+     * here[] over the ancestors of those nodes, i.e. over the paths from leaves l and r - 1 to
+     * the root. A query costs the size of these coalesced sets, not the number of overlapping
+     * blocks: on dense traces (thousands of live tensors) that is 20-40x fewer. */
+    int seg;
+    uint32_t W;             /* leaves (power of two) */
+    uint32_t *slo, *shi;    /* [m] slot range [slo, shi) per tensor */
+    struct iset *here, *sub; /* [2W] */
+    size_t blocks_cap;      /* capacity of blocks in dense mode (grows) */
+    int nomem;
 } engine;
+
+typedef struct iset {
+    block *v;
+    uint32_t len, cap;
+} iset;
 
 static void engine_free(engine *e)
 {
     free(e->pos), free(e->ps), free(e->pe), free(e->pmax), free(e->plo), free(e->phi);
     free(e->blocks);
+    if (e->here)
+        for (size_t v = 0; v < 2 * (size_t)e->W; v++)
+            free(e->here[v].v), free(e->sub[v].v);
+    free(e->here), free(e->sub), free(e->slo), free(e->shi);
 }
 
-static int engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint64_t *key)
+/* Dense mode setup: slots between consecutive distinct boundaries. */
+static int engine_init_seg(engine *e, const plan_input *in)
+{
+    uint32_t T = in->times;
+    uint32_t *slot = calloc((size_t)T + 1, sizeof *slot);
+    e->slo = malloc(e->m * sizeof *e->slo);
+    e->shi = malloc(e->m * sizeof *e->shi);
+    if (!slot || !e->slo || !e->shi) {
+        free(slot);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < e->m; i++)
+        slot[in->start[i]] = slot[in->end[i]] = 1;
+    uint32_t ns = 0; /* slot[t] = number of boundaries < t */
+    for (uint32_t t = 0; t <= T; t++) {
+        uint32_t b = slot[t];
+        slot[t] = ns;
+        ns += b;
+    }
+    for (size_t i = 0; i < e->m; i++) {
+        e->slo[i] = slot[in->start[i]];
+        e->shi[i] = slot[in->end[i]];
+    }
+    free(slot);
+    uint32_t W = 1;
+    while (W < ns)
+        W <<= 1;
+    e->W = W;
+    e->here = calloc(2 * (size_t)W, sizeof *e->here);
+    e->sub = calloc(2 * (size_t)W, sizeof *e->sub);
+    if (!e->here || !e->sub)
+        return -ENOMEM;
+    e->seg = 1;
+    return 0;
+}
+
+/* Adds [lo, hi) to the coalesced set; returns 0 if it was already covered, 1 if the set
+ * changed. Touching ranges merge (a gap of 0 bytes holds nothing). */
+static int iset_add(engine *e, iset *s, uint64_t lo, uint64_t hi)
+{
+    block *v = s->v;
+    uint32_t a = 0, b = s->len;
+    while (a < b) { /* first range with v.hi >= lo */
+        uint32_t mid = a + (b - a) / 2;
+        if (v[mid].hi < lo)
+            a = mid + 1;
+        else
+            b = mid;
+    }
+    if (a < s->len && v[a].lo <= lo && v[a].hi >= hi)
+        return 0;
+    uint32_t j = a;
+    while (j < s->len && v[j].lo <= hi)
+        j++;
+    if (j > a) { /* merge v[a..j) and [lo, hi) into v[a] */
+        if (v[a].lo < lo)
+            lo = v[a].lo;
+        if (v[j - 1].hi > hi)
+            hi = v[j - 1].hi;
+        v[a].lo = lo;
+        v[a].hi = hi;
+        if (j > a + 1) {
+            memmove(v + a + 1, v + j, (s->len - j) * sizeof *v);
+            s->len -= j - a - 1;
+        }
+        return 1;
+    }
+    if (s->len == s->cap) {
+        uint32_t cap = s->cap ? 2 * s->cap : 4;
+        block *nv = realloc(s->v, cap * sizeof *nv);
+        if (!nv) {
+            e->nomem = 1;
+            return 0;
+        }
+        s->v = v = nv;
+        s->cap = cap;
+    }
+    memmove(v + a + 1, v + a, (s->len - a) * sizeof *v);
+    v[a].lo = lo;
+    v[a].hi = hi;
+    s->len++;
+    return 1;
+}
+
+static void seg_insert(engine *e, uint32_t i, uint64_t lo, uint64_t hi)
+{
+    uint32_t l = e->slo[i] + e->W, r = e->shi[i] + e->W;
+    for (; l < r; l >>= 1, r >>= 1) {
+        if (l & 1) {
+            iset_add(e, &e->here[l], lo, hi);
+            for (uint32_t v = l; v >= 1 && iset_add(e, &e->sub[v], lo, hi); v >>= 1)
+                ;
+            l++;
+        }
+        if (r & 1) {
+            r--;
+            iset_add(e, &e->here[r], lo, hi);
+            for (uint32_t v = r; v >= 1 && iset_add(e, &e->sub[v], lo, hi); v >>= 1)
+                ;
+        }
+    }
+}
+
+/* Merges the coalesced set s into the coalesced, sorted e->blocks[0..*k) (scratch after it). */
+static int seg_merge(engine *e, size_t *k, const iset *s)
+{
+    if (!s->len)
+        return 0;
+    size_t need = 2 * (*k + s->len);
+    if (need > e->blocks_cap) {
+        block *nb = realloc(e->blocks, 2 * need * sizeof *nb);
+        if (!nb) {
+            e->nomem = 1;
+            return -1;
+        }
+        e->blocks = nb;
+        e->blocks_cap = 2 * need;
+    }
+    const block *a = e->blocks, *b = s->v;
+    size_t na = *k, nb = s->len, i = 0, j = 0, o = 0;
+    block *out = e->blocks + na;
+    while (i < na || j < nb) {
+        block x = (j == nb || (i < na && a[i].lo <= b[j].lo)) ? a[i++] : b[j++];
+        if (o && x.lo <= out[o - 1].hi) {
+            if (x.hi > out[o - 1].hi)
+                out[o - 1].hi = x.hi;
+        } else {
+            out[o++] = x;
+        }
+    }
+    memmove(e->blocks, out, o * sizeof *out);
+    *k = o;
+    return 0;
+}
+
+/* Collects into e->blocks the union (coalesced, sorted) of the occupied ranges meeting tensor
+ * i's slots; returns how many ranges. */
+static size_t seg_query(engine *e, uint32_t i)
+{
+    size_t k = 0;
+    const uint32_t l0 = e->slo[i], r0 = e->shi[i];
+    uint32_t l = l0 + e->W, r = r0 + e->W;
+    for (; l < r; l >>= 1, r >>= 1) {
+        if (l & 1)
+            seg_merge(e, &k, &e->sub[l++]);
+        if (r & 1)
+            seg_merge(e, &k, &e->sub[--r]);
+    }
+    /* here[] of the nodes on the two leaf-to-root paths that stick out of [l0, r0) (nodes
+     * inside it are below a canonical node, whose sub[] already holds them) */
+    uint32_t pa = l0 + e->W, pb = r0 - 1 + e->W, h = 0;
+    for (; pa >= 1; pa >>= 1, pb >>= 1, h++) {
+        uint32_t lo_a = (pa << h) - e->W, lo_b = (pb << h) - e->W;
+        if (lo_a < l0 || lo_a + (1u << h) > r0)
+            seg_merge(e, &k, &e->here[pa]);
+        if (pb != pa && (lo_b < l0 || lo_b + (1u << h) > r0))
+            seg_merge(e, &k, &e->here[pb]);
+    }
+    return e->nomem ? 0 : k;
+}
+
+static int engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint64_t *key, int dense)
 {
     size_t m = in->m;
     memset(e, 0, sizeof *e);
@@ -512,11 +706,24 @@ static int engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint64_t 
         e->ps[e->pos[i]] = in->start[i];
         e->pe[e->pos[i]] = in->end[i];
     }
+    e->blocks_cap = m;
+    if (dense) {
+        int err = engine_init_seg(e, in);
+        if (err) {
+            engine_free(e);
+            return err;
+        }
+    }
     return 0;
 }
 
 static void engine_reset(engine *e)
 {
+    if (e->seg) {
+        for (size_t v = 0; v < 2 * (size_t)e->W; v++)
+            e->here[v].len = e->sub[v].len = 0;
+        return;
+    }
     memset(e->pmax, 0, e->m * sizeof *e->pmax);
     memset(e->phi, 0, e->m * sizeof *e->phi);
 }
@@ -594,6 +801,10 @@ static size_t engine_query(engine *e, uint32_t a, uint32_t b)
 
 static void engine_insert(engine *e, uint32_t i, uint64_t offset)
 {
+    if (e->seg) {
+        seg_insert(e, i, offset, offset + e->size[i]);
+        return;
+    }
     uint32_t p = e->pos[i], lo = 0, hi = (uint32_t)e->m, end = e->end[i];
     e->plo[p] = offset;
     e->phi[p] = offset + e->size[i];
@@ -617,9 +828,10 @@ enum { FIT_BEST = 0, FIT_FIRST = 1 };
  * blocks. */
 static uint64_t engine_choose(engine *e, uint32_t i, int fit)
 {
-    size_t k = engine_query(e, e->start[i], e->end[i]);
+    size_t k = e->seg ? seg_query(e, i) : engine_query(e, e->start[i], e->end[i]);
     block *bl = e->blocks;
-    sort_blocks(bl, k);
+    if (!e->seg)
+        sort_blocks(bl, k);
     const uint64_t a = e->alignment, sz = e->size[i];
     uint64_t cur = 0, best = UINT64_MAX, best_waste = UINT64_MAX;
     for (size_t j = 0; j < k; j++) {
@@ -921,6 +1133,34 @@ int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *firsts,
     return 0;
 }
 
+/* Average number of tensors overlapping a tensor's lifetime above which the dense engine wins. */
+#define DENSE_PAIRS_PER_TENSOR 64
+
+/* Number of pairs of tensors live together: sum over i of (starts before end_i) - (ends at or
+ * before start_i) - 1, halved. 0 if out of memory (the sparse engine is then used). */
+static uint64_t live_pairs(const plan_input *in)
+{
+    uint32_t T = in->times;
+    uint32_t *ns = calloc((size_t)T + 2, sizeof *ns), *ne = calloc((size_t)T + 2, sizeof *ne);
+    uint64_t sum = 0;
+    if (!ns || !ne) {
+        free(ns), free(ne);
+        return 0;
+    }
+    for (size_t i = 0; i < in->m; i++) {
+        ns[in->start[i] + 1]++; /* ns[t] = starts < t */
+        ne[in->end[i]]++;       /* ne[t] = ends <= t */
+    }
+    for (uint32_t t = 1; t <= T + 1; t++) {
+        ns[t] += ns[t - 1];
+        ne[t] += ne[t - 1];
+    }
+    for (size_t i = 0; i < in->m; i++)
+        sum += ns[in->end[i]] - ne[in->start[i]] - 1;
+    free(ns), free(ne);
+    return sum / 2;
+}
+
 typedef struct strategy {
     int order, fit;
 } strategy;
@@ -935,6 +1175,17 @@ static const strategy portfolio[] = {
 };
 #define PORTFOLIO_SIZE (sizeof portfolio / sizeof portfolio[0])
 
+/* Above PORTFOLIO_LARGE tensors only the strategies that won (or tied the best) on some trace
+ * of shared/traces with more than a few hundred tensors are run: breadth (G_1, tiny_bert,
+ * bert_*, pangu_2.6B, Y_1), size (pangu_13B), start (resnet50), conflicts (S_1), size/first
+ * and area (random DNN-like traces). Breadth goes first: it reaches LB most often there. */
+#define PORTFOLIO_LARGE 512
+static const strategy portfolio_large[] = {
+    {ORDER_BREADTH, FIT_BEST}, {ORDER_SIZE, FIT_BEST},      {ORDER_START, FIT_BEST},
+    {ORDER_CONFLICTS, FIT_BEST}, {ORDER_SIZE, FIT_FIRST},   {ORDER_AREA, FIT_BEST},
+};
+#define PORTFOLIO_LARGE_SIZE (sizeof portfolio_large / sizeof portfolio_large[0])
+
 /* Exact search is tried up to this many tensors (its data is O(conflicting pairs)). */
 #define EXACT_MAX_TENSORS 2000
 
@@ -943,6 +1194,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
               lshm_plan_result *result)
 {
     double t0 = lshm__plan_now();
+    const int debug = getenv("LSHM_PLAN_DEBUG") != NULL;
     if (n > 0 && !offsets)
         return LSHM_FAIL(-EINVAL, "offsets is NULL with n = %zu", n);
     lshm_plan_options defaults;
@@ -1011,7 +1263,11 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     if (!best_off || !cur_off || !order || !best_order || !items || !tmp || !key)
         goto nomem;
     if (m) {
-        if (engine_init(&eng, &in, tmp, key))
+        /* Dense traces (many tensors live together) use the segment-tree engine. */
+        uint64_t pairs = live_pairs(&in);
+        const char *ev = getenv("LSHM_PLAN_ENGINE");
+        int dense = ev && *ev ? ev[0] == 'd' : pairs > DENSE_PAIRS_PER_TENSOR * (uint64_t)m;
+        if (engine_init(&eng, &in, tmp, key, dense))
             goto nomem;
         have_engine = 1;
     }
@@ -1031,17 +1287,27 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
         optimal = 1;
     }
     /* Phase 1: the portfolio. */
-    for (size_t s = 0; s < PORTFOLIO_SIZE && m && best > lb; s++) {
-        if (make_order(&oc, portfolio[s].order, order))
+    const strategy *pf = m > PORTFOLIO_LARGE ? portfolio_large : portfolio;
+    size_t npf = m > PORTFOLIO_LARGE ? PORTFOLIO_LARGE_SIZE : PORTFOLIO_SIZE;
+    for (size_t s = 0; s < npf && m && best > lb; s++) {
+        double ts = lshm__plan_now();
+        if (make_order(&oc, pf[s].order, order))
             goto nomem;
-        uint64_t arena = engine_run(&eng, &in, order, count, portfolio[s].fit, cur_off, best);
+        uint64_t arena = engine_run(&eng, &in, order, count, pf[s].fit, cur_off, best);
+        if (eng.nomem)
+            goto nomem;
+        if (debug)
+            fprintf(stderr, "lshm_plan: %s/%s %s in %.3f ms (%s engine)\n",
+                    order_names[pf[s].order], pf[s].fit == FIT_BEST ? "best" : "first",
+                    arena == UINT64_MAX ? "cut off" : "done", (lshm__plan_now() - ts) * 1e3,
+                    eng.seg ? "dense" : "sparse");
         if (arena < best) {
             best = arena;
-            best_fit = portfolio[s].fit;
+            best_fit = pf[s].fit;
             memcpy(best_off, cur_off, m * sizeof *best_off);
             memcpy(best_order, order, count * sizeof *order);
-            snprintf(name, sizeof name, "%s/%s", order_names[portfolio[s].order],
-                     portfolio[s].fit == FIT_BEST ? "best-fit" : "first-fit");
+            snprintf(name, sizeof name, "%s/%s", order_names[pf[s].order],
+                     pf[s].fit == FIT_BEST ? "best-fit" : "first-fit");
         }
     }
     if (m && best <= lb)
@@ -1088,6 +1354,10 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
                 order[q] = moved;
             }
             uint64_t arena = engine_run(&eng, &in, order, count, best_fit, try_off, cur + 1);
+            if (eng.nomem) {
+                free(try_off), free(tops);
+                goto nomem;
+            }
             if (arena <= cur) {
                 cur = arena;
                 memcpy(cur_off, try_off, m * sizeof *cur_off);
@@ -1127,8 +1397,8 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
             double slice = first ? (deadline - now) * 0.4 : (deadline - now) * 0.5;
             first = 0;
             int r = lshm__plan_exact(&prob, cap, now + slice, cur_off);
-            if (getenv("LSHM_PLAN_DEBUG"))
-                fprintf(stderr, "exact: cap %llu -> %d after %.3f s\n", (unsigned long long)cap,
+            if (debug)
+                fprintf(stderr, "lshm_plan: exact: cap %llu -> %d after %.3f s\n", (unsigned long long)cap,
                         r, lshm__plan_now() - now);
             if (r < 0 && r != -1)
                 goto nomem;

@@ -430,6 +430,123 @@ static void test_determinism(void)
     trace_free(&t);
 }
 
+/* Reference best fit (O(n^2)): tensors in the given order, each at the smallest gap between the
+ * placed tensors live with it (lowest on ties), else on top. Half-open lifetimes, alignment 1. */
+static uint64_t reference_best_fit(const trace *t, const size_t *order)
+{
+    uint64_t *off = malloc(t->n * 8), arena = 0;
+    uint8_t *placed = calloc(t->n, 1);
+    ASSERT(off && placed);
+    for (size_t k = 0; k < t->n; k++) {
+        size_t i = order[k];
+        if (t->size[i] == 0 || t->first[i] >= t->last[i])
+            continue;
+        uint64_t best = UINT64_MAX, best_gap = UINT64_MAX, cand = 0;
+        for (;;) { /* candidate offsets: 0 and the ends of live-together placed tensors */
+            uint64_t next_lo = UINT64_MAX, cover = cand;
+            int moved = 1;
+            while (moved) { /* raise cand past every block covering it */
+                moved = 0;
+                for (size_t j = 0; j < t->n; j++)
+                    if (placed[j] && t->first[j] < t->last[i] && t->first[i] < t->last[j] &&
+                        off[j] <= cover && off[j] + t->size[j] > cover) {
+                        cover = off[j] + t->size[j];
+                        moved = 1;
+                    }
+            }
+            cand = cover;
+            for (size_t j = 0; j < t->n; j++)
+                if (placed[j] && t->first[j] < t->last[i] && t->first[i] < t->last[j] &&
+                    off[j] > cand && off[j] < next_lo)
+                    next_lo = off[j];
+            if (next_lo == UINT64_MAX) { /* top */
+                if (best == UINT64_MAX)
+                    best = cand;
+                break;
+            }
+            if (next_lo - cand >= t->size[i] && next_lo - cand < best_gap) {
+                best_gap = next_lo - cand;
+                best = cand;
+            }
+            cand = next_lo;
+        }
+        off[i] = best;
+        placed[i] = 1;
+        if (best + t->size[i] > arena)
+            arena = best + t->size[i];
+    }
+    free(off), free(placed);
+    return arena;
+}
+
+static const trace *cmp_trace;
+static int by_size_desc(const void *a, const void *b)
+{
+    size_t i = *(const size_t *)a, j = *(const size_t *)b;
+    const trace *t = cmp_trace;
+    if (t->size[i] != t->size[j])
+        return t->size[i] > t->size[j] ? -1 : 1;
+    int64_t li = t->last[i] - t->first[i], lj = t->last[j] - t->first[j];
+    if (li != lj)
+        return li > lj ? -1 : 1;
+    if (t->first[i] != t->first[j])
+        return t->first[i] < t->first[j] ? -1 : 1;
+    return i < j ? -1 : (i > j);
+}
+static int by_start(const void *a, const void *b)
+{
+    size_t i = *(const size_t *)a, j = *(const size_t *)b;
+    if (cmp_trace->first[i] != cmp_trace->first[j])
+        return cmp_trace->first[i] < cmp_trace->first[j] ? -1 : 1;
+    return i < j ? -1 : (i > j);
+}
+
+/* Dense traces (hundreds of tensors live together) take the segment-tree engine and the large
+ * portfolio: plans must be valid, deterministic, and no worse than plain best fit in size order
+ * (TFLite) or in execution order (ONNX Runtime), computed here by brute force. */
+static void test_dense(void)
+{
+    static const size_t ns[] = {300, 800, 1500};
+    for (size_t c = 0; c < COUNT(ns); c++) {
+        rng_state = 0xD15EA5Eull + c;
+        size_t n = ns[c];
+        trace t = random_trace(n, 40 + (int64_t)(rnd() % 40), 1 + rnd() % 5000, 0);
+        uint64_t *off = malloc(n * 8), *off2 = malloc(n * 8);
+        size_t *order = malloc(n * sizeof *order);
+        ASSERT(off && off2 && order);
+        lshm_plan_result r, r2;
+        uint64_t arena = plan_trace(&t, 1, 0, 0.0, off, &r);
+        plan_trace(&t, 1, 0, 0.0, off2, &r2);
+        ASSERT(memcmp(off, off2, n * 8) == 0);
+        cmp_trace = &t;
+        for (size_t i = 0; i < n; i++)
+            order[i] = i;
+        qsort(order, n, sizeof *order, by_size_desc);
+        uint64_t tflite = reference_best_fit(&t, order);
+        qsort(order, n, sizeof *order, by_start);
+        uint64_t online = reference_best_fit(&t, order);
+        ASSERT_LE(arena, tflite);
+        ASSERT_LE(arena, online);
+        printf("  n %zu: arena/LB %.4f (size best fit %.4f, online %.4f) by %s in %.2f ms\n", n,
+               (double)arena / (double)r.lower_bound, (double)tflite / (double)r.lower_bound,
+               (double)online / (double)r.lower_bound, r.strategy, r.seconds * 1e3);
+        /* alignment, inclusive lifetimes and pinned tensors on the same dense trace */
+        plan_trace(&t, 64, LSHM_PLAN_INCLUSIVE, 0.0, off, &r);
+        int64_t *fixed = malloc(n * 8);
+        ASSERT(fixed);
+        for (size_t i = 0; i < n; i++)
+            fixed[i] = (rnd() % 5 == 0) ? (int64_t)off[i] : -1;
+        lshm_plan_options o;
+        lshm_plan_options_init(&o);
+        o.alignment = 64;
+        o.flags = LSHM_PLAN_INCLUSIVE;
+        ASSERT_EQ(lshm_plan(n, t.size, t.first, t.last, fixed, &o, off2, &r2), 0);
+        brute_check(&t, off2, 64, 1, r2.arena_size, fixed);
+        free(off), free(off2), free(order), free(fixed);
+        trace_free(&t);
+    }
+}
+
 /* With a time budget, the improvement and exact phases must keep plans valid and never worse. */
 static void test_time_budget(void)
 {
@@ -462,6 +579,7 @@ int main(void)
     RUN_TEST(test_edge_cases);
     RUN_TEST(test_random_validity);
     RUN_TEST(test_determinism);
+    RUN_TEST(test_dense);
     RUN_TEST(test_time_budget);
     return 0;
 }
