@@ -267,7 +267,7 @@ LSHM_API void lshm_plan_options_init(lshm_plan_options *opts);
 
 typedef struct lshm_plan_result {
     uint64_t arena_size;  /* max over tensors of offset + size (aligned sizes not added) */
-    uint64_t lower_bound; /* max over time of live bytes (each size rounded up to alignment) */
+    uint64_t lower_bound; /* no plan can be smaller; see lshm_plan_lower_bound */
     int optimal;          /* 1 when arena_size is proven minimal (== lower bound or exact search) */
     char strategy[48];    /* name of the strategy that produced the plan */
     double seconds;       /* wall time spent */
@@ -292,7 +292,12 @@ LSHM_API int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *
                                 const int64_t *lasts, const uint64_t *offsets,
                                 const lshm_plan_options *opts, uint64_t arena_size);
 
-/* Lower bound alone (max over time of live bytes, sizes rounded up to the alignment). */
+/* Lower bound alone: the maximum over time t of (the sum of the sizes of the tensors live at t,
+ * each rounded up to the alignment, minus the largest of those roundings): every live tensor
+ * but the topmost one occupies at least its rounded-up size, the topmost at least its size.
+ * With alignment 1 this is the maximum of the live bytes. Tensors that occupy no memory are
+ * left out: zero-size tensors and, in the default half-open mode, tensors with first == last
+ * (never live). */
 LSHM_API int lshm_plan_lower_bound(size_t n, const uint64_t *sizes, const int64_t *firsts,
                                    const int64_t *lasts, const lshm_plan_options *opts,
                                    uint64_t *lower_bound);
