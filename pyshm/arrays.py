@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 ShapeLike = Union[int, Sequence[int]]
+_SLAB_MAX = 64 << 10  # == pyshm.reduction.SLAB_MAX
 
 
 class ArrayOwner:
@@ -119,12 +120,21 @@ def _array_from_storage(
 def empty(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) -> np.ndarray:
     """A new C-contiguous array backed by its own storage (whole pages, zero-filled).
 
-    With ``shared=True`` the bytes live in an anonymous memfd from the start. The array's
-    ``.base`` keeps the storage alive; :func:`storage_of` returns it.
+    With ``shared=True`` the bytes live in an anonymous memfd from the start; arrays of at most
+    64 KiB are packed into shared 4 MiB slabs (one fd and mapping for many arrays, see
+    :mod:`pyshm.reduction`). The array's ``.base`` keeps the storage alive; :func:`storage_of`
+    returns it.
     """
     dtype = np.dtype(dtype)
     shape = _normalize_shape(shape)
-    storage = Storage(_nbytes_of(shape, dtype), shared=shared)
+    nbytes = _nbytes_of(shape, dtype)
+    if shared and 0 < nbytes <= _SLAB_MAX:
+        # small shared arrays are packed into slabs: one fd and one mapping per 4 MiB
+        # (see pyshm.reduction, "fd and mapping policy")
+        from .reduction import slab_empty
+
+        return slab_empty(shape, dtype, nbytes)
+    storage = Storage(nbytes, shared=shared)
     try:
         return _wrap(storage._as_parameter_, shape, dtype)
     finally:

@@ -11,6 +11,9 @@
  *  - Inference on sections (time slices between consecutive lifetime boundaries): each has a
  *    floor (highest placed top, raised to the lowest min offset of its unplaced tensors) and
  *    the bytes of its unplaced tensors; floor + bytes > capacity prunes the node.
+ *  - Dynamic decomposition: a count of unplaced tensors crossing each section boundary; when
+ *    placing a tensor brings one to zero, the two sides are solved as independent subproblems
+ *    (each with a fresh canonical search; one failing fails the node). Also done at the root.
  *  - Static preorders (by section total, width in sections, area) tried round robin with a
  *    doubling node limit, as MiniMalloc does.
  */
@@ -35,6 +38,7 @@ typedef struct exact {
     uint32_t *ov_start, *ov;        /* CSR: conflicting tensors of each tensor */
     uint32_t *sb_start, *sb;        /* CSR: tensors of each section */
     uint64_t *floor, *total;        /* [nsec] */
+    uint32_t *cuts;                 /* [nsec] unplaced tensors crossing the boundary s | s + 1 */
     uint64_t *min_off;              /* [n] */
     uint64_t *off;                  /* [n] UINT64_MAX while unplaced */
     uint32_t *rank;                 /* [n] preorder rank */
@@ -91,9 +95,13 @@ static size_t build_ordering(exact *x, const uint32_t *parent, size_t pn, uint32
     return k;
 }
 
-/* Undo log entries: idx < n: min_off of a tensor; idx >= n: floor of section idx - n. */
+static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, uint32_t phi,
+                       uint32_t *pool);
+
+/* Searches the unplaced tensors of parent[0..pn), all within sections [plo, phi).
+ * Undo log entries: idx < n: min_off of a tensor; idx >= n: floor of section idx - n. */
 static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, uint64_t last_off,
-                  uint32_t last_rank)
+                  uint32_t last_rank, uint32_t plo, uint32_t phi)
 {
     if (--x->nodes_left < 0)
         return -1;
@@ -159,14 +167,24 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
             }
         }
         int ok = 1;
-        for (uint32_t s = 0; s < x->nsec && ok; s++) {
+        for (uint32_t s = plo; s < phi && ok; s++) {
             uint64_t f = x->floor[s] > o ? x->floor[s] : o;
             if (x->total[s] && f + x->total[s] > x->capacity)
                 ok = 0;
         }
+        /* Dynamic decomposition: when no unplaced tensor crosses a boundary any more, the two
+         * sides are independent subproblems (solved one after the other; one failing fails
+         * this node, with no retrying of the others). */
+        int split = 0;
+        for (uint32_t s = x->sec_lo[b]; s + 1 < x->sec_hi[b]; s++)
+            if (--x->cuts[s] == 0 && s + 1 > plo && s + 1 < phi)
+                split = 1;
         int r = 0;
         if (ok)
-            r = search(x, mine, k, mine + k, o, x->rank[b]);
+            r = split ? solve_split(x, mine, k, plo, phi, mine + k)
+                      : search(x, mine, k, mine + k, o, x->rank[b], plo, phi);
+        for (uint32_t s = x->sec_lo[b]; s + 1 < x->sec_hi[b]; s++)
+            x->cuts[s]++;
         for (uint32_t s = x->sec_lo[b]; s < x->sec_hi[b]; s++)
             x->total[s] += x->p->size[b];
         while (x->undo_len > mark) {
@@ -185,8 +203,40 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
     return 0;
 }
 
+/* Splits the unplaced tensors of list[0..k) (within sections [plo, phi)) at the boundaries no
+ * unplaced tensor crosses and solves each part with a fresh canonical search. pool holds the
+ * parts, then the search lists. On failure every tensor of the parts is unplaced again. */
+static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, uint32_t phi,
+                       uint32_t *pool)
+{
+    size_t used = 0;
+    int r = 1;
+    uint32_t lo = plo;
+    while (lo < phi && r == 1) {
+        uint32_t hi = lo + 1;
+        while (hi < phi && x->cuts[hi - 1] != 0)
+            hi++;
+        uint32_t *part = pool + used;
+        size_t pk = 0;
+        for (size_t j = 0; j < k; j++) {
+            uint32_t c = list[j];
+            if (x->off[c] == UINT64_MAX && x->sec_lo[c] >= lo && x->sec_lo[c] < hi)
+                part[pk++] = c;
+        }
+        used += pk;
+        if (pk)
+            r = search(x, part, pk, pool + used, 0, 0, lo, hi);
+        lo = hi;
+    }
+    if (r != 1)
+        for (size_t j = 0; j < used; j++)
+            x->off[pool[j]] = UINT64_MAX;
+    return r;
+}
+
 static void exact_free(exact *x)
 {
+    free(x->cuts);
     free(x->sec_lo), free(x->sec_hi), free(x->ov_start), free(x->ov), free(x->sb_start);
     free(x->sb), free(x->floor), free(x->total), free(x->min_off), free(x->off), free(x->rank);
     free(x->pool), free(x->affected), free(x->aff_list), free(x->undo);
@@ -251,7 +301,7 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     x.off = malloc(n * sizeof *x.off);
     x.rank = malloc(n * sizeof *x.rank);
     x.ov_start = calloc(n + 1, sizeof *x.ov_start);
-    x.pool = malloc((n * (n + 1) / 2 + n) * sizeof *x.pool);
+    x.pool = malloc((n * (n + 1) + 2 * n) * sizeof *x.pool); /* lists and parts per depth */
     if (!sec_of || !isb || !kt || !kw || !ka || !pre || !tmp || !x.sec_lo || !x.sec_hi ||
         !x.min_off || !x.off || !x.rank || !x.ov_start || !x.pool)
         goto out;
@@ -278,8 +328,12 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     x.affected = calloc(x.nsec + 1, 1);
     x.aff_list = malloc((x.nsec + 1) * sizeof *x.aff_list);
     x.sb_start = calloc(x.nsec + 2, sizeof *x.sb_start);
-    if (!x.floor || !x.total || !x.affected || !x.aff_list || !x.sb_start)
+    x.cuts = calloc(x.nsec + 1, sizeof *x.cuts);
+    if (!x.floor || !x.total || !x.affected || !x.aff_list || !x.sb_start || !x.cuts)
         goto out;
+    for (size_t i = 0; i < n; i++)
+        for (uint32_t q = x.sec_lo[i]; q + 1 < x.sec_hi[i]; q++)
+            x.cuts[q]++;
     size_t cover = 0;
     for (size_t i = 0; i < n; i++) {
         for (uint32_t q = x.sec_lo[i]; q < x.sec_hi[i]; q++) {
@@ -348,7 +402,7 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
             memset(x.floor, 0, (x.nsec + 1) * sizeof *x.floor);
             x.nodes_left = limit;
             x.undo_len = 0;
-            int r = search(&x, pre, n, x.pool, 0, 0);
+            int r = solve_split(&x, pre, n, 0, x.nsec, x.pool);
             if (r == 1) {
                 memcpy(offsets, x.off, n * sizeof *offsets);
                 ret = 1;

@@ -570,6 +570,28 @@ static void test_time_budget(void)
     lshm_plan_result r;
     ASSERT_UINT_EQ(plan_trace(&t, 1, 0, 0.1, off, &r), 80);
     trace_free(&t);
+
+    /* Decomposition: two copies of TFLM medium apart in time (independent at the root), then
+     * the same joined by one long tensor (independent once it is placed). Both reach LB. */
+    for (int joined = 0; joined <= 1; joined++) {
+        int64_t rows[11][3];
+        size_t k = 0;
+        for (int copy = 0; copy < 2; copy++)
+            for (size_t i = 0; i < COUNT(tflm_greedy_medium_data); i++, k++) {
+                rows[k][0] = tflm_greedy_medium_data[i][0] + 10 * copy;
+                rows[k][1] = tflm_greedy_medium_data[i][1] + 10 * copy;
+                rows[k][2] = tflm_greedy_medium_data[i][2];
+            }
+        if (joined) {
+            rows[k][0] = 0, rows[k][1] = 15, rows[k][2] = 16;
+            k++;
+        }
+        trace d = trace_from((const int64_t(*)[3])rows, k);
+        uint64_t o2[11];
+        ASSERT_UINT_EQ(plan_trace(&d, 1, 0, 1.0, o2, &r), joined ? 96 : 80);
+        ASSERT(r.optimal);
+        trace_free(&d);
+    }
 }
 
 int main(void)
