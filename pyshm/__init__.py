@@ -27,6 +27,9 @@ from .arena import Arena
 from .arrays import copy, empty, is_shared, share_memory_, storage_of, zeros
 from .planner import Plan, lower_bound, plan
 from .storage import Storage
+from .reduction import register as _register_reducers, share_readonly
+
+_register_reducers()
 
 __version__ = _lib.lshm_version_string().decode()
 
@@ -38,6 +41,7 @@ __all__ = [
     "share_memory_",
     "is_shared",
     "storage_of",
+    "share_readonly",
     "plan",
     "lower_bound",
     "Plan",

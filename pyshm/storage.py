@@ -121,6 +121,13 @@ class Storage:
         state = "shared" if self.is_shared else "private"
         return f"<pyshm.Storage {self.nbytes} bytes {state} at 0x{self.data_ptr:x}>"
 
+    def __reduce_ex__(self, protocol):
+        # Plain pickle copies the bytes (out of band with protocol 5); multiprocessing sends
+        # the memory itself (pyshm.reduction registers a ForkingPickler reducer).
+        from .reduction import reduce_storage_by_value
+
+        return reduce_storage_by_value(self, protocol)
+
     # ---- accessors --------------------------------------------------------------------------
 
     @property

@@ -1,0 +1,676 @@
+"""Passing pyshm arrays and storages to other processes: zero-copy pickling, slabs, read-only.
+
+How an array travels
+--------------------
+Importing :mod:`pyshm` registers reducers with :class:`multiprocessing.reduction.ForkingPickler`
+for :class:`numpy.ndarray` and :class:`pyshm.Storage`. Everything multiprocessing pickles
+(``Process`` arguments, ``Pool`` tasks and results, ``Queue``, ``Pipe``, under fork, spawn and
+forkserver) then sends a pyshm array *by reference*: a few dozen bytes naming the memfd that
+holds it (its ``(st_dev, st_ino)``), the byte range, dtype, shape and strides. The receiver maps
+the memfd and builds an array over the same pages: writes on either side are seen by the other.
+
+* An array pyshm owns but has not shared yet is **shared in place on send**
+  (:func:`pyshm.share_memory_`, the way ``torch`` does it): same address, every existing view
+  keeps aliasing it. This is never a silent copy.
+* Arrays whose memory pyshm does not own (any other ndarray) are pickled by numpy as usual,
+  i.e. by value.
+* Plain :func:`pickle.dumps` (no fd channel, e.g. to another host) is untouched: numpy pickles
+  the array by value, with protocol-5 out-of-band buffers when asked
+  (``pickle.dumps(a, protocol=5, buffer_callback=...)``); a :class:`pyshm.Storage` pickles the
+  same way and unpickles as a new private storage with equal bytes.
+
+fds travel out of band and only on a cache miss
+-----------------------------------------------
+Each process that sends starts (lazily) one daemon thread serving an abstract-namespace
+``AF_UNIX`` ``SOCK_SEQPACKET`` socket with an unguessable name; only peers with the same uid
+are served. The pickle carries that address. A receiver first looks the memfd's
+``(st_dev, st_ino)`` up in its per-process weak cache of mappings; only on a miss does it
+connect, get the fd with ``SCM_RIGHTS`` (``socket.recv_fds``, several fds per message), check
+that the fd really is that memfd, map it whole **once** (``lshm_segment_attach``) and cache it.
+Every array received from that memfd, however many times it is sent, is a view of that one
+mapping (same address for the same bytes). Arrays a process sent are found again when they come
+back (a ``Pool`` result returning its argument is the original memory at the original address),
+and forked children inherit the parent's cache, so they need no fd at all.
+
+Liveness: the sender holds what it pickled for ``KEEPALIVE_SECONDS`` (or until the receiver
+fetched it) so an array can be dropped right after ``put``; after that the memory must still be
+alive in the sender (or already mapped by the receiver) when the receiver unpickles. As with
+torch's ``file_descriptor`` strategy and the stdlib ``DupFd``, the sender must stay alive until
+the receiver has unpickled a message carrying memory it has not seen yet.
+
+fd and mapping policy (why 100,000 small arrays work under ``ulimit -n 1024``)
+-----------------------------------------------------------------------------
+* ``pyshm.empty/zeros/copy(..., shared=True)`` of at most ``SLAB_MAX`` bytes (64 KiB) are packed
+  into **slabs**: 4 MiB sealed memfd segments, each one fd and one mapping, sub-allocated in
+  64-byte steps and never reused until every array in the slab is gone. 100,000 arrays of
+  4 KiB use 98 fds and 98 mappings, in the sender and in every receiver. Larger shared arrays
+  get a memfd of their own.
+* Arrays shared in place (:func:`pyshm.share_memory_`, or on send) own one memfd each: one fd
+  and one mapping per array in the sender. Keep those for big arrays.
+* A receiver keeps each received memfd's fd (so it can send the array on) while it holds fewer
+  than ``max(64, RLIMIT_NOFILE // 4)`` of them; beyond that it closes the fd right after mapping
+  (``lshm_segment_close_fd``) and such an array can no longer be sent on (pickling it raises).
+* Mappings: one per memfd, and ``vm.max_map_count`` (65,530 by default) bounds them, so a
+  receiver can hold at most ~65,000 distinct memfds at once (about 256 GiB of slabs, or 65,000
+  in-place-shared arrays). Slabs are what make 100,000+ small arrays possible.
+* Anything in a slab is visible to every process the slab is sent to (it maps the whole slab).
+
+Read-only sharing
+-----------------
+:func:`share_readonly` seals an array's memfd with ``F_SEAL_FUTURE_WRITE``: this process keeps
+writing through its existing mapping, every receiver gets a read-only array, and no receiver can
+make a writable mapping of the fd or ``write`` to it (the kernel refuses, whatever the receiver
+does). It needs the array to be alone in its memfd (not in a slab: sealing would make the slab's
+other arrays read-only too; ``share_readonly(pyshm.copy(a))`` gives it its own). Receivers that
+mapped it writable before the seal keep their mappings. Every memfd is also sealed against
+shrink and grow, so no receiver can truncate it under the others (that would be SIGBUS).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import pickle
+import resource
+import secrets
+import socket
+import struct
+import threading
+import time
+import weakref
+from ctypes import byref, c_int, c_uint64, c_void_p
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _ffi
+from ._ffi import lib
+from .arrays import ArrayOwner, _owner_of
+from .storage import Storage
+
+__all__ = [
+    "share_readonly",
+    "register",
+    "segment_count",
+    "SLAB_SIZE",
+    "SLAB_MAX",
+    "KEEPALIVE_SECONDS",
+]
+
+SLAB_SIZE = 4 << 20
+SLAB_MAX = 64 << 10
+SLAB_ALIGN = 64
+KEEPALIVE_SECONDS = 60.0
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
+_MAX_FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253
+_KEY = struct.Struct("=QQ")
+_REPLY_TIMEOUT = 30.0
+
+
+# --------------------------------------------------------------------------------------------
+# Mappings: one per memfd per process, found by (st_dev, st_ino)
+# --------------------------------------------------------------------------------------------
+
+
+class _Mapping:
+    """One reference to a mapped segment (a slab of ours, or a memfd received), cached weakly.
+
+    Every array or storage built on it holds this object, so the cache entry lives exactly as
+    long as something uses the mapping.
+    """
+
+    __slots__ = ("segment", "key", "size", "fd_kept", "_finalizer", "__weakref__")
+
+    def __init__(self, segment: int, key: tuple, fd_kept: bool) -> None:
+        self.segment = segment
+        self.key = key
+        self.size = lib.lshm_segment_size(segment)
+        self.fd_kept = fd_kept
+        self._finalizer = weakref.finalize(self, _drop_segment, segment, fd_kept)
+        self._finalizer.atexit = False
+
+
+class _State:
+    """Per-process state, rebuilt in a forked child."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.mappings: "weakref.WeakValueDictionary[tuple, _Mapping]" = (
+            weakref.WeakValueDictionary()
+        )
+        self.kept_fds = 0
+        # exports: key -> [holder, pending pickles, deadline]; live: key -> holder (weak)
+        self.exports: dict = {}
+        self.live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+        self.next_sweep = 0.0
+        self.server: Optional[_Server] = None
+        self.slab: Optional[_Mapping] = None
+        self.slab_used = 0
+
+
+_state = _State()
+
+
+def _drop_segment(segment: int, fd_kept: bool) -> None:
+    if fd_kept:
+        _state.kept_fds -= 1
+    lib.lshm_segment_release(segment)
+
+
+def _fd_budget() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(64, soft // 4)
+
+
+def segment_count() -> int:
+    """How many memfds this process has mapped through pyshm's cache (slabs and received)."""
+    return len(_state.mappings)
+
+
+class _SegmentOwner(ArrayOwner):
+    """An ArrayOwner that also keeps its segment's cache entry alive."""
+
+    __slots__ = ("_mapping",)
+
+
+class _SegmentStorage(Storage):
+    """A Storage received from another process (keeps its segment's cache entry alive)."""
+
+    __slots__ = ("_mapping",)
+
+
+def _new_view(mapping: _Mapping, offset: int, nbytes: int, readonly: bool) -> int:
+    out = c_void_p()
+    flags = _ffi.STORAGE_READONLY if readonly else 0
+    lib.lshm_storage_create_view(mapping.segment, offset, nbytes, flags, byref(out))
+    return out.value
+
+
+def _array_on(mapping: Optional[_Mapping], handle: int, shape, dtype, offset: int) -> np.ndarray:
+    """An ndarray over `handle` (a reference the caller keeps) at byte `offset`."""
+    readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
+    if mapping is None:
+        owner = ArrayOwner(handle, shape, dtype, offset, readonly)
+    else:
+        owner = _SegmentOwner(handle, shape, dtype, offset, readonly)
+        owner._mapping = mapping
+    array = np.asarray(owner)
+    if array.dtype != dtype:
+        array = array.view(dtype)
+    return array
+
+
+# --------------------------------------------------------------------------------------------
+# Slabs: small shared arrays packed into 4 MiB segments
+# --------------------------------------------------------------------------------------------
+
+
+def _slab_view(nbytes: int) -> tuple:
+    """A storage handle (one reference, the caller's) for nbytes in the current slab."""
+    step = max(SLAB_ALIGN, -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN)
+    with _state.lock:
+        slab = _state.slab
+        if slab is None or _state.slab_used + step > SLAB_SIZE:
+            out = c_void_p()
+            lib.lshm_segment_create(SLAB_SIZE, 0, byref(out))
+            try:
+                key = _key_of(lib.lshm_segment_fd(out.value))
+            except BaseException:
+                lib.lshm_segment_release(out.value)
+                raise
+            slab = _Mapping(out.value, key, fd_kept=False)
+            _state.mappings[key] = slab
+            _state.slab = slab
+            _state.slab_used = 0
+        offset = _state.slab_used
+        handle = _new_view(slab, offset, nbytes, False)
+        _state.slab_used += step
+    return handle, slab
+
+
+def slab_empty(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
+    """A zero-filled shared array packed in a slab (used by pyshm.empty for small arrays)."""
+    handle, slab = _slab_view(nbytes)
+    try:
+        return _array_on(slab, handle, shape, dtype, 0)
+    finally:
+        lib.lshm_storage_release(handle)
+
+
+# --------------------------------------------------------------------------------------------
+# Sender: exports and the fd server
+# --------------------------------------------------------------------------------------------
+
+
+def _key_of(fd: int) -> tuple:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def _handle_of(holder: Any) -> int:
+    if isinstance(holder, _Mapping):
+        return 0
+    if isinstance(holder, ArrayOwner):
+        return holder._handle
+    return holder._as_parameter_
+
+
+def _fd_of_holder(holder: Any) -> int:
+    if isinstance(holder, _Mapping):
+        fd = lib.lshm_segment_fd(holder.segment)
+        if fd < 0:
+            raise OSError(errno.EBADF, "fd closed")
+        return fd
+    fd = c_int(-1)
+    offset = c_uint64(0)
+    lib.lshm_storage_fd(_handle_of(holder), byref(fd), byref(offset))
+    return fd.value
+
+
+def _sweep(now: float) -> None:
+    """Drop the holds of exports whose keep-alive has passed (lock held)."""
+    if now < _state.next_sweep:
+        return
+    _state.next_sweep = now + 1.0
+    dead = [key for key, entry in _state.exports.items() if entry[2] < now]
+    for key in dead:
+        del _state.exports[key]
+
+
+def _export(handle: int, holder: Any) -> tuple:
+    """Make storage `handle` sendable; returns the token the receiver needs."""
+    if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
+        lib.lshm_storage_share(handle)  # in place, same address; atomic on failure
+    fd = c_int(-1)
+    offset = c_uint64(0)
+    try:
+        lib.lshm_storage_fd(handle, byref(fd), byref(offset))
+    except _ffi.ShmError as exc:
+        if exc.errno == errno.EBADF:
+            raise pickle.PicklingError(
+                "this pyshm array was received from another process and its fd was closed to "
+                "stay under RLIMIT_NOFILE, so it cannot be sent on; raise 'ulimit -n' or send a "
+                "copy (pyshm.copy(array, shared=True))"
+            ) from exc
+        raise
+    st = os.fstat(fd.value)
+    key = (st.st_dev, st.st_ino)
+    seals = fcntl.fcntl(fd.value, fcntl.F_GET_SEALS)
+    readonly = bool(seals & _WRITE_SEALS) or bool(
+        lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY
+    )
+    nbytes = lib.lshm_storage_nbytes(handle)
+    now = time.monotonic()
+    with _state.lock:
+        _sweep(now)
+        entry = _state.exports.get(key)
+        if entry is None:
+            _state.exports[key] = [holder, 1, now + KEEPALIVE_SECONDS]
+        else:
+            entry[1] += 1
+            entry[2] = now + KEEPALIVE_SECONDS
+        if key not in _state.live:
+            _state.live[key] = holder
+        server = _state.server
+        if server is None or server.pid != os.getpid():
+            server = _state.server = _Server()
+    return (key, server.address, st.st_size, offset.value, nbytes, readonly)
+
+
+def _lookup_export(key: tuple) -> Optional[Any]:
+    with _state.lock:
+        entry = _state.exports.get(key)
+        if entry is not None:
+            return entry[0]
+        return _state.live.get(key)
+
+
+class _Server:
+    """Hands out the fds of exported memfds, by key, to same-uid peers over SCM_RIGHTS."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.address = b"\0pyshm-%d-%s" % (self.pid, secrets.token_hex(16).encode())
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(self.address)
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(1.0)
+        self.sock = sock
+        self.thread = threading.Thread(target=self._run, name="pyshm-fd-server", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        sock = self.sock
+        uid = os.getuid()
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except socket.timeout:
+                with _state.lock:
+                    _sweep(time.monotonic())
+                continue
+            except OSError:
+                return  # closed (after fork in the child, or at exit)
+            try:
+                conn.settimeout(5.0)
+                cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                _pid, peer_uid, _gid = struct.unpack("3i", cred)
+                if peer_uid != uid:
+                    continue
+                self._serve(conn)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        request = conn.recv(65536)
+        count = len(request) // _KEY.size
+        status = bytearray(count)
+        fds = []
+        holders = []  # keep every fd open until the kernel has taken its copy
+        with _state.lock:
+            for i in range(count):
+                key = _KEY.unpack_from(request, i * _KEY.size)
+                holder = _lookup_export(key)
+                if holder is None:
+                    continue
+                try:
+                    fd = _fd_of_holder(holder)
+                except OSError:
+                    continue
+                status[i] = 1
+                fds.append(fd)
+                holders.append(holder)
+                entry = _state.exports.get(key)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del _state.exports[key]
+        socket.send_fds(conn, [bytes(status)], fds[:_MAX_FDS_PER_MESSAGE])
+        for start in range(_MAX_FDS_PER_MESSAGE, len(fds), _MAX_FDS_PER_MESSAGE):
+            socket.send_fds(conn, [b"+"], fds[start : start + _MAX_FDS_PER_MESSAGE])
+        del holders
+
+
+def _fetch_fds(address: bytes, keys: list) -> list:
+    """Ask the sender at `address` for the fds of `keys`; a list of fd or None, caller closes."""
+    if not isinstance(address, bytes) or not address.startswith(b"\0pyshm-"):
+        raise pickle.UnpicklingError(f"bad pyshm sender address {address!r}")
+    received: list = []
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(_REPLY_TIMEOUT)
+        try:
+            sock.connect(address)
+        except OSError as exc:
+            raise ConnectionError(
+                f"pyshm: cannot reach the process that sent this array ({exc}); the sender must "
+                "stay alive until the receiver has unpickled memory it has not seen before"
+            ) from None
+        sock.sendall(b"".join(_KEY.pack(*key) for key in keys))
+        status, fds, flags, _ = socket.recv_fds(
+            sock, 65536, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
+        )
+        received.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise OSError(
+                errno.EMFILE,
+                "pyshm: fds sent by another process were dropped (no fd left in this "
+                "process: RLIMIT_NOFILE)",
+            )
+        if len(status) != len(keys):
+            raise pickle.UnpicklingError("pyshm: malformed reply from the sending process")
+        wanted = sum(status)
+        while len(received) < wanted:
+            _, more, flags, _ = socket.recv_fds(
+                sock, 16, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
+            )
+            received.extend(more)
+            if not more or flags & socket.MSG_CTRUNC:
+                raise OSError(errno.EMFILE, "pyshm: fds from the sending process were dropped")
+        it = iter(received)
+        return [next(it) if ok else None for ok in status]
+    except BaseException:
+        for fd in received:
+            os.close(fd)
+        raise
+    finally:
+        sock.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Receiver
+# --------------------------------------------------------------------------------------------
+
+
+def _check_token(token: Any) -> tuple:
+    try:
+        key, address, size, offset, nbytes, readonly = token
+        key = (int(key[0]), int(key[1]))
+        size, offset, nbytes = int(size), int(offset), int(nbytes)
+    except (TypeError, ValueError):
+        raise pickle.UnpicklingError(f"bad pyshm token {token!r}") from None
+    if min(size, offset, nbytes) < 0 or offset + nbytes > size:
+        raise pickle.UnpicklingError(
+            f"bad pyshm token: {nbytes} bytes at offset {offset} of a {size}-byte memfd"
+        )
+    return key, address, size, offset, nbytes, bool(readonly)
+
+
+def _attach(fd: int, key: tuple, readonly: bool) -> _Mapping:
+    """Map a received memfd whole (validated by libshm) and cache it (lock held)."""
+    if _key_of(fd) != key:
+        raise pickle.UnpicklingError("pyshm: the fd received is not the memfd that was named")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise _ffi.ShmValueError(errno.EINVAL, f"received fd is not a memfd: {exc}") from None
+    if seals & _WRITE_SEALS:
+        readonly = True
+    out = c_void_p()
+    lib.lshm_segment_attach(fd, _ffi.STORAGE_READONLY if readonly else 0, byref(out))
+    keep = _state.kept_fds < _fd_budget()
+    if keep:
+        _state.kept_fds += 1
+    else:
+        lib.lshm_segment_close_fd(out.value)
+    mapping = _Mapping(out.value, key, fd_kept=keep)
+    _state.mappings[key] = mapping
+    return mapping
+
+
+def _resolve(token: Any) -> tuple:
+    """(mapping or None, storage handle with a reference the caller must release)."""
+    key, address, size, offset, nbytes, readonly = _check_token(token)
+    with _state.lock:
+        mapping = _state.mappings.get(key)
+        if mapping is None:
+            holder = _lookup_export(key)
+            if holder is not None and not isinstance(holder, _Mapping):
+                # our own memory coming back: the very same storage, same address
+                handle = _handle_of(holder)
+                if lib.lshm_storage_nbytes(handle) == nbytes:
+                    return None, lib.lshm_storage_retain(handle)
+    if mapping is None:
+        # Never hold the lock while waiting for another process: two processes fetching
+        # from each other would deadlock.
+        (fd,) = _fetch_fds(address, [key])
+        if fd is None:
+            raise ConnectionError(
+                "pyshm: the sending process no longer holds this memory (it was dropped "
+                f"there and its {KEEPALIVE_SECONDS:.0f} s keep-alive after pickling passed "
+                "before this receiver unpickled it)"
+            )
+        try:
+            with _state.lock:
+                mapping = _state.mappings.get(key)  # another thread may have won the race
+                if mapping is None:
+                    mapping = _attach(fd, key, readonly)
+        finally:
+            os.close(fd)
+    if mapping.size != size:
+        raise pickle.UnpicklingError(
+            f"pyshm: memfd is {mapping.size} bytes, the sender said {size}"
+        )
+    return mapping, _new_view(mapping, offset, nbytes, readonly)
+
+
+def _rebuild_ndarray(token, shape, dtype, strides, start, writeable) -> np.ndarray:
+    mapping, handle = _resolve(token)
+    try:
+        nbytes = lib.lshm_storage_nbytes(handle)
+        flat = _array_on(mapping, handle, (nbytes,), np.dtype(np.uint8), 0)
+    finally:
+        lib.lshm_storage_release(handle)
+    try:
+        array = np.ndarray(shape, dtype, buffer=flat, offset=start, strides=strides)
+    except (TypeError, ValueError) as exc:
+        raise pickle.UnpicklingError(f"pyshm: array does not fit its storage: {exc}") from None
+    if not writeable and array.flags.writeable:
+        array.flags.writeable = False
+    return array
+
+
+def _rebuild_storage(token) -> Storage:
+    mapping, handle = _resolve(token)
+    storage = _SegmentStorage._from_handle(handle)
+    storage._mapping = mapping
+    return storage
+
+
+# --------------------------------------------------------------------------------------------
+# Reducers
+# --------------------------------------------------------------------------------------------
+
+
+def _reduce_ndarray(array: np.ndarray):
+    owner = _owner_of(array)
+    if owner is None or array.size == 0:
+        return array.__reduce_ex__(4)  # numpy's own by-value pickling
+    handle = owner._handle
+    token = _export(handle, owner)
+    data = lib.lshm_storage_data(handle) or 0
+    start = array.__array_interface__["data"][0] - data
+    return _rebuild_ndarray, (
+        token,
+        array.shape,
+        array.dtype,
+        array.strides,
+        start,
+        bool(array.flags.writeable),
+    )
+
+
+def _reduce_storage(storage: Storage):
+    handle = storage._as_parameter_
+    if lib.lshm_storage_nbytes(handle) == 0:
+        return reduce_storage_by_value(storage, 4)
+    holder = Storage._from_handle(lib.lshm_storage_retain(handle))
+    return _rebuild_storage, (_export(handle, holder),)
+
+
+def reduce_storage_by_value(storage: Storage, protocol: int):
+    """Plain pickle of a Storage: its bytes (out of band with protocol 5), no fd."""
+    data = storage.asarray()
+    payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
+    return _storage_from_bytes, (payload,)
+
+
+def _storage_from_bytes(payload) -> Storage:
+    view = memoryview(payload).cast("B")
+    storage = Storage(view.nbytes)
+    if view.nbytes:
+        storage.asarray()[:] = np.frombuffer(view, np.uint8)
+    return storage
+
+
+def register() -> None:
+    """Register the reducers with multiprocessing (done when pyshm is imported)."""
+    ForkingPickler.register(np.ndarray, _reduce_ndarray)
+    ForkingPickler.register(Storage, _reduce_storage)
+    ForkingPickler.register(_SegmentStorage, _reduce_storage)
+
+
+# --------------------------------------------------------------------------------------------
+# Read-only sharing
+# --------------------------------------------------------------------------------------------
+
+
+def share_readonly(array: Any) -> Any:
+    """Share ``array`` so that every process it is sent to gets read-only memory; returns it.
+
+    The array is shared in place first if needed (same address). Its memfd is then sealed
+    with ``F_SEAL_FUTURE_WRITE``: this process keeps writing through its existing mapping (and
+    its arrays stay writeable), while receivers get arrays that are not writeable and cannot
+    map the fd writable or ``write`` to it. Irreversible for that memory. Processes that mapped
+    it writable before the seal keep their mappings.
+
+    Raises :class:`ValueError` when the array shares its memfd with other arrays (a slab from
+    ``pyshm.empty(..., shared=True)`` of a small size): sealing would make them read-only too;
+    ``share_readonly(pyshm.copy(array))`` gives it a memfd of its own. :class:`TypeError` for
+    memory pyshm does not own.
+    """
+    owner = _owner_of(array)
+    if owner is None:
+        raise TypeError(
+            "share_readonly needs an array whose memory pyshm owns; use "
+            "pyshm.share_readonly(pyshm.copy(array))"
+        )
+    handle = owner._handle
+    if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
+        lib.lshm_storage_share(handle)
+    fd = c_int(-1)
+    offset = c_uint64(0)
+    lib.lshm_storage_fd(handle, byref(fd), byref(offset))
+    nbytes = lib.lshm_storage_nbytes(handle)
+    size = os.fstat(fd.value).st_size
+    if offset.value != 0 or nbytes != size:
+        raise ValueError(
+            f"this array's {nbytes} bytes share a {size}-byte memfd (a slab) with other arrays; "
+            "sealing it read-only would affect them too. Use "
+            "pyshm.share_readonly(pyshm.copy(array)) to give it a memfd of its own"
+        )
+    segment = lib.lshm_storage_segment(handle)
+    if segment:
+        lib.lshm_segment_seal_readonly(segment)
+    else:
+        # TODO(libshm): lshm_storage_seal_readonly for storages shared in place
+        try:
+            fcntl.fcntl(fd.value, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+        except OSError as exc:
+            raise _ffi.ShmPermissionError(exc.errno, f"cannot seal read-only: {exc}") from None
+    return array
+
+
+# --------------------------------------------------------------------------------------------
+# fork: the child gets fresh locks, no server, no holds, and never allocates from the
+# parent's current slab (both would hand out the same bytes).
+# --------------------------------------------------------------------------------------------
+
+
+def _after_fork_in_child() -> None:
+    old = _state
+    if old.server is not None:
+        try:
+            old.server.sock.close()
+        except OSError:
+            pass
+    old.server = None
+    old.lock = threading.RLock()
+    old.exports = {}
+    old.live = weakref.WeakValueDictionary()
+    old.slab = None
+    old.slab_used = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

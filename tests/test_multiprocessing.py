@@ -1,0 +1,447 @@
+"""pyshm arrays and storages across processes: zero-copy pickling under fork, spawn, forkserver.
+
+Every case checks real memory: a write on one side is read on the other, data pointers and
+/proc/self/maps show one mapping per memfd, fds are counted. Pools are reused per start method
+and arrays are small, to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+
+import pyshm
+from pyshm import reduction
+
+METHODS = ["fork", "spawn", "forkserver"]
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def pool(request):
+    ctx = mp.get_context(request.param)
+    with ctx.Pool(1) as p:
+        p.ctx = ctx
+        yield p
+
+
+# ---- worker functions (module level: spawn and forkserver import them) ----------------------
+
+
+def add_one(array):
+    array += 1
+    return array
+
+
+def describe(arrays):
+    """Addresses of what arrived, writeable flags, and how many mappings each memfd has."""
+    out = []
+    for a in arrays:
+        st = pyshm.storage_of(a)
+        key = os.fstat(st.fd).st_ino
+        maps = [line for line in open("/proc/self/maps") if line.split()[4] == str(key)]
+        out.append((a.ctypes.data, bool(a.flags.writeable), len(maps), int(a.sum())))
+    return out
+
+
+def write_storage(storage):
+    storage.asarray()[:] = 42
+    return storage.nbytes
+
+
+def process_child(array, queue, conn):
+    array[:] = 5
+    queue.put(array[2:])
+    conn.send(array)
+    conn.close()
+
+
+def readonly_probe(array):
+    st = pyshm.storage_of(array)
+    fd, size = st.fd, os.fstat(st.fd).st_size
+    result = {"writeable": bool(array.flags.writeable), "value": int(array[0])}
+    try:
+        mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        result["mmap"] = "ok"
+    except OSError as exc:
+        result["mmap"] = exc.errno
+    try:
+        os.pwrite(fd, b"x", 0)
+        result["write"] = "ok"
+    except OSError as exc:
+        result["write"] = exc.errno
+    try:
+        array[0] = 1
+        result["store"] = "ok"
+    except ValueError:
+        result["store"] = "refused"
+    return result
+
+
+def truncate_probe(array):
+    fd = pyshm.storage_of(array).fd
+    codes = []
+    for size in (0, os.fstat(fd).st_size * 2):
+        try:
+            os.ftruncate(fd, size)
+            codes.append("ok")
+        except OSError as exc:
+            codes.append(exc.errno)
+    return codes
+
+
+def write_and_sleep(array):
+    array[:] = 3
+    time.sleep(60)
+
+
+def write_then_die(array):
+    array[:] = 9
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def allocate_in_child(conn):
+    a = pyshm.empty(16, np.uint8, shared=True)
+    a[:] = 0xAA
+    conn.send(a.ctypes.data)
+
+
+def open_fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+# ---- zero-copy sending ------------------------------------------------------------------------
+
+
+def test_pool_args_and_results_alias(pool):
+    small = pyshm.empty(64, np.int64, shared=True)  # packed in a slab
+    small[:] = np.arange(64)
+    big = pyshm.copy(np.full(1 << 16, 7, np.int32), shared=True)  # its own memfd
+    results = pool.map(add_one, [small, big, small])
+    assert (small == np.arange(64) + 2).all()  # both writes in the worker landed here
+    assert (big == 8).all()
+    # the results are our own memory, at the original addresses
+    assert [r.ctypes.data for r in results] == [small.ctypes.data, big.ctypes.data] + [
+        small.ctypes.data
+    ]
+    results[1][0] = -1
+    assert big[0] == -1
+
+
+def test_unshared_array_is_shared_in_place_on_send(pool):
+    a = pyshm.empty((256, 16), np.float32)  # private memory
+    a[:] = 1.5
+    view = a[10:20]
+    address = a.ctypes.data
+    assert not pyshm.is_shared(a)
+    (result,) = pool.map(add_one, [view])
+    assert pyshm.is_shared(a) and a.ctypes.data == address  # shared in place, no copy
+    assert (view == 2.5).all() and (a[:10] == 1.5).all()  # the worker wrote our pages
+    assert result.ctypes.data == view.ctypes.data
+
+
+def test_same_memfd_is_mapped_once_in_the_receiver(pool):
+    a = pyshm.empty(100, np.uint8, shared=True)
+    b = pyshm.empty(100, np.uint8, shared=True)  # same slab as a
+    assert pyshm.storage_of(a).fd == pyshm.storage_of(b).fd
+    big = pyshm.copy(np.ones(5000, np.uint8), shared=True)
+    (info,) = pool.map(describe, [[a, a, b, big, big[1:]]])
+    (a1, _, maps_a, _), (a2, _, _, _), (b1, _, maps_b, _), (g1, _, maps_g, s), (g2, *_) = info
+    assert a1 == a2  # the same array sent twice: one view
+    assert b1 - a1 == b.ctypes.data - a.ctypes.data  # same slab: same mapping, same layout
+    assert maps_a == maps_b == 1 and maps_g == 1
+    assert g2 == g1 + 1 and s == 5000
+    # a second message reuses the receiver's cached mapping
+    (again,) = pool.map(describe, [[b]])
+    assert again[0][0] == b1
+
+
+def test_storage_travels_by_reference(pool):
+    storage = pyshm.Storage(10_000)
+    assert pool.apply(write_storage, (storage,)) == 10_000
+    assert storage.is_shared and (storage.asarray() == 42).all()
+
+
+def test_process_queue_and_pipe(pool):
+    ctx = pool.ctx
+    array = pyshm.empty(1000, np.int16, shared=True)
+    queue = ctx.Queue()
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=process_child, args=(array, queue, child_end))
+    child.start()
+    child_end.close()
+    from_pipe = parent_end.recv()
+    from_queue = queue.get(timeout=30)
+    child.join(30)
+    assert child.exitcode == 0
+    assert (array == 5).all()
+    assert from_pipe.ctypes.data == array.ctypes.data
+    assert from_queue.ctypes.data == array.ctypes.data + 4
+    from_queue[0] = 77
+    assert array[2] == 77
+
+
+def test_foreign_arrays_and_plain_pickle_go_by_value():
+    plain = np.arange(1000, dtype=np.float64)
+    payload = ForkingPickler.dumps(plain)
+    assert len(payload) > plain.nbytes  # numpy's own pickling: the bytes themselves
+    shared = pyshm.copy(plain, shared=True)
+    assert len(ForkingPickler.dumps(shared)) < 1000  # a reference, not 8000 bytes
+    # plain pickle never uses fds: by value
+    copy = pickle.loads(pickle.dumps(shared))
+    assert (copy == plain).all() and copy.ctypes.data != shared.ctypes.data
+    copy[0] = -1
+    assert shared[0] == 0
+    # protocol 5: the buffer goes out of band, without a copy
+    buffers = []
+    data = pickle.dumps(shared, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1 and len(data) < 1000
+    raw = buffers[0].raw()
+    assert np.frombuffer(raw, np.float64).ctypes.data == shared.ctypes.data
+    again = pickle.loads(data, buffers=buffers)
+    assert (again == plain).all()
+    # a Storage pickles by value too, to a private storage
+    storage = pyshm.storage_of(shared)
+    for protocol in (2, 4, 5):
+        clone = pickle.loads(pickle.dumps(storage, protocol=protocol))
+        assert isinstance(clone, pyshm.Storage) and not clone.is_shared
+        assert clone.asarray().tobytes() == storage.asarray().tobytes()
+
+
+def test_forked_child_never_allocates_from_the_parents_slab():
+    pyshm.empty(8, np.uint8, shared=True)  # a current slab exists
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=allocate_in_child, args=(child_end,))
+    child.start()
+    child_address = parent_end.recv()
+    child.join(30)
+    mine = pyshm.empty(16, np.uint8, shared=True)
+    assert (mine == 0).all()  # the child's 0xAA went to a slab of its own
+    assert mine.ctypes.data != child_address or (mine == 0).all()
+
+
+# ---- read-only sharing and seals --------------------------------------------------------------
+
+
+def test_readonly_sharing(pool):
+    array = pyshm.copy(np.full(4096, 3, np.uint8))
+    assert pyshm.share_readonly(array) is array
+    assert array.flags.writeable
+    array[0] = 11  # the owner keeps writing
+    probe = pool.apply(readonly_probe, (array,))
+    assert probe == {
+        "writeable": False,
+        "value": 11,
+        "mmap": errno.EPERM,
+        "write": errno.EPERM,
+        "store": "refused",
+    }
+    # a slab array cannot be sealed alone
+    small = pyshm.empty(10, np.uint8, shared=True)
+    with pytest.raises(ValueError, match="slab"):
+        pyshm.share_readonly(small)
+    with pytest.raises(TypeError):
+        pyshm.share_readonly(np.zeros(3))
+
+
+def test_receiver_cannot_resize(pool):
+    array = pyshm.copy(np.arange(2048, dtype=np.int32), shared=True)
+    assert pool.apply(truncate_probe, (array,)) == [errno.EPERM, errno.EPERM]
+    assert (array == np.arange(2048)).all()  # owner unaffected (no SIGBUS either)
+
+
+# ---- faults -----------------------------------------------------------------------------------
+
+
+def test_sigkilled_worker_leaves_data_and_no_fds(pool):
+    ctx = pool.ctx
+    array = pyshm.empty(5000, np.int32, shared=True)
+    array[:] = 1
+    big = pyshm.copy(np.full(50_000, 2, np.int16), shared=True)
+    ForkingPickler.dumps(array)  # the fd server runs before the baseline is taken
+    import gc
+
+    gc.collect()
+    baseline = open_fd_count()
+    child = ctx.Process(target=write_then_die, args=(array,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == -signal.SIGKILL
+    assert (array == 9).all()  # what it wrote before dying is there, nothing else changed
+    with ctx.Pool(1) as p:
+        p.apply_async(write_and_sleep, (big,))
+        deadline = time.monotonic() + 30
+        while big[-1] != 3 and time.monotonic() < deadline:  # the worker is using it now
+            time.sleep(0.01)
+        worker = p._pool[0]
+        os.kill(worker.pid, signal.SIGKILL)  # mid-use (an idle worker would hold the
+        worker.join(30)  # queue's lock and hang Pool.terminate: a CPython limitation)
+        p.terminate()
+    del p, worker, child
+    gc.collect()
+    assert (big == 3).all() and (array == 9).all()
+    assert open_fd_count() == baseline
+
+
+def test_out_of_fds_while_sharing_raises_and_changes_nothing(tmp_path):
+    script = textwrap.dedent(
+        """
+        import os, resource, numpy as np, pyshm
+        from multiprocessing.reduction import ForkingPickler
+        a = pyshm.copy(np.arange(100000, dtype=np.int64))
+        address = a.ctypes.data
+        used = len(os.listdir('/proc/self/fd')) - 1  # minus listdir's own fd
+        resource.setrlimit(resource.RLIMIT_NOFILE, (used, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        for what in ('send', 'empty', 'slab'):
+            try:
+                if what == 'send':
+                    ForkingPickler.dumps(a)
+                elif what == 'empty':
+                    pyshm.empty(1 << 20, shared=True)
+                else:
+                    pyshm.empty(16, shared=True)
+            except OSError as exc:
+                assert exc.errno in (24, 23), exc
+                assert str(exc), exc
+                print(what, 'EMFILE', flush=True)
+            else:
+                raise SystemExit(what + ' did not fail')
+        assert not pyshm.is_shared(a) and a.ctypes.data == address
+        assert (a == np.arange(100000)).all()
+        try:
+            pyshm.empty(1 << 47, np.uint8, shared=True)
+        except (MemoryError, OSError) as exc:
+            print('huge', type(exc).__name__, flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["send EMFILE", "empty EMFILE", "slab EMFILE"]
+    assert done.stdout.split("\n")[3].startswith("huge ")
+
+
+def _token(array):
+    func, args = reduction._reduce_ndarray(array)
+    return func, list(args)
+
+
+def test_hostile_payloads_raise(no_fd_leak, tmp_path):
+    a = pyshm.empty(100, np.uint8, shared=True)
+    func, args = _token(a)
+    key, address, size, offset, nbytes, readonly = args[0]
+    unknown = (key[0], key[1] + 12345)
+    bad_tokens = [
+        (key, address, size, offset, size + 1, readonly),  # larger than the memfd
+        (key, address, size, size - 10, 100, readonly),  # past the end
+        (key, address, size + 4096, offset, nbytes, readonly),  # lies about the size
+        (unknown, address, size, offset, nbytes, readonly),  # a memfd nobody sent
+        (unknown, b"\0pyshm-nobody", size, offset, nbytes, readonly),  # nobody listening
+        (unknown, "not bytes", size, offset, nbytes, readonly),
+        (unknown, b"/etc/passwd", size, offset, nbytes, readonly),
+        "garbage",
+    ]
+    for token in bad_tokens:
+        with pytest.raises((pickle.UnpicklingError, OSError, ValueError)):
+            func(token, *args[1:])
+    # shape that does not fit the storage
+    with pytest.raises(pickle.UnpicklingError):
+        func(args[0], (1000,), *args[2:])
+    # truncated pickle
+    payload = ForkingPickler.dumps(a)
+    for cut in (1, len(payload) // 2, len(payload) - 1):
+        with pytest.raises((pickle.UnpicklingError, EOFError, ValueError)):
+            pickle.loads(payload[:cut])
+
+    # a hostile sender that hands out foreign fds for the key it named
+    pipe_r, pipe_w = os.pipe()
+    regular = open(tmp_path / "f", "wb+")
+    regular.truncate(1 << 16)
+    try:
+        for fd in (pipe_r, regular.fileno()):
+            st = os.fstat(fd)
+            fake = _FakeSender(fd)
+            token = ((st.st_dev, st.st_ino), fake.address, 4096, 0, 100, False)
+            with pytest.raises((ValueError, OSError, pickle.UnpicklingError)):
+                func(token, *args[1:])
+            fake.close()
+    finally:
+        os.close(pipe_r)
+        os.close(pipe_w)
+        regular.close()
+
+
+class _FakeSender:
+    def __init__(self, fd):
+        self.address = b"\0pyshm-fake-" + os.urandom(8).hex().encode()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.bind(self.address)
+        self.sock.listen(1)
+        self.thread = threading.Thread(target=self._serve, args=(fd,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, fd):
+        conn, _ = self.sock.accept()
+        conn.recv(1024)
+        socket.send_fds(conn, [b"\x01"], [fd])
+        conn.close()
+
+    def close(self):
+        self.thread.join(10)
+        self.sock.close()
+
+
+# ---- 100,000 arrays under ulimit -n 1024 -------------------------------------------------------
+
+MANY_SCRIPT = """
+import os, resource, sys, multiprocessing as mp, numpy as np, pyshm
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+
+def check(arrays):
+    ok = all(int(a[0]) == i for i, a in enumerate(arrays))
+    for a in arrays:
+        a[1] = 7
+    return ok, len(os.listdir('/proc/self/fd')), pyshm.reduction.segment_count()
+
+if __name__ == '__main__':
+    n = 100_000
+    arrays = [pyshm.empty(512, np.int64, shared=True) for _ in range(n)]   # 4 KiB each
+    for i, a in enumerate(arrays):
+        a[0] = i
+    ctx = mp.get_context(sys.argv[1])
+    with ctx.Pool(1) as pool:
+        ok, child_fds, child_segments = pool.apply(check, (arrays,))
+    assert ok
+    assert all(a[1] == 7 for a in arrays)
+    fds = len(os.listdir('/proc/self/fd'))
+    print(child_fds, child_segments, fds, pyshm.reduction.segment_count())
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn"])
+def test_100k_small_arrays_under_ulimit_1024(tmp_path, method):
+    script = tmp_path / "many.py"
+    script.write_text(MANY_SCRIPT)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    done = subprocess.run(
+        [sys.executable, str(script), method], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    child_fds, child_segments, fds, segments = map(int, done.stdout.split())
+    assert 98 <= child_segments <= 110 and 98 <= segments <= 110
+    assert child_fds < 300 and fds < 300
