@@ -518,6 +518,30 @@ def _dev_shm_free() -> Optional[int]:
     return stat.f_bavail * stat.f_frsize
 
 
+def _cpu_snapshot() -> Optional[tuple]:
+    """(wall s, busy CPU s of the whole machine, CPU s of this process), or None off Linux."""
+    try:
+        with open("/proc/stat") as handle:
+            fields = handle.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is inside user already)
+    ticks = [int(value) for value in fields[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    own = os.times()
+    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def _other_load(before: Optional[tuple], after: Optional[tuple]) -> Optional[float]:
+    """CPUs kept busy on average by everything but this process between two snapshots."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, others / (after[0] - before[0]))
+
+
 def _load_torch(wanted: bool):
     """(torch module or None, description)."""
     if not wanted:
@@ -675,10 +699,13 @@ def run(config: dict, progress=None) -> dict:
     # the gc.collect() between runs then takes microseconds instead of ~40 ms.
     gc.collect()
     gc.freeze()
+    before = _cpu_snapshot()
     try:
-        return _run_cases(config, methods, workloads, torch, torch_text, progress)
+        result = _run_cases(config, methods, workloads, torch, torch_text, progress)
     finally:
         gc.unfreeze()
+    result["other_cpu_load"] = _other_load(before, _cpu_snapshot())
+    return result
 
 
 def _run_cases(config: dict, methods: list, workloads: dict, torch, torch_text: str,
@@ -854,6 +881,12 @@ def format_report(result: dict) -> str:
     lines.append(f"pyshm {result['pyshm']} bench: Python {result['python']}, numpy "
                  f"{result['numpy']}, {result['cpus']} CPUs, {mem:.1f} GiB available")
     lines.append(f"torch: {result['torch_note']}")
+    load = result.get("other_cpu_load")
+    if load is not None:
+        text = f"other processes kept {load:.2f} of {result['cpus']} CPUs busy during the run"
+        if load > 0.2:
+            text += ": the machine was not quiet, absolute times and ratios are less reliable"
+        lines.append(text)
     lines.append(f"{result['config']['repeats']} rounds per case, methods interleaved; "
                  "ratio = this row's time / the baseline's time at the same thread count, "
                  "from min times (median times in brackets); < 1 means this row is faster")
