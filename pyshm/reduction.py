@@ -32,8 +32,9 @@ mapping (same address for the same bytes). Arrays a process sent are found again
 back (a ``Pool`` result returning its argument is the original memory at the original address),
 and forked children inherit the parent's cache, so they need no fd at all.
 
-Liveness: the sender holds what it pickled for ``KEEPALIVE_SECONDS`` (or until the receiver
-fetched it) so an array can be dropped right after ``put``; after that the memory must still be
+Liveness: the sender holds memory it made for ``KEEPALIVE_SECONDS`` after pickling it (or until
+the receiver fetched it) so an array can be dropped right after ``put``; memory it received
+from elsewhere and sends on is not held (forward it only while you or its owner keep it); after that the memory must still be
 alive in the sender (or already mapped by the receiver) when the receiver unpickles. As with
 torch's ``file_descriptor`` strategy and the stdlib ``DupFd``, the sender must stay alive until
 the receiver has unpickled a message carrying memory it has not seen yet.
@@ -48,7 +49,7 @@ fd and mapping policy (why 100,000 small arrays work under ``ulimit -n 1024``)
 * Arrays shared in place (:func:`pyshm.share_memory_`, or on send) own one memfd each: one fd
   and one mapping per array in the sender. Keep those for big arrays.
 * A receiver keeps each received memfd's fd (so it can send the array on) while it holds fewer
-  than ``max(64, RLIMIT_NOFILE // 4)`` of them; beyond that it closes the fd right after mapping
+  than ``max(64, RLIMIT_NOFILE // 2)`` of them; beyond that it closes the fd right after mapping
   (``lshm_segment_close_fd``) and such an array can no longer be sent on (pickling it raises).
 * Mappings: one per memfd, and ``vm.max_map_count`` (65,530 by default) bounds them, so a
   receiver can hold at most ~65,000 distinct memfds at once (about 256 GiB of slabs, or 65,000
@@ -103,6 +104,7 @@ SLAB_SIZE = 4 << 20
 SLAB_MAX = 64 << 10
 SLAB_ALIGN = 64
 KEEPALIVE_SECONDS = 60.0
+RECENT_SLABS = 8
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
 _MAX_FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253
@@ -122,11 +124,12 @@ class _Mapping:
     long as something uses the mapping.
     """
 
-    __slots__ = ("segment", "key", "size", "fd_kept", "_finalizer", "__weakref__")
+    __slots__ = ("segment", "key", "size", "fd_kept", "own", "_finalizer", "__weakref__")
 
-    def __init__(self, segment: int, key: tuple, fd_kept: bool) -> None:
+    def __init__(self, segment: int, key: tuple, fd_kept: bool, own: bool = False) -> None:
         self.segment = segment
         self.key = key
+        self.own = own  # a slab this process made (else: received from another process)
         self.size = lib.lshm_segment_size(segment)
         self.fd_kept = fd_kept
         self._finalizer = weakref.finalize(self, _drop_segment, segment, fd_kept)
@@ -147,6 +150,9 @@ class _State:
         self.live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
         self.next_sweep = 0.0
         self.server: Optional[_Server] = None
+        # the few most recently received slabs, held strongly so that arrays sent one message
+        # at a time do not re-map their slab every time (bounded: RECENT_SLABS x SLAB_SIZE)
+        self.recent: list = []
         self.slab: Optional[_Mapping] = None
         self.slab_used = 0
 
@@ -164,7 +170,7 @@ def _fd_budget() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(64, soft // 4)
+    return max(64, soft // 2)
 
 
 def segment_count() -> int:
@@ -223,7 +229,7 @@ def _slab_view(nbytes: int) -> tuple:
             except BaseException:
                 lib.lshm_segment_release(out.value)
                 raise
-            slab = _Mapping(out.value, key, fd_kept=False)
+            slab = _Mapping(out.value, key, fd_kept=False, own=True)
             _state.mappings[key] = slab
             _state.slab = slab
             _state.slab_used = 0
@@ -282,8 +288,13 @@ def _sweep(now: float) -> None:
         del _state.exports[key]
 
 
-def _export(handle: int, holder: Any) -> tuple:
-    """Make storage `handle` sendable; returns the token the receiver needs."""
+def _export(handle: int, holder: Any, hold: bool = True) -> tuple:
+    """Make storage `handle` sendable; returns the token the receiver needs.
+
+    With `hold`, `holder` is kept alive for KEEPALIVE_SECONDS (or until fetched) so the sender
+    may drop the array right after pickling. Memory received from another process is not held
+    (its owner holds it; holding it here would pin one fd per array for no one's benefit).
+    """
     if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
         lib.lshm_storage_share(handle)  # in place, same address; atomic on failure
     fd = c_int(-1)
@@ -309,7 +320,9 @@ def _export(handle: int, holder: Any) -> tuple:
     with _state.lock:
         _sweep(now)
         entry = _state.exports.get(key)
-        if entry is None:
+        if not hold:
+            pass
+        elif entry is None:
             _state.exports[key] = [holder, 1, now + KEEPALIVE_SECONDS]
         else:
             entry[1] += 1
@@ -486,6 +499,9 @@ def _attach(fd: int, key: tuple, readonly: bool) -> _Mapping:
         lib.lshm_segment_close_fd(out.value)
     mapping = _Mapping(out.value, key, fd_kept=keep)
     _state.mappings[key] = mapping
+    if mapping.size <= SLAB_SIZE:
+        _state.recent.append(mapping)
+        del _state.recent[:-RECENT_SLABS]
     return mapping
 
 
@@ -558,7 +574,8 @@ def _reduce_ndarray(array: np.ndarray):
     if owner is None or array.size == 0:
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
     handle = owner._handle
-    token = _export(handle, owner)
+    received = isinstance(owner, _SegmentOwner) and not owner._mapping.own
+    token = _export(handle, owner, hold=not received)
     data = lib.lshm_storage_data(handle) or 0
     start = array.__array_interface__["data"][0] - data
     return _rebuild_ndarray, (
@@ -575,6 +592,8 @@ def _reduce_storage(storage: Storage):
     handle = storage._as_parameter_
     if lib.lshm_storage_nbytes(handle) == 0:
         return reduce_storage_by_value(storage, 4)
+    if isinstance(storage, _SegmentStorage) and not storage._mapping.own:
+        return _rebuild_storage, (_export(handle, storage, hold=False),)
     holder = Storage._from_handle(lib.lshm_storage_retain(handle))
     return _rebuild_storage, (_export(handle, holder),)
 
@@ -671,6 +690,7 @@ def _after_fork_in_child() -> None:
     old.live = weakref.WeakValueDictionary()
     old.slab = None
     old.slab_used = 0
+    old.recent = []
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
