@@ -9,6 +9,7 @@ chain keeps the memory alive for as long as any view of it exists, whatever happ
 
 from __future__ import annotations
 
+import ctypes
 import math
 import operator
 import weakref
@@ -153,9 +154,23 @@ def copy(array: Any, *, shared: bool = False) -> np.ndarray:
     buffer protocol) into a storage that can then be shared in place.
     """
     source = np.asarray(array)
-    result = empty(source.shape, source.dtype, shared=shared)
-    np.copyto(result, source, casting="no")
-    return result
+    if not shared or _nbytes_of(source.shape, source.dtype) <= _SLAB_MAX:
+        result = empty(source.shape, source.dtype, shared=shared)
+        np.copyto(result, source, casting="no")
+        return result
+    contiguous = np.ascontiguousarray(source)
+    # Borrow the source bytes as a foreign storage and share it: one pwrite straight from the
+    # source into a fresh memfd (no page faults, no zero-fill), mapped at a new address. The
+    # borrowed source is never written or released by the library.
+    out = ctypes.c_void_p()
+    lib.lshm_storage_create_foreign(
+        contiguous.ctypes.data, contiguous.nbytes, None, None, 0, ctypes.byref(out)
+    )
+    try:
+        lib.lshm_storage_share(out.value)
+        return _wrap(out.value, source.shape, source.dtype)
+    finally:
+        lib.lshm_storage_release(out.value)
 
 
 def _owner_of(array: Any) -> Optional[ArrayOwner]:
