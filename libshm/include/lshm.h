@@ -191,6 +191,13 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * Errors: -EINVAL (NULL), -ENOMEM, -ENOSPC, -EMFILE, -ENFILE, other -errno from the kernel. */
 LSHM_API int lshm_storage_share(lshm_storage *s);
 
+/* Make a shared storage read-only for everyone it is sent to from now on (F_SEAL_FUTURE_WRITE
+ * on its memfd): later mappings of the fd can only be read, and writes through the fd fail.
+ * This process's own mapping keeps writing. A storage viewing a segment seals the whole
+ * segment (every storage on it). Irreversible; idempotent.
+ * Errors: -EINVAL (NULL), -ENODATA (not shared), -EBADF (fd closed), -EPERM (sealing refused). */
+LSHM_API int lshm_storage_seal_readonly(lshm_storage *s);
+
 /* Build a storage that views nbytes at `offset` of a shared-memory fd received from elsewhere.
  * The fd is validated (a memfd/shmem file, at least offset + nbytes long, sealed or sealable
  * against shrink and grow, writable unless LSHM_STORAGE_READONLY) and duplicated: the caller

@@ -151,3 +151,16 @@ int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out
     lshm_segment_release(seg); /* the storage holds the segment now (or nothing does) */
     return lshm__storage_heap_done(s, rc);
 }
+
+int lshm_storage_seal_readonly(lshm_storage *s) {
+    if (s == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL storage");
+    if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) == 0)
+        return LSHM_FAIL(-ENODATA, "the storage is not shared: share it before sealing");
+    /* A view seals its whole segment: every storage on it becomes read-only for receivers. */
+    if (s->segment != NULL)
+        return lshm_segment_seal_readonly(s->segment);
+    if (s->fd < 0)
+        return LSHM_FAIL(-EBADF, "the storage has no fd to seal");
+    return lshm__os_seal_future_write(s->fd);
+}

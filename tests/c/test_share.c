@@ -388,6 +388,45 @@ static void test_copy_between_shared(void) {
     ASSERT_ERR(lshm_storage_share(NULL), -EINVAL);
 }
 
+/* seal_readonly: the owner keeps writing; new mappings of the fd are read-only; views seal
+ * their segment; unshared storages and NULL are refused. */
+static void test_seal_readonly(void) {
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(2 * page, NULL, 0, &s));
+    ASSERT_ERR(lshm_storage_seal_readonly(s), -ENODATA);
+    ASSERT_ERR(lshm_storage_seal_readonly(NULL), -EINVAL);
+    fill(lshm_storage_data(s), 2 * page, 3);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_OK(lshm_storage_seal_readonly(s));
+    ASSERT_OK(lshm_storage_seal_readonly(s)); /* idempotent */
+    int fd;
+    uint64_t offset;
+    ASSERT_OK(lshm_storage_fd(s, &fd, &offset));
+    ASSERT(fcntl(fd, F_GET_SEALS) & F_SEAL_FUTURE_WRITE);
+    unsigned char *owner = lshm_storage_data(s);
+    owner[0] = 0xEE; /* the owner's mapping still writes */
+    ASSERT(mmap(NULL, page, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) == MAP_FAILED);
+    ASSERT_EQ(errno, EPERM);
+    ASSERT_EQ(pwrite(fd, "x", 1, 0), -1);
+    lshm_storage *reader;
+    ASSERT_ERR(lshm_storage_attach(fd, 0, 2 * page, 0, &reader), -EPERM);
+    ASSERT_OK(lshm_storage_attach(fd, 0, 2 * page, LSHM_STORAGE_READONLY, &reader));
+    ASSERT_EQ(((unsigned char *)lshm_storage_data(reader))[0], 0xEE);
+    ASSERT(lshm_storage_flags(reader) & LSHM_STORAGE_READONLY);
+    lshm_storage_release(reader);
+    lshm_storage_release(s);
+
+    /* a view seals its segment */
+    lshm_segment *seg;
+    lshm_storage *view;
+    ASSERT_OK(lshm_segment_create(4 * page, 0, &seg));
+    ASSERT_OK(lshm_storage_create_view(seg, page, page, 0, &view));
+    ASSERT_OK(lshm_storage_seal_readonly(view));
+    ASSERT(fcntl(lshm_segment_fd(seg), F_GET_SEALS) & F_SEAL_FUTURE_WRITE);
+    lshm_storage_release(view);
+    lshm_segment_release(seg);
+}
+
 int main(void) {
     page = lshm_page_size();
     int fds = fd_count();
@@ -402,6 +441,7 @@ int main(void) {
     RUN_TEST(test_rlimit_nofile);
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
+    RUN_TEST(test_seal_readonly);
     ASSERT_EQ(fd_count(), fds);
     return 0;
 }
