@@ -29,6 +29,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     result = planner.plan(
         sizes, firsts, lasts,
         alignment=args.alignment, inclusive=args.inclusive, time_limit=args.time_limit,
+        capacity=args.capacity,
     )
     seconds = time.perf_counter() - start
     if args.output:
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--time-limit", type=float, default=1.0,
                       help="seconds for improvement and exact search (default 1)")
     plan.add_argument("--alignment", type=int, default=1, help="offset alignment (default 1)")
+    plan.add_argument("--capacity", type=int, default=0,
+                      help="target arena bytes: stop at a plan that fits (default 0: minimise)")
     plan.add_argument("--inclusive", action="store_true",
                       help="ranges are [lower, upper] instead of [lower, upper)")
     plan.set_defaults(func=_cmd_plan)

@@ -158,7 +158,10 @@ lib, LIBRARY_PATH = _load()
 
 
 class PlanOptions(ctypes.Structure):
-    _fields_ = [("alignment", c_uint64), ("flags", c_uint), ("time_limit", c_double)]
+    _fields_ = [
+        ("alignment", c_uint64), ("flags", c_uint), ("time_limit", c_double),
+        ("capacity", c_uint64),
+    ]
 
 
 class PlanResult(ctypes.Structure):

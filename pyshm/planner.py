@@ -43,18 +43,24 @@ class Plan:
         return self.arena_size / self.lower_bound if self.lower_bound else 1.0
 
 
-def _options(alignment: int, inclusive: bool, time_limit: float) -> _ffi.PlanOptions:
+def _options(
+    alignment: int, inclusive: bool, time_limit: float, capacity: int = 0
+) -> _ffi.PlanOptions:
     alignment = int(alignment)
     if alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two >= 1, got {alignment}")
     time_limit = float(time_limit)
     if not math.isfinite(time_limit) or time_limit < 0:
         raise ValueError(f"time_limit must be a finite number >= 0, got {time_limit}")
+    capacity = int(capacity)
+    if capacity < 0 or capacity >= 1 << 64:
+        raise ValueError(f"capacity must be in [0, 2**64), got {capacity}")
     opts = _ffi.PlanOptions()
     lib.lshm_plan_options_init(ctypes.byref(opts))
     opts.alignment = alignment
     opts.flags = _ffi.PLAN_INCLUSIVE if inclusive else 0
     opts.time_limit = time_limit
+    opts.capacity = capacity
     return opts
 
 
@@ -98,6 +104,7 @@ def plan(
     inclusive: bool = False,
     time_limit: float = 0.0,
     fixed_offsets: Optional[Sequence[int]] = None,
+    capacity: int = 0,
 ) -> Plan:
     """Place ``n`` tensors in one arena so that tensors alive at once never overlap.
 
@@ -105,10 +112,13 @@ def plan(
     ``[firsts[i], lasts[i]]`` with ``inclusive=True``). ``fixed_offsets[i] >= 0`` pins a tensor;
     ``-1`` lets the planner choose. The heuristic portfolio always runs; ``time_limit`` seconds
     more are spent on improvement and exact search when the plan is above the lower bound.
+    ``capacity > 0`` makes the goal a plan that fits in ``capacity`` bytes: the exact search
+    decides feasibility at that capacity within ``time_limit``; when no plan fits, the best plan
+    found is returned with ``arena_size > capacity`` (not an error; check it).
     The call runs in C without the GIL and is deterministic.
     """
     n, sizes_a, firsts_a, lasts_a = _inputs(sizes, firsts, lasts)
-    opts = _options(alignment, inclusive, time_limit)
+    opts = _options(alignment, inclusive, time_limit, capacity)
     fixed_a = None
     if fixed_offsets is not None:
         fixed_a = _as_array(fixed_offsets, np.int64, "fixed_offsets")

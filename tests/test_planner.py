@@ -184,6 +184,41 @@ def test_trace_valid_and_never_worse_than_the_anchors(name):
         assert result.ratio <= 1.01, f"{name}: {result.ratio:.6f} x LB"
 
 
+# MiniMalloc's 11 "challenging" instances fit in 1 MiB (its exact solver does it in 0.8-7.3 s
+# each); capacity mode must do the same within a 10 s budget. lshm_plan runs without the GIL,
+# so two run at once (the suite's one slow test: about 10 s, 60 s at worst).
+CHALLENGING = [f"minimalloc/{x}.1048576.csv" for x in "ABCDEFGHIJK"]
+
+
+@needs_traces
+def test_minimalloc_challenging_fit_their_capacity():
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(name):
+        ids, sizes, firsts, lasts = planner.read_trace(str(TRACES / name))
+        result = pyshm.plan(sizes, firsts, lasts, alignment=1, time_limit=10, capacity=1 << 20)
+        check_plan(sizes, firsts, lasts, result, alignment=1, inclusive=False)
+        return name, result
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, CHALLENGING))
+    missed = [f"{name}: {r.arena_size} ({r.seconds:.1f} s)" for name, r in results
+              if r.arena_size > 1 << 20]
+    assert not missed, missed
+
+
+def test_capacity_option():
+    # A loose capacity is met by the heuristics; an impossible one (below the lower bound)
+    # returns the best plan, above it, without error.
+    sizes, firsts, lasts = [16, 8, 64, 32, 8], [0, 1, 2, 3, 4], [2, 3, 4, 5, 6]
+    loose = pyshm.plan(sizes, firsts, lasts, alignment=1, time_limit=1, capacity=1000)
+    assert loose.arena_size <= 1000
+    tight = pyshm.plan(sizes, firsts, lasts, alignment=1, time_limit=1, capacity=50)
+    assert tight.arena_size == 96 and tight.lower_bound == 96
+    with pytest.raises(ValueError):
+        pyshm.plan(sizes, firsts, lasts, capacity=-1)
+
+
 # ---- framework test values (research/planner.md section 14(b)) -----------------------------
 
 

@@ -13,6 +13,7 @@ and our planning time (min over repeats). It says so when our arena is worse tha
 
     python3 tools/bench_planner.py                      # ../shared/traces, heuristics only
     python3 tools/bench_planner.py --time-limit 10      # with local search + exact tail
+    python3 tools/bench_planner.py ../shared/traces/minimalloc --time-limit 10 --capacity 1048576
     python3 tools/bench_planner.py --scaling            # 1k / 10k / 100k random tensors
     python3 tools/bench_planner.py --json out.json
 
@@ -35,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class PlanOptions(ctypes.Structure):
     _fields_ = [("alignment", ctypes.c_uint64), ("flags", ctypes.c_uint),
-                ("time_limit", ctypes.c_double)]
+                ("time_limit", ctypes.c_double), ("capacity", ctypes.c_uint64)]
 
 
 class PlanResult(ctypes.Structure):
@@ -79,10 +80,10 @@ def ptr(a, t):
     return a.ctypes.data_as(ctypes.POINTER(t))
 
 
-def run_ours(lib, size, lo, up, time_limit, repeats):
+def run_ours(lib, size, lo, up, time_limit, repeats, capacity=0):
     n = len(size)
     off = np.zeros(n, dtype=np.uint64)
-    opts = PlanOptions(1, 0, time_limit)
+    opts = PlanOptions(1, 0, time_limit, capacity)
     res = PlanResult()
     best_t = float("inf")
     for r in range(repeats):
@@ -187,7 +188,7 @@ def read_trace(path):
     return size, lo, up
 
 
-def bench_traces(lib, folder, time_limit, max_anchor_n, as_json):
+def bench_traces(lib, folder, time_limit, max_anchor_n, as_json, capacity=0):
     files = sorted(glob.glob(os.path.join(folder, "**", "*.csv"), recursive=True))
     rows = []
     hdr = (f"{'trace':28} {'n':>6} {'LB':>14} {'ours':>8} {'ms':>9}  "
@@ -202,7 +203,7 @@ def bench_traces(lib, folder, time_limit, max_anchor_n, as_json):
             continue
         size, lo, up = tr
         n = len(size)
-        res, dt, ok = run_ours(lib, size, lo, up, time_limit, 5)
+        res, dt, ok = run_ours(lib, size, lo, up, time_limit, 5, capacity)
         lb = res.lower_bound
         assert lb == lower_bound(size, lo, up), (name, lb, lower_bound(size, lo, up))
         row = {"trace": name, "n": n, "lb": lb, "ours": res.arena_size,
@@ -273,6 +274,8 @@ def main():
     ap.add_argument("folder", nargs="?", default=default)
     ap.add_argument("--time-limit", type=float, default=0.0,
                     help="seconds for local search + exact tail per trace (0: heuristics only)")
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="target arena bytes (0: minimise); exact search decides feasibility")
     ap.add_argument("--max-anchor-n", type=int, default=20000,
                     help="skip the O(n^2) numpy best-fit anchors above this n")
     ap.add_argument("--scaling", action="store_true", help="time 1k/10k/100k random tensors")
@@ -284,7 +287,7 @@ def main():
         return
     if not os.path.isdir(args.folder):
         sys.exit(f"no trace folder {args.folder}")
-    bench_traces(lib, args.folder, args.time_limit, args.max_anchor_n, args.json)
+    bench_traces(lib, args.folder, args.time_limit, args.max_anchor_n, args.json, args.capacity)
 
 
 if __name__ == "__main__":

@@ -267,9 +267,17 @@ typedef struct lshm_plan_options {
     uint64_t alignment; /* every offset is a multiple of this power of two; 0 means 1 */
     unsigned flags;     /* LSHM_PLAN_INCLUSIVE or 0 */
     double time_limit;  /* seconds for improvement + exact search after the heuristics; 0: none */
+    uint64_t capacity;  /* 0: minimise the arena (default). > 0: see below */
 } lshm_plan_options;
 
-/* Fill `opts` with the defaults: alignment 64, half-open, time_limit 0. */
+/* capacity: with capacity > 0 the planner's goal is a plan that fits in capacity bytes. The
+ * heuristics run first; if none fits, the exact search decides feasibility at that capacity
+ * within time_limit (no exact search with time_limit 0). If no plan fits (infeasible, or not
+ * decided in time), lshm_plan returns the best plan found with result->arena_size > capacity;
+ * that is not an error, the caller checks arena_size. A plan that fits is not minimised further.
+ * With capacity 0 the time budget goes to finding smaller and smaller arenas.
+ *
+ * Fill `opts` with the defaults: alignment 64, half-open, time_limit 0, capacity 0. */
 LSHM_API void lshm_plan_options_init(lshm_plan_options *opts);
 
 typedef struct lshm_plan_result {

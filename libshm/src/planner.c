@@ -1289,7 +1289,8 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     /* Phase 1: the portfolio. */
     const strategy *pf = m > PORTFOLIO_LARGE ? portfolio_large : portfolio;
     size_t npf = m > PORTFOLIO_LARGE ? PORTFOLIO_LARGE_SIZE : PORTFOLIO_SIZE;
-    for (size_t s = 0; s < npf && m && best > lb; s++) {
+    const uint64_t target = opts->capacity; /* 0: minimise */
+    for (size_t s = 0; s < npf && m && best > lb && !(target && best <= target); s++) {
         double ts = lshm__plan_now();
         if (make_order(&oc, pf[s].order, order))
             goto nomem;
@@ -1318,7 +1319,12 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
      * earlier place in the order; keeps moves that do not grow the arena (plateaus let the
      * search drift). With an exact tail coming, it only gets a share of the budget. */
     int exact_ok = m && in.n_fixed == 0 && m <= EXACT_MAX_TENSORS;
-    if (!optimal && opts->time_limit > 0 && count > 1) {
+    /* With a capacity below the lower bound nothing fits: no search. */
+    int fits = target && best <= target;
+    int hopeless = target && target < lb;
+    /* In capacity mode the exact search decides right away when it can run. */
+    if (!optimal && !fits && !hopeless && opts->time_limit > 0 && count > 1 &&
+        !(target && exact_ok)) {
         double ls_deadline = exact_ok ? t0 + opts->time_limit * 0.05 : deadline;
         uint64_t cur = best, seed = 0x5DEECE66Dull ^ m;
         memcpy(order, best_order, count * sizeof *order);
@@ -1330,7 +1336,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
             goto nomem;
         }
         int improved_any = 0;
-        for (unsigned iter = 0; best > lb; iter++) {
+        for (unsigned iter = 0; best > lb && !(target && best <= target); iter++) {
             if ((iter & 7) == 0 && lshm__plan_now() > ls_deadline)
                 break;
             size_t nt = 0; /* positions in order of tensors whose block touches the top */
@@ -1382,26 +1388,70 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
             optimal = 1;
     }
 
-    /* Phase 3: exact decision search, bisecting the capacity in [lb, best). */
-    if (!optimal && opts->time_limit > 0 && exact_ok) {
-        lshm__plan_problem prob = {m, in.start, in.end, in.size, in.alignment, in.times};
-        uint64_t lo = lb, hi = best; /* infeasible below lo (proven or assumed); best feasible */
-        int proven = 1, first = 1, used = 0;
+    /* Phase 3: exact decision search (planner_exact.c).
+     *  - capacity mode: one decision at the target with the whole remaining budget;
+     *  - minimise mode: LB first with a third of the budget (OPT = LB on most real traces, and
+     *    a tight capacity is where the search's inference is strongest); then rounds of
+     *    bisection between the lowest capacity not disproven and the best plan, every
+     *    decision with the same time slice, the slice doubling each round. How long a
+     *    decision takes varies a lot from one capacity to the next (a capacity a little above
+     *    one solved in 0.1 s may take seconds), so a capacity that timed out is only skipped
+     *    for the rest of its round. Capacities are multiples of g, the gcd of the alignment
+     *    and the sizes: every canonical plan's arena is one. */
+    if (!optimal && opts->time_limit > 0 && exact_ok && !(target && (best <= target || hopeless))) {
+        uint64_t *width = malloc(m * sizeof *width);
+        if (!width)
+            goto nomem;
+        uint64_t g = in.alignment;
+        for (size_t i = 0; i < m; i++) {
+            uint32_t o = in.orig[i];
+            width[i] = (uint64_t)(lasts[o] - firsts[o]) + ((opts->flags & LSHM_PLAN_INCLUSIVE) ? 1 : 0);
+            for (uint64_t a = in.size[i], t; a; t = g % a, g = a, a = t)
+                ;
+        }
+        lshm__plan_problem prob = {m, in.start, in.end, in.size, in.alignment, in.times, width};
+        uint64_t hi = best;                /* best plan found */
+        uint64_t lo = (lb + g - 1) / g * g; /* every capacity below is infeasible (proven) */
+        uint64_t rlo = lo;                  /* ... or timed out in this round */
+        /* resolution: a round stops bisecting when the gap left is below 1/64 of the first */
+        uint64_t res = ((hi - lo) / 64 + g - 1) / g * g;
+        int used = 0, first = 1;
+        double slice = 0;
         while (lo < hi) {
             double now = lshm__plan_now();
             if (now >= deadline)
                 break;
-            /* First ask for LB itself with a share of the time (most instances have OPT = LB),
-             * then bisect. */
-            uint64_t cap = first ? lo : lo + (hi - lo) / 2;
-            double slice = first ? (deadline - now) * 0.4 : (deadline - now) * 0.5;
+            uint64_t cap;
+            double t;
+            if (target) {
+                if (!first)
+                    break;
+                cap = target;
+                t = deadline - now;
+            } else if (first) {
+                cap = lo;
+                t = opts->time_limit / 3;
+            } else {
+                if (rlo + res >= hi) { /* next round */
+                    rlo = lo;
+                    slice *= 2;
+                }
+                if (slice == 0)
+                    slice = (deadline - now) / 16;
+                cap = rlo + (hi - rlo) / g / 2 * g;
+                t = slice;
+            }
             first = 0;
-            int r = lshm__plan_exact(&prob, cap, now + slice, cur_off);
+            if (t > deadline - now)
+                t = deadline - now;
+            int r = lshm__plan_exact(&prob, cap, now + t, cur_off);
             if (debug)
-                fprintf(stderr, "lshm_plan: exact: cap %llu -> %d after %.3f s\n", (unsigned long long)cap,
-                        r, lshm__plan_now() - now);
-            if (r < 0 && r != -1)
+                fprintf(stderr, "lshm_plan: exact: cap %llu -> %d after %.3f s\n",
+                        (unsigned long long)cap, r, lshm__plan_now() - now);
+            if (r < 0 && r != -1) {
+                free(width);
                 goto nomem;
+            }
             if (r == 1) {
                 uint64_t arena = 0;
                 for (size_t i = 0; i < m; i++)
@@ -1412,16 +1462,22 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
                 memcpy(best_off, cur_off, m * sizeof *best_off);
                 used = 1;
             } else {
-                if (r == -1)
-                    proven = 0;
-                lo = cap + 1;
+                if (r == 0 && cap >= lo)
+                    lo = cap + g;
+                if (cap >= rlo)
+                    rlo = cap + g;
+                if (rlo < lo)
+                    rlo = lo;
             }
         }
+        free(width);
         if (used)
             snprintf(name, sizeof name, "exact");
-        if (lo >= hi && proven)
+        if (!target && lo >= hi)
             optimal = 1;
     }
+    if (m && best <= lb)
+        optimal = 1;
 
     /* Self-check before anything is written back. */
     if (m) {

@@ -2,20 +2,26 @@
  * planner_exact.c -- exact decision search for the arena planner: "do all tensors fit under
  * this capacity?", in the spirit of MiniMalloc (Moffitt, ASPLOS'23).
  *
- * Ideas (our own code, same principles as the paper):
+ * Ideas (our own code, same principles as the paper and google/minimalloc's solver):
  *  - Canonical solutions. Every tensor is placed at its *minimum offset*: the aligned top of
  *    the placed tensors it conflicts with (0 if none). Tensors are placed in non-decreasing
  *    (min offset, preorder rank) order, so each packing is generated once.
  *  - Dominance. A tensor whose min offset is at or above the lowest possible top of another
  *    unplaced tensor would leave a hole that one could fill: skip it (and all later ones).
+ *  - "Hatless" pruning. When the tensor just placed conflicts with no unplaced tensor, its
+ *    placement cannot hinder any other; if the rest fails with it there, every alternative at
+ *    this node fails too.
  *  - Inference on sections (time slices between consecutive lifetime boundaries): each has a
  *    floor (highest placed top, raised to the lowest min offset of its unplaced tensors) and
- *    the bytes of its unplaced tensors; floor + bytes > capacity prunes the node.
+ *    the bytes of its unplaced tensors; max(floor, current offset) + bytes > capacity prunes.
  *  - Dynamic decomposition: a count of unplaced tensors crossing each section boundary; when
- *    placing a tensor brings one to zero, the two sides are solved as independent subproblems
- *    (each with a fresh canonical search; one failing fails the node). Also done at the root.
- *  - Static preorders (by section total, width in sections, area) tried round robin with a
- *    doubling node limit, as MiniMalloc does.
+ *    placing a tensor brings one to zero, the two sides are independent subproblems, each
+ *    solved by a fresh canonical search with its own preorder (one failing fails the node).
+ *    Also done at the root.
+ *  - Static preorders, MiniMalloc's three: (W, A, T), (T, A, W), (T, W, A), all descending,
+ *    with W = lifetime length, A = size x W, T = the largest unplaced-bytes total over the
+ *    tensor's sections when the (sub)problem starts. They are tried round robin under a node
+ *    limit that starts at 2n and doubles every round.
  */
 #include "internal.h"
 #include "planner_internal.h"
@@ -41,8 +47,11 @@ typedef struct exact {
     uint32_t *cuts;                 /* [nsec] unplaced tensors crossing the boundary s | s + 1 */
     uint64_t *min_off;              /* [n] */
     uint64_t *off;                  /* [n] UINT64_MAX while unplaced */
-    uint32_t *rank;                 /* [n] preorder rank */
-    uint32_t *pool;                 /* ordering lists of every depth, n (n + 1) / 2 */
+    uint32_t *rank;                 /* [n] preorder rank within the current (sub)problem */
+    uint64_t *kw, *ka, *kt;         /* [n] preorder keys */
+    int heuristic;                  /* 0: WAT, 1: TAW, 2: TWA */
+    uint32_t *pool;                 /* stack of ordering lists, parts and saved ranks */
+    uint32_t *sort_tmp;             /* [n] */
     uint8_t *affected;              /* [nsec] marks */
     uint32_t *aff_list;             /* [nsec] */
     change *undo;                   /* undo log */
@@ -72,20 +81,64 @@ static int push_change(exact *x, uint32_t idx, uint64_t value)
 
 static inline uint64_t up(uint64_t v, uint64_t a) { return (v + a - 1) & ~(a - 1); }
 
+/* Preorder comparison: 1 when a goes before b under the current heuristic. */
+static int pre_before(const exact *x, uint32_t a, uint32_t b)
+{
+    static const int keys[3][3] = {{0, 1, 2}, {2, 1, 0}, {2, 0, 1}}; /* WAT, TAW, TWA */
+    for (int q = 0; q < 3; q++) {
+        const uint64_t *k = keys[x->heuristic][q] == 0 ? x->kw
+                            : keys[x->heuristic][q] == 1 ? x->ka : x->kt;
+        if (k[a] != k[b])
+            return k[a] > k[b];
+    }
+    return a < b;
+}
+
+static void sort_pre(exact *x, uint32_t *a, size_t n)
+{
+    if (n < 2)
+        return;
+    if (n <= 16) {
+        for (size_t i = 1; i < n; i++) {
+            uint32_t v = a[i];
+            size_t j = i;
+            while (j > 0 && pre_before(x, v, a[j - 1])) {
+                a[j] = a[j - 1];
+                j--;
+            }
+            a[j] = v;
+        }
+        return;
+    }
+    size_t h = n / 2;
+    sort_pre(x, a, h);
+    sort_pre(x, a + h, n - h);
+    uint32_t *tmp = x->sort_tmp;
+    size_t i = 0, j = h, o = 0;
+    while (i < h && j < n)
+        tmp[o++] = pre_before(x, a[j], a[i]) ? a[j++] : a[i++];
+    while (i < h)
+        tmp[o++] = a[i++];
+    while (j < n)
+        tmp[o++] = a[j++];
+    memcpy(a, tmp, n * sizeof *a);
+}
+
 /* ordering: unplaced tensors sorted by (min_off, rank); insertion sort from the parent's
  * (already nearly sorted) list. */
 static size_t build_ordering(exact *x, const uint32_t *parent, size_t pn, uint32_t *out)
 {
     size_t k = 0;
+    const uint64_t *mo = x->min_off;
     for (size_t j = 0; j < pn; j++) {
         uint32_t b = parent[j];
         if (x->off[b] != UINT64_MAX)
             continue;
         size_t q = k++;
+        uint64_t mb = mo[b];
         while (q > 0) {
             uint32_t c = out[q - 1];
-            if (x->min_off[c] < x->min_off[b] ||
-                (x->min_off[c] == x->min_off[b] && x->rank[c] < x->rank[b]))
+            if (mo[c] < mb || (mo[c] == mb && x->rank[c] < x->rank[b]))
                 break;
             out[q] = c;
             q--;
@@ -99,7 +152,8 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
                        uint32_t *pool);
 
 /* Searches the unplaced tensors of parent[0..pn), all within sections [plo, phi).
- * Undo log entries: idx < n: min_off of a tensor; idx >= n: floor of section idx - n. */
+ * Undo log entries: idx < n: min_off of a tensor; idx >= n: floor of section idx - n.
+ * Returns 1 (all placed), 0 (no placement), -1 (node limit or deadline), -2 (no memory). */
 static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, uint64_t last_off,
                   uint32_t last_rank, uint32_t plo, uint32_t phi)
 {
@@ -132,9 +186,13 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
         size_t mark = x->undo_len;
         x->off[b] = o;
         size_t naff = 0;
+        int hatless = 1;
         for (uint32_t e = x->ov_start[b]; e < x->ov_start[b + 1]; e++) {
             uint32_t c = x->ov[e];
-            if (x->off[c] != UINT64_MAX || x->min_off[c] >= height)
+            if (x->off[c] != UINT64_MAX)
+                continue;
+            hatless = 0;
+            if (x->min_off[c] >= height)
                 continue;
             if (push_change(x, c, x->min_off[c]))
                 return -2;
@@ -167,10 +225,12 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
             }
         }
         int ok = 1;
-        for (uint32_t s = plo; s < phi && ok; s++) {
+        for (uint32_t s = plo; s < phi; s++) {
             uint64_t f = x->floor[s] > o ? x->floor[s] : o;
-            if (x->total[s] && f + x->total[s] > x->capacity)
+            if (f + x->total[s] > x->capacity) {
                 ok = 0;
+                break;
+            }
         }
         /* Dynamic decomposition: when no unplaced tensor crosses a boundary any more, the two
          * sides are independent subproblems (solved one after the other; one failing fails
@@ -195,21 +255,32 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
                 x->floor[c->idx - n] = c->value;
         }
         if (r == 1)
-            return 1; /* keep x->off of this branch? it was filled below; restore only ours */
+            return 1; /* the offsets below stay written */
         x->off[b] = UINT64_MAX;
         if (r < 0)
             return r;
+        if (hatless)
+            break; /* b hinders nobody: no other choice here can do better */
     }
     return 0;
 }
 
 /* Splits the unplaced tensors of list[0..k) (within sections [plo, phi)) at the boundaries no
- * unplaced tensor crosses and solves each part with a fresh canonical search. pool holds the
- * parts, then the search lists. On failure every tensor of the parts is unplaced again. */
+ * unplaced tensor crosses and solves each part with a fresh canonical search and preorder.
+ * pool holds the saved ranks, the parts, then the search lists. On failure every tensor of the
+ * parts is unplaced again; the ranks of the parent's search are restored in every case. */
 static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, uint32_t phi,
                        uint32_t *pool)
 {
-    size_t used = 0;
+    uint32_t *ids = pool;
+    size_t ns = 0;
+    for (size_t j = 0; j < k; j++)
+        if (x->off[list[j]] == UINT64_MAX)
+            ids[ns++] = list[j];
+    uint32_t *saved = ids + ns;
+    for (size_t j = 0; j < ns; j++)
+        saved[j] = x->rank[ids[j]];
+    size_t used = 2 * ns;
     int r = 1;
     uint32_t lo = plo;
     while (lo < phi && r == 1) {
@@ -218,19 +289,33 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
             hi++;
         uint32_t *part = pool + used;
         size_t pk = 0;
-        for (size_t j = 0; j < k; j++) {
-            uint32_t c = list[j];
-            if (x->off[c] == UINT64_MAX && x->sec_lo[c] >= lo && x->sec_lo[c] < hi)
+        for (size_t j = 0; j < ns; j++) {
+            uint32_t c = ids[j];
+            if (x->sec_lo[c] >= lo && x->sec_lo[c] < hi)
                 part[pk++] = c;
         }
         used += pk;
-        if (pk)
+        if (pk) {
+            for (size_t j = 0; j < pk; j++) {
+                uint32_t c = part[j];
+                uint64_t t = 0;
+                for (uint32_t s = x->sec_lo[c]; s < x->sec_hi[c]; s++)
+                    if (x->total[s] > t)
+                        t = x->total[s];
+                x->kt[c] = t;
+            }
+            sort_pre(x, part, pk);
+            for (size_t j = 0; j < pk; j++)
+                x->rank[part[j]] = (uint32_t)j;
             r = search(x, part, pk, pool + used, 0, 0, lo, hi);
+        }
         lo = hi;
     }
-    if (r != 1)
-        for (size_t j = 0; j < used; j++)
-            x->off[pool[j]] = UINT64_MAX;
+    for (size_t j = 0; j < ns; j++) {
+        x->rank[ids[j]] = saved[j];
+        if (r != 1)
+            x->off[ids[j]] = UINT64_MAX;
+    }
     return r;
 }
 
@@ -239,40 +324,8 @@ static void exact_free(exact *x)
     free(x->cuts);
     free(x->sec_lo), free(x->sec_hi), free(x->ov_start), free(x->ov), free(x->sb_start);
     free(x->sb), free(x->floor), free(x->total), free(x->min_off), free(x->off), free(x->rank);
+    free(x->kw), free(x->ka), free(x->kt), free(x->sort_tmp);
     free(x->pool), free(x->affected), free(x->aff_list), free(x->undo);
-}
-
-/* qsort context-free comparators need globals; use a simple merge sort on keys instead. */
-static void sort_idx(uint32_t *a, size_t n, const uint64_t *k1, const uint64_t *k2,
-                     const uint64_t *k3, uint32_t *tmp)
-{
-    if (n < 2)
-        return;
-    size_t h = n / 2;
-    sort_idx(a, h, k1, k2, k3, tmp);
-    sort_idx(a + h, n - h, k1, k2, k3, tmp);
-    size_t i = 0, j = h, o = 0;
-    while (i < h || j < n) {
-        int take_left;
-        if (i == h)
-            take_left = 0;
-        else if (j == n)
-            take_left = 1;
-        else {
-            uint32_t l = a[i], r = a[j];
-            /* descending keys, then index */
-            if (k1[l] != k1[r])
-                take_left = k1[l] > k1[r];
-            else if (k2[l] != k2[r])
-                take_left = k2[l] > k2[r];
-            else if (k3[l] != k3[r])
-                take_left = k3[l] > k3[r];
-            else
-                take_left = l < r;
-        }
-        tmp[o++] = take_left ? a[i++] : a[j++];
-    }
-    memcpy(a, tmp, n * sizeof *a);
 }
 
 int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double deadline,
@@ -288,22 +341,30 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     x.deadline = deadline;
     if (n == 0)
         return 1;
+    for (size_t i = 0; i < n; i++)
+        if (p->size[i] > capacity)
+            return 0;
     int ret = -ENOMEM;
     /* sections: between consecutive distinct boundaries */
     uint32_t T = p->times;
     uint32_t *sec_of = calloc((size_t)T + 2, sizeof *sec_of);
     uint8_t *isb = calloc((size_t)T + 2, 1);
-    uint64_t *kt = malloc(n * sizeof *kt), *kw = malloc(n * sizeof *kw), *ka = malloc(n * sizeof *ka);
-    uint32_t *pre = malloc(n * sizeof *pre), *tmp = malloc(n * sizeof *tmp);
+    x.kw = malloc(n * sizeof *x.kw);
+    x.ka = malloc(n * sizeof *x.ka);
+    x.kt = malloc(n * sizeof *x.kt);
+    x.sort_tmp = malloc(n * sizeof *x.sort_tmp);
+    uint32_t *pre = malloc(n * sizeof *pre);
     x.sec_lo = malloc(n * sizeof *x.sec_lo);
     x.sec_hi = malloc(n * sizeof *x.sec_hi);
     x.min_off = calloc(n, sizeof *x.min_off);
     x.off = malloc(n * sizeof *x.off);
-    x.rank = malloc(n * sizeof *x.rank);
+    x.rank = calloc(n, sizeof *x.rank);
     x.ov_start = calloc(n + 1, sizeof *x.ov_start);
-    x.pool = malloc((n * (n + 1) + 2 * n) * sizeof *x.pool); /* lists and parts per depth */
-    if (!sec_of || !isb || !kt || !kw || !ka || !pre || !tmp || !x.sec_lo || !x.sec_hi ||
-        !x.min_off || !x.off || !x.rank || !x.ov_start || !x.pool)
+    /* stack: a search on k tensors uses k entries, a split below it at most 3 (k - 1) before
+     * its own searches, so 2 n (n + 1) plus the root's split bound it */
+    x.pool = malloc((2 * n * (n + 1) + 4 * n + 16) * sizeof *x.pool);
+    if (!sec_of || !isb || !x.kw || !x.ka || !x.kt || !x.sort_tmp || !pre || !x.sec_lo ||
+        !x.sec_hi || !x.min_off || !x.off || !x.rank || !x.ov_start || !x.pool)
         goto out;
     for (size_t i = 0; i < n; i++)
         isb[p->start[i]] = isb[p->end[i]] = 1;
@@ -317,8 +378,7 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
         sec_of[t] = s; /* section that begins at the last boundary <= t */
     }
     x.nsec = s;
-    /* section index of time t is sec_of[t] for t in a section; a tensor [a, b) covers
-     * sections sec_of[a] .. sec_of[b] (exclusive) */
+    /* a tensor [a, b) covers sections sec_of[a] .. sec_of[b] (exclusive) */
     for (size_t i = 0; i < n; i++) {
         x.sec_lo[i] = sec_of[p->start[i]];
         x.sec_hi[i] = sec_of[p->end[i]];
@@ -348,7 +408,6 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     if (!x.sb)
         goto out;
     {
-        uint32_t *fill = tmp; /* reuse as cursor needs nsec entries: allocate separately */
         uint32_t *cur = malloc((x.nsec + 1) * sizeof *cur);
         if (!cur)
             goto out;
@@ -357,9 +416,8 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
             for (uint32_t q = x.sec_lo[i]; q < x.sec_hi[i]; q++)
                 x.sb[cur[q]++] = (uint32_t)i;
         free(cur);
-        (void)fill;
     }
-    /* conflicts: tensors sharing a section */
+    /* conflicts: tensors with overlapping lifetimes */
     size_t pairs = 0;
     for (size_t i = 0; i < n; i++)
         for (size_t j = 0; j < n; j++)
@@ -374,27 +432,16 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
         for (size_t j = 0; j < n; j++)
             if (i != j && p->start[i] < p->end[j] && p->start[j] < p->end[i])
                 x.ov[e++] = (uint32_t)j;
-    /* preorder keys: T = max section total over the tensor's sections, W = width in sections,
-     * A = area (size x width) */
     for (size_t i = 0; i < n; i++) {
-        uint64_t t = 0;
-        for (uint32_t q = x.sec_lo[i]; q < x.sec_hi[i]; q++)
-            if (x.total[q] > t)
-                t = x.total[q];
-        kt[i] = t;
-        kw[i] = x.sec_hi[i] - x.sec_lo[i];
-        ka[i] = p->size[i] * (uint64_t)(p->end[i] - p->start[i]);
+        x.kw[i] = p->width ? p->width[i] : (uint64_t)(p->end[i] - p->start[i]);
+        x.ka[i] = p->size[i] * x.kw[i];
     }
-    const uint64_t *orders[3][3] = {{kt, kw, ka}, {kw, ka, kt}, {ka, kw, kt}};
-    int64_t limit = (int64_t)n;
+    for (size_t i = 0; i < n; i++)
+        pre[i] = (uint32_t)i;
+    int64_t limit = 2 * (int64_t)n;
     for (;;) {
-        int any_aborted = 0;
         for (int h = 0; h < 3; h++) {
-            for (size_t i = 0; i < n; i++)
-                pre[i] = (uint32_t)i;
-            sort_idx(pre, n, orders[h][0], orders[h][1], orders[h][2], tmp);
-            for (size_t r = 0; r < n; r++)
-                x.rank[pre[r]] = (uint32_t)r;
+            x.heuristic = h;
             for (size_t i = 0; i < n; i++) {
                 x.off[i] = UINT64_MAX;
                 x.min_off[i] = 0;
@@ -408,7 +455,7 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
                 ret = 1;
                 goto out;
             }
-            if (r == -2)
+            if (r == -2 || x.nomem)
                 goto out;
             if (r == 0) {
                 ret = 0;
@@ -418,16 +465,12 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
                 ret = -1;
                 goto out;
             }
-            any_aborted = 1;
-            /* the section totals were restored by the search unwinding */
+            /* node limit: the section totals were restored by the search unwinding */
         }
-        if (!any_aborted)
-            break;
         limit *= 2;
     }
-    ret = 0;
 out:
-    free(sec_of), free(isb), free(kt), free(kw), free(ka), free(pre), free(tmp);
+    free(sec_of), free(isb), free(pre);
     exact_free(&x);
     return ret;
 }

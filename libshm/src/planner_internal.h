@@ -19,6 +19,8 @@ typedef struct lshm__plan_problem {
     const uint64_t *size;  /* bytes, > 0 */
     uint64_t alignment;    /* power of two >= 1 */
     uint32_t times;        /* every end <= times */
+    const uint64_t *width; /* lifetime length in the caller's time units (preorder keys), or
+                            * NULL to use the compressed lengths */
 } lshm__plan_problem;
 
 /* Exact search (planner_exact.c): MiniMalloc-style canonical DFS as a decision procedure.

@@ -9,6 +9,7 @@
  *    zero-size tensors): lshm_plan_validate and an independent O(n^2) overlap check.
  * 3. Bad input: each error returns its errno and leaves offsets and result untouched.
  * 4. Determinism, n = 0, and a short exact-search run.
+ * 5. Capacity mode on a perfect packing the heuristics miss.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -161,14 +162,17 @@ static void brute_check(const trace *t, const uint64_t *off, uint64_t alignment,
     ASSERT_UINT_EQ(top, arena);
 }
 
-static uint64_t plan_trace(const trace *t, uint64_t alignment, unsigned flags, double time_limit,
-                           uint64_t *offsets, lshm_plan_result *res)
+static uint64_t plan_trace_cap(const trace *t, uint64_t alignment, unsigned flags,
+                               double time_limit, uint64_t capacity, uint64_t *offsets,
+                               lshm_plan_result *res)
 {
     lshm_plan_options o;
     lshm_plan_options_init(&o);
+    ASSERT_UINT_EQ(o.capacity, 0);
     o.alignment = alignment;
     o.flags = flags;
     o.time_limit = time_limit;
+    o.capacity = capacity;
     ASSERT_EQ(lshm_plan(t->n, t->size, t->first, t->last, NULL, &o, offsets, res), 0);
     ASSERT_EQ(lshm_plan_validate(t->n, t->size, t->first, t->last, offsets, &o, res->arena_size),
               0);
@@ -178,6 +182,12 @@ static uint64_t plan_trace(const trace *t, uint64_t alignment, unsigned flags, d
     ASSERT_UINT_EQ(lb, res->lower_bound);
     ASSERT_LE(res->lower_bound, res->arena_size);
     return res->arena_size;
+}
+
+static uint64_t plan_trace(const trace *t, uint64_t alignment, unsigned flags, double time_limit,
+                           uint64_t *offsets, lshm_plan_result *res)
+{
+    return plan_trace_cap(t, alignment, flags, time_limit, 0, offsets, res);
 }
 
 #define EXPECT_ARENA(rows, alignment, expected_arena, expected_lb)                            \
@@ -594,6 +604,73 @@ static void test_time_budget(void)
     }
 }
 
+/* A perfect packing: the box [0, T) x [0, capacity) cut recursively (guillotine cuts, in time
+ * or in space at multiples of 256 bytes) into n rectangles, each one a tensor. Every time point
+ * holds exactly `capacity` bytes, so LB = OPT = capacity; the greedy orders miss it. */
+static trace guillotine_trace(uint64_t seed, size_t n, int64_t T, uint64_t capacity)
+{
+    int64_t(*rows)[3] = calloc(n, sizeof *rows);
+    uint64_t *lo = calloc(n, sizeof *lo);
+    ASSERT(rows && lo);
+    rng_state = seed * 0x9E3779B97F4A7C15ull;
+    size_t k = 1;
+    rows[0][0] = 0, rows[0][1] = T, rows[0][2] = (int64_t)capacity, lo[0] = 0;
+    for (unsigned guard = 0; k < n && guard < 100000; guard++) {
+        size_t i = rnd() % k;
+        if (rnd() % 2) { /* cut in time */
+            int64_t t0 = rows[i][0], t1 = rows[i][1];
+            if (t1 - t0 < 2)
+                continue;
+            int64_t t = t0 + 1 + (int64_t)(rnd() % (uint64_t)(t1 - t0 - 1));
+            rows[i][1] = t;
+            rows[k][0] = t, rows[k][1] = t1, rows[k][2] = rows[i][2], lo[k] = lo[i];
+        } else { /* cut in space */
+            uint64_t units = (uint64_t)rows[i][2] / 256;
+            if (units < 2)
+                continue;
+            uint64_t cut = 256 * (1 + rnd() % (units - 1));
+            rows[k][0] = rows[i][0], rows[k][1] = rows[i][1];
+            rows[k][2] = rows[i][2] - (int64_t)cut, lo[k] = lo[i] + cut;
+            rows[i][2] = (int64_t)cut;
+        }
+        k++;
+    }
+    trace t = trace_from((const int64_t(*)[3])rows, k);
+    free(rows), free(lo);
+    return t;
+}
+
+/* Capacity mode: the heuristics miss a perfect packing; the exact search fits it at its
+ * capacity (= LB, so proven optimal); an impossible capacity returns the best plan, above it;
+ * a loose one is met by the heuristics alone; time_limit 0 never runs the exact search. */
+static void test_capacity(void)
+{
+    const uint64_t C = 65536;
+    trace t = guillotine_trace(1, 100, 60, C);
+    uint64_t *off = malloc(t.n * sizeof *off);
+    ASSERT(off);
+    lshm_plan_result r;
+    uint64_t h = plan_trace(&t, 1, 0, 0.0, off, &r);
+    ASSERT_UINT_EQ(r.lower_bound, C);
+    ASSERT(h > C);
+    ASSERT_UINT_EQ(plan_trace_cap(&t, 1, 0, 0.0, C, off, &r), h); /* no exact search */
+    ASSERT_UINT_EQ(plan_trace_cap(&t, 1, 0, 10.0, C, off, &r), C);
+    ASSERT(r.optimal);
+    ASSERT(strcmp(r.strategy, "exact") == 0);
+    printf("  guillotine n %zu: heuristics %.4f x LB, capacity %llu met in %.3f s\n", t.n,
+           (double)h / C, (unsigned long long)C, r.seconds);
+    ASSERT(r.seconds < 5.0);
+    ASSERT_UINT_EQ(plan_trace_cap(&t, 1, 0, 10.0, C - 1, off, &r), h); /* below LB: no search */
+    ASSERT(r.seconds < 1.0);
+    ASSERT_LE(plan_trace_cap(&t, 1, 0, 10.0, h, off, &r), h); /* the heuristics meet it */
+    ASSERT(strcmp(r.strategy, "exact") != 0);
+    ASSERT(r.seconds < 1.0);
+    ASSERT_UINT_EQ(plan_trace(&t, 1, 0, 5.0, off, &r), C); /* minimise mode: LB first */
+    ASSERT(r.optimal);
+    free(off);
+    trace_free(&t);
+}
+
 int main(void)
 {
     RUN_TEST(test_framework_facts);
@@ -603,5 +680,6 @@ int main(void)
     RUN_TEST(test_determinism);
     RUN_TEST(test_dense);
     RUN_TEST(test_time_budget);
+    RUN_TEST(test_capacity);
     return 0;
 }
