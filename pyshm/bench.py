@@ -66,6 +66,10 @@ TARGET_SMALL_US = 12.0  # pyshm us per 4 KiB share
 
 CASES = ("seed", "big", "small")
 
+# A timed run is "quiet" when other processes kept fewer CPUs than this busy meanwhile.
+QUIET_LOAD = 0.25
+LOAD_WINDOW = 0.5  # seconds: the shortest run whose load /proc/stat resolves well enough
+
 
 # ---------------------------------------------------------------------------------------------
 # Command line
@@ -530,13 +534,15 @@ def _cpu_snapshot() -> Optional[tuple]:
     # user nice system idle iowait irq softirq steal (guest time is inside user already)
     ticks = [int(value) for value in fields[1:9]]
     busy = sum(ticks) - ticks[3] - ticks[4]
-    own = os.times()
-    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
 
 
 def _other_load(before: Optional[tuple], after: Optional[tuple]) -> Optional[float]:
-    """CPUs kept busy on average by everything but this process between two snapshots."""
-    if before is None or after is None or after[0] <= before[0]:
+    """CPUs kept busy on average by everything but this process between two snapshots.
+
+    /proc/stat counts in 10 ms ticks per CPU, so windows shorter than LOAD_WINDOW give None.
+    """
+    if before is None or after is None or after[0] - before[0] < LOAD_WINDOW:
         return None
     others = (after[1] - before[1]) - (after[2] - before[2])
     return max(0.0, others / (after[0] - before[0]))
@@ -563,8 +569,11 @@ def _load_torch(wanted: bool):
 
 
 def _run_once(method: Method, workload: Workload, count: int,
-              pool: Optional[ThreadPool]) -> float:
-    """Build ``count`` sources for ``method``, share them all (timed), check, and free."""
+              pool: Optional[ThreadPool]) -> tuple:
+    """Build ``count`` sources for ``method``, share them all (timed), check, and free.
+
+    Returns (seconds, CPUs that other processes kept busy meanwhile, or None).
+    """
     sources = []
     for index in range(count):
         item, view = method.new_source(workload.shape)
@@ -576,6 +585,7 @@ def _run_once(method: Method, workload: Workload, count: int,
     gc.collect()
     try:
         share = method.share
+        before = _cpu_snapshot()
         start = time.perf_counter()
         if pool is None:
             for index in range(count):
@@ -583,13 +593,14 @@ def _run_once(method: Method, workload: Workload, count: int,
         else:
             pool.map(share, range(count), chunksize=1)
         seconds = time.perf_counter() - start
+        others = _other_load(before, _cpu_snapshot())
         for index in range(count):
             method.check_shared(index)
             workload.check(method.result(index), index)
     finally:
         method.finish()
         gc.collect()
-    return seconds
+    return seconds, others
 
 
 class _Row:
@@ -598,6 +609,7 @@ class _Row:
         self.threads = threads
         self.count = count
         self.seconds: list = []
+        self.loads: list = []  # CPUs other processes kept busy during each timed run
         self.error = ""
         self.note = note
 
@@ -636,12 +648,14 @@ def _run_case(workload: Workload, methods: list, threads: list, repeats: int,
                     if row.error:
                         continue
                     try:
-                        seconds = _run_once(method, workload, row.count, pools.get(pool_size))
+                        seconds, others = _run_once(method, workload, row.count,
+                                                    pools.get(pool_size))
                     except Exception as exc:  # report, keep the other methods going
                         row.error = f"{type(exc).__name__}: {exc}"
                         done.append(f"{method.key} FAILED")
                         continue
                     row.seconds.append(seconds)
+                    row.loads.append(others)
                     if workload.per_share:
                         done.append(f"{method.key} {seconds / row.count * 1e6:.1f} us")
                     else:
@@ -754,6 +768,8 @@ def _case_result(workload: Workload, rows: list) -> dict:
             "count": row.count,
             "bytes": row.count * workload.item_bytes,
             "seconds": row.seconds,
+            "other_cpu_load": row.loads,
+            "quiet_runs": sum(1 for load in row.loads if load is not None and load < QUIET_LOAD),
             "min_s": min(row.seconds) if row.seconds else None,
             "median_s": statistics.median(row.seconds) if row.seconds else None,
             "error": row.error or None,
@@ -761,6 +777,8 @@ def _case_result(workload: Workload, rows: list) -> dict:
         }
         if row.seconds:
             entry["gbps"] = entry["bytes"] / entry["min_s"] / 1e9
+            best_load = row.loads[row.seconds.index(entry["min_s"])]
+            entry["best_run_quiet"] = None if best_load is None else best_load < QUIET_LOAD
             if workload.per_share:
                 entry["min_us_per_share"] = entry["min_s"] / row.count * 1e6
                 entry["median_us_per_share"] = entry["median_s"] / row.count * 1e6
@@ -798,73 +816,62 @@ def _find(result: dict, case: str, method: str, threads: int) -> Optional[dict]:
     return None
 
 
-def _target(name: str, bar: str, value, median, met, text: str, note: str = "") -> dict:
-    return {"name": name, "bar": bar, "value": value, "median_value": median,
-            "met": met, "text": text, "note": note}
-
-
 def _targets(result: dict) -> list:
-    targets = []
+    """Each target of the issue: the measured value, met or not, and what may weaken it."""
     ran = {entry["case"] for entry in result["cases"]}
-    quick = result["config"]["quick"]
-
-    seed = _find(result, "seed", "pyshm", 2)
-    for base, limit, name in (("torch", TARGET_SEED_VS_TORCH, "seed workload, ThreadPool(2), "
-                               "pyshm time / torch time"),
-                              ("ceiling", TARGET_SEED_VS_CEILING, "seed workload, ThreadPool(2), "
-                               "pyshm time / ceiling time")):
-        bar = f"<= {limit:.2f}"
-        if "seed" not in ran or 2 not in result["config"]["threads"]:
-            targets.append(_target(name, bar, None, None, None, "not measured (case not run)"))
-        elif seed is None:
-            targets.append(_target(name, bar, None, None, None, "not measured (pyshm failed)"))
-        elif base not in seed["ratios"]:
-            why = result["torch_note"] if base == "torch" else "baseline failed"
-            targets.append(_target(name, bar, None, None, None, f"not measured: {why}"))
-        else:
-            ratio = seed["ratios"][base]
-            targets.append(_target(name, bar, ratio["min"], ratio["median"],
-                                   ratio["min"] <= limit, f"{ratio['min']:.2f}",
-                                   _median_note(ratio["median"] <= limit, ratio["median"],
-                                                "{:.2f}")))
-
-    name = f"one {_size_text(result['config']['big_bytes'])} array, torch time / pyshm time"
-    bar = f">= {TARGET_BIG_SPEEDUP:.2f}"
-    big = _find(result, "big", "pyshm", 1)
-    if "big" not in ran:
-        targets.append(_target(name, bar, None, None, None, "not measured (case not run)"))
-    elif big is None or "torch" not in big["ratios"]:
-        why = "pyshm failed" if big is None else result["torch_note"]
-        targets.append(_target(name, bar, None, None, None, f"not measured: {why}"))
-    else:
-        speed = 1 / big["ratios"]["torch"]["min"]
-        median = 1 / big["ratios"]["torch"]["median"]
-        note = _median_note(median >= TARGET_BIG_SPEEDUP, median, "{:.2f}x")
-        if result["config"]["big_bytes"] != 1 << 30:
-            note = (note + "; " if note else "") + "measured on a smaller array"
-        targets.append(_target(name, bar, speed, median, speed >= TARGET_BIG_SPEEDUP,
-                               f"{speed:.2f}x", note))
-
-    name = "4 KiB arrays, pyshm us per share"
-    bar = f"<= {TARGET_SMALL_US:.0f} us"
-    small = _find(result, "small", "pyshm", 1)
-    if "small" not in ran:
-        targets.append(_target(name, bar, None, None, None, "not measured (case not run)"))
-    elif small is None:
-        targets.append(_target(name, bar, None, None, None, "not measured (pyshm failed)"))
-    else:
-        value, median = small["min_us_per_share"], small["median_us_per_share"]
-        targets.append(_target(name, bar, value, median, value <= TARGET_SMALL_US,
-                               f"{value:.1f} us",
-                               _median_note(median <= TARGET_SMALL_US, median, "{:.1f} us")))
-    if quick:
-        for target in targets:
-            target["note"] = (target["note"] + "; " if target["note"] else "") + "quick run"
+    big_text = _size_text(result["config"]["big_bytes"])
+    specs = [
+        # name, bar, case, threads, baseline, value from (pyshm row, baseline row), met?, format
+        ("seed workload, ThreadPool(2), pyshm time / torch time",
+         f"<= {TARGET_SEED_VS_TORCH:.2f}", "seed", 2, "torch",
+         lambda row, base, stat: row["ratios"]["torch"][stat],
+         lambda value: value <= TARGET_SEED_VS_TORCH, "{:.2f}"),
+        ("seed workload, ThreadPool(2), pyshm time / ceiling time",
+         f"<= {TARGET_SEED_VS_CEILING:.2f}", "seed", 2, "ceiling",
+         lambda row, base, stat: row["ratios"]["ceiling"][stat],
+         lambda value: value <= TARGET_SEED_VS_CEILING, "{:.2f}"),
+        (f"one {big_text} array, torch time / pyshm time",
+         f">= {TARGET_BIG_SPEEDUP:.2f}", "big", 1, "torch",
+         lambda row, base, stat: 1 / row["ratios"]["torch"][stat],
+         lambda value: value >= TARGET_BIG_SPEEDUP, "{:.2f}x"),
+        ("4 KiB arrays, pyshm us per share",
+         f"<= {TARGET_SMALL_US:.0f} us", "small", 1, None,
+         lambda row, base, stat: row[f"{stat}_us_per_share"],
+         lambda value: value <= TARGET_SMALL_US, "{:.1f} us"),
+    ]
+    targets = []
+    for name, bar, case, threads, base_key, value_of, passes, form in specs:
+        target = {"name": name, "bar": bar, "value": None, "median_value": None, "met": None,
+                  "text": "", "note": ""}
+        targets.append(target)
+        row = _find(result, case, "pyshm", threads)
+        base = _find(result, case, base_key, threads) if base_key else None
+        if case not in ran or (case == "seed" and threads not in result["config"]["threads"]):
+            target["text"] = "not measured (case not run)"
+            continue
+        if row is None:
+            target["text"] = "not measured (pyshm failed)"
+            continue
+        if base_key and base is None:
+            why = result["torch_note"] if base_key == "torch" else f"{base_key} failed"
+            target["text"] = f"not measured: {why}"
+            continue
+        value, median = value_of(row, base, "min"), value_of(row, base, "median")
+        target.update(value=value, median_value=median, met=passes(value),
+                      text=form.format(value))
+        notes = [f"median {form.format(median)}"
+                 + ("" if passes(median) == passes(value) else
+                    ", met on the median only" if passes(median) else ", not met on the median")]
+        disturbed = [r["label"] for r in (row, base)
+                     if r is not None and r["best_run_quiet"] is False]
+        if disturbed:
+            notes.append(f"best run of {' and '.join(disturbed)} disturbed by other processes")
+        if case == "big" and result["config"]["big_bytes"] != 1 << 30:
+            notes.append("measured on a smaller array")
+        if result["config"]["quick"]:
+            notes.append("quick run")
+        target["note"] = "; ".join(notes)
     return targets
-
-
-def _median_note(met: bool, value: float, form: str) -> str:
-    return f"median {form.format(value)}" + ("" if met else ", not met on the median")
 
 
 def _ratio_text(row: dict, base: str) -> str:
@@ -889,7 +896,9 @@ def format_report(result: dict) -> str:
         lines.append(text)
     lines.append(f"{result['config']['repeats']} rounds per case, methods interleaved; "
                  "ratio = this row's time / the baseline's time at the same thread count, "
-                 "from min times (median times in brackets); < 1 means this row is faster")
+                 "from min times (median times in brackets); < 1 means this row is faster; "
+                 f"quiet = runs during which other processes kept < {QUIET_LOAD} CPU busy "
+                 f"(- for runs under {LOAD_WINDOW} s, too short to tell)")
     present = {row["method"] for case in result["cases"] for row in case["rows"]
                if row["seconds"]}
     bases = [base for base in BASELINES if base in present]
@@ -897,7 +906,8 @@ def format_report(result: dict) -> str:
     for case in result["cases"]:
         unit = "us" if case["per_share"] else "s"
         head = (f"{'method':<22}{'threads':>8}{'min ' + unit:>10}{'median ' + unit:>11}"
-                f"{'GB/s':>8}" + "".join(f"{base_titles[base]:>15}" for base in bases))
+                f"{'GB/s':>8}{'quiet':>7}"
+                + "".join(f"{base_titles[base]:>15}" for base in bases))
         lines += ["", case["title"], head, "-" * len(head)]
         for row in case["rows"]:
             text = f"{row['label']:<22}{row['threads']:>8}"
@@ -909,7 +919,9 @@ def format_report(result: dict) -> str:
                 text += f"{low:>10.1f}{mid:>11.1f}"
             else:
                 text += f"{row['min_s']:>10.3f}{row['median_s']:>11.3f}"
-            text += f"{row['gbps']:>8.2f}"
+            known = sum(1 for load in row["other_cpu_load"] if load is not None)
+            quiet = f"{row['quiet_runs']}/{len(row['seconds'])}" if known else "-"
+            text += f"{row['gbps']:>8.2f}{quiet:>7}"
             text += "".join(f"{_ratio_text(row, base):>15}" for base in bases)
             notes = [note for note in (row["note"], row["error"] and f"then failed: "
                                        f"{row['error']}") if note]
