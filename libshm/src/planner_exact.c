@@ -52,8 +52,6 @@ typedef struct exact {
     int heuristic;                  /* 0: WAT, 1: TAW, 2: TWA */
     uint32_t *pool;                 /* stack of ordering lists, parts and saved ranks */
     uint32_t *sort_tmp;             /* [n] */
-    uint8_t *affected;              /* [nsec] marks */
-    uint32_t *aff_list;             /* [nsec] */
     change *undo;                   /* undo log */
     size_t undo_len, undo_cap;
     int64_t nodes_left;
@@ -185,8 +183,10 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
             continue;
         size_t mark = x->undo_len;
         x->off[b] = o;
-        size_t naff = 0;
-        int hatless = 1;
+        /* sections whose floor may rise: those of the tensors whose min offset rises. Each
+         * such tensor overlaps b, so with b's own sections they form one range [alo, ahi). */
+        uint32_t alo = x->sec_lo[b], ahi = x->sec_hi[b];
+        int hatless = 1, ok = 1;
         for (uint32_t e = x->ov_start[b]; e < x->ov_start[b + 1]; e++) {
             uint32_t c = x->ov[e];
             if (x->off[c] != UINT64_MAX)
@@ -197,11 +197,10 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
             if (push_change(x, c, x->min_off[c]))
                 return -2;
             x->min_off[c] = up(height, x->alignment);
-            for (uint32_t s = x->sec_lo[c]; s < x->sec_hi[c]; s++)
-                if (!x->affected[s]) {
-                    x->affected[s] = 1;
-                    x->aff_list[naff++] = s;
-                }
+            if (x->sec_lo[c] < alo)
+                alo = x->sec_lo[c];
+            if (x->sec_hi[c] > ahi)
+                ahi = x->sec_hi[c];
         }
         for (uint32_t s = x->sec_lo[b]; s < x->sec_hi[b]; s++) {
             if (push_change(x, (uint32_t)n + s, x->floor[s]))
@@ -209,29 +208,38 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
             x->floor[s] = height;
             x->total[s] -= x->p->size[b];
         }
-        for (size_t a = 0; a < naff; a++) {
-            uint32_t s = x->aff_list[a];
-            x->affected[s] = 0;
-            uint64_t lo = UINT64_MAX;
+        /* A section's floor rises to the lowest min offset of its unplaced tensors; the scan
+         * stops at the first one at or below the floor (then nothing changes). */
+        for (uint32_t s = alo; s < ahi && ok; s++) {
+            uint64_t lo = UINT64_MAX, fl = x->floor[s];
             for (uint32_t e = x->sb_start[s]; e < x->sb_start[s + 1]; e++) {
                 uint32_t c = x->sb[e];
-                if (x->off[c] == UINT64_MAX && x->min_off[c] < lo)
+                if (x->off[c] == UINT64_MAX && x->min_off[c] < lo) {
                     lo = x->min_off[c];
+                    if (lo <= fl)
+                        break;
+                }
             }
-            if (lo != UINT64_MAX && x->floor[s] < lo) {
+            if (lo != UINT64_MAX && fl < lo) {
                 if (push_change(x, (uint32_t)n + s, x->floor[s]))
                     return -2;
                 x->floor[s] = lo;
+                if (lo + x->total[s] > x->capacity)
+                    ok = 0;
             }
         }
-        int ok = 1;
-        for (uint32_t s = plo; s < phi; s++) {
-            uint64_t f = x->floor[s] > o ? x->floor[s] : o;
-            if (f + x->total[s] > x->capacity) {
-                ok = 0;
-                break;
+        /* Every section of [plo, phi) passed this check with offset last_off when this search
+         * began; placing b at o leaves max(floor, o) + total unchanged on b's own sections
+         * (floor <= o there before, height after, total down by b's size), and raised floors
+         * were checked above. So only a higher offset needs the full pass. */
+        if (ok && o > last_off)
+            for (uint32_t s = plo; s < phi; s++) {
+                uint64_t f = x->floor[s] > o ? x->floor[s] : o;
+                if (f + x->total[s] > x->capacity) {
+                    ok = 0;
+                    break;
+                }
             }
-        }
         /* Dynamic decomposition: when no unplaced tensor crosses a boundary any more, the two
          * sides are independent subproblems (solved one after the other; one failing fails
          * this node, with no retrying of the others). */
@@ -325,7 +333,7 @@ static void exact_free(exact *x)
     free(x->sec_lo), free(x->sec_hi), free(x->ov_start), free(x->ov), free(x->sb_start);
     free(x->sb), free(x->floor), free(x->total), free(x->min_off), free(x->off), free(x->rank);
     free(x->kw), free(x->ka), free(x->kt), free(x->sort_tmp);
-    free(x->pool), free(x->affected), free(x->aff_list), free(x->undo);
+    free(x->pool), free(x->undo);
 }
 
 int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double deadline,
@@ -385,11 +393,9 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     }
     x.floor = calloc(x.nsec + 1, sizeof *x.floor);
     x.total = calloc(x.nsec + 1, sizeof *x.total);
-    x.affected = calloc(x.nsec + 1, 1);
-    x.aff_list = malloc((x.nsec + 1) * sizeof *x.aff_list);
     x.sb_start = calloc(x.nsec + 2, sizeof *x.sb_start);
     x.cuts = calloc(x.nsec + 1, sizeof *x.cuts);
-    if (!x.floor || !x.total || !x.affected || !x.aff_list || !x.sb_start || !x.cuts)
+    if (!x.floor || !x.total || !x.sb_start || !x.cuts)
         goto out;
     for (size_t i = 0; i < n; i++)
         for (uint32_t q = x.sec_lo[i]; q + 1 < x.sec_hi[i]; q++)
@@ -402,8 +408,13 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
         }
         cover += x.sec_hi[i] - x.sec_lo[i];
     }
-    for (uint32_t q = 0; q < x.nsec; q++)
+    for (uint32_t q = 0; q < x.nsec; q++) {
         x.sb_start[q + 1] += x.sb_start[q];
+        if (x.total[q] > capacity) { /* the search relies on every section passing at first */
+            ret = 0;
+            goto out;
+        }
+    }
     x.sb = malloc((cover + 1) * sizeof *x.sb);
     if (!x.sb)
         goto out;
