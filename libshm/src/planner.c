@@ -1390,7 +1390,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
 
     /* Phase 3: exact decision search (planner_exact.c).
      *  - capacity mode: one decision at the target with the whole remaining budget;
-     *  - minimise mode: LB first with a third of the budget (OPT = LB on most real traces, and
+     *  - minimise mode: LB first with a fifth of the budget (OPT = LB on most real traces, and
      *    a tight capacity is where the search's inference is strongest); then rounds of
      *    bisection between the lowest capacity not disproven and the best plan, every
      *    decision with the same time slice, the slice doubling each round. How long a
@@ -1430,7 +1430,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
                 t = deadline - now;
             } else if (first) {
                 cap = lo;
-                t = opts->time_limit / 3;
+                t = opts->time_limit / 5;
             } else {
                 if (rlo + res >= hi) { /* next round */
                     rlo = lo;
