@@ -6,11 +6,14 @@
  *  1. A portfolio of greedy placements, the ones production planners use (TFLite/XNNPACK/XLA
  *     size order, XLA temporal order, Pisarchyk greedy-by-breadth, TVM conflict order, area,
  *     ONNX Runtime/ggml execution order), each with best fit and first fit. The smallest arena
- *     wins; the portfolio stops as soon as a plan reaches the lower bound (LB).
+ *     wins; the portfolio stops as soon as a plan reaches the lower bound (LB) or fits
+ *     opts->capacity.
  *  2. With a time budget: a local search on the winning order (move a tensor that touches the
  *     top earlier in the order, re-place, keep it when the arena does not grow).
  *  3. With a time budget and n small enough: an exact decision search (planner_exact.c, in the
- *     spirit of MiniMalloc) bisecting the capacity between LB and the best arena found.
+ *     spirit of MiniMalloc). With opts->capacity > 0 it decides that capacity alone (when no
+ *     heuristic plan fits; phase 2 is skipped then); with capacity 0 it tries LB, then bisects
+ *     the capacity between LB and the best arena found (see phase 3 below).
  *
  * Data structures. Times are compressed once (sort) to 0..T so that both interval modes become
  * half-open. Two placement engines give the same placements (best/first fit over the gaps
