@@ -1396,7 +1396,8 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
      *  - minimise mode: LB first with a fifth of the budget (OPT = LB on most real traces, and
      *    a tight capacity is where the search's inference is strongest); then rounds of
      *    bisection between the lowest capacity not disproven and the best plan, every
-     *    decision with the same time slice, the slice doubling each round. How long a
+     *    decision with the same time slice, the slice doubling each round; from the second
+     *    round on, a round begins with LB again while LB is not disproven. How long a
      *    decision takes varies a lot from one capacity to the next (a capacity a little above
      *    one solved in 0.1 s may take seconds), so a capacity that timed out is only skipped
      *    for the rest of its round. Capacities are multiples of g, the gcd of the alignment
@@ -1418,7 +1419,8 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
         uint64_t rlo = lo;                  /* ... or timed out in this round */
         /* resolution: a round stops bisecting when the gap left is below 1/64 of the first */
         uint64_t res = ((hi - lo) / 64 + g - 1) / g * g;
-        int used = 0, first = 1;
+        const uint64_t lb_cap = lo;
+        int used = 0, first = 1, lb_again = 0;
         double slice = 0;
         while (lo < hi) {
             double now = lshm__plan_now();
@@ -1438,10 +1440,14 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
                 if (rlo + res >= hi) { /* next round */
                     rlo = lo;
                     slice *= 2;
+                    lb_again = 1;
                 }
                 if (slice == 0)
                     slice = (deadline - now) / 16;
                 cap = rlo + (hi - rlo) / g / 2 * g;
+                if (lb_again && rlo == lb_cap) /* LB again with the longer slice */
+                    cap = rlo;
+                lb_again = 0;
                 t = slice;
             }
             first = 0;
