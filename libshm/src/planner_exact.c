@@ -59,18 +59,23 @@ typedef struct exact {
     int timed_out, nomem;
 } exact;
 
-static int push_change(exact *x, uint32_t idx, uint64_t value)
+static int grow_undo(exact *x)
 {
-    if (x->undo_len == x->undo_cap) {
-        size_t cap = x->undo_cap ? 2 * x->undo_cap : 1024;
-        change *u = realloc(x->undo, cap * sizeof *u);
-        if (!u) {
-            x->nomem = 1;
-            return -1;
-        }
-        x->undo = u;
-        x->undo_cap = cap;
+    size_t cap = x->undo_cap ? 2 * x->undo_cap : 1024;
+    change *u = realloc(x->undo, cap * sizeof *u);
+    if (!u) {
+        x->nomem = 1;
+        return -1;
     }
+    x->undo = u;
+    x->undo_cap = cap;
+    return 0;
+}
+
+static inline int push_change(exact *x, uint32_t idx, uint64_t value)
+{
+    if (x->undo_len == x->undo_cap && grow_undo(x))
+        return -1;
     x->undo[x->undo_len].idx = idx;
     x->undo[x->undo_len].value = value;
     x->undo_len++;
@@ -153,7 +158,7 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
  * Undo log entries: idx < n: min_off of a tensor; idx >= n: floor of section idx - n.
  * Returns 1 (all placed), 0 (no placement), -1 (node limit or deadline), -2 (no memory). */
 static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, uint64_t last_off,
-                  uint32_t last_rank, uint32_t plo, uint32_t phi)
+                  uint32_t last_rank, uint32_t plo, uint32_t phi, uint64_t mtot)
 {
     if (--x->nodes_left < 0)
         return -1;
@@ -183,16 +188,23 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
             continue;
         size_t mark = x->undo_len;
         x->off[b] = o;
+        /* placed: min_off becomes UINT64_MAX (restored by the undo log), so the loops below
+         * skip placed tensors with one load. A placed tensor that shares a section or a
+         * conflict with an unplaced one of this subproblem was placed on the current path. */
+        if (push_change(x, b, o))
+            return -2;
+        x->min_off[b] = UINT64_MAX;
         /* sections whose floor may rise: those of the tensors whose min offset rises. Each
          * such tensor overlaps b, so with b's own sections they form one range [alo, ahi). */
         uint32_t alo = x->sec_lo[b], ahi = x->sec_hi[b];
         int hatless = 1, ok = 1;
         for (uint32_t e = x->ov_start[b]; e < x->ov_start[b + 1]; e++) {
             uint32_t c = x->ov[e];
-            if (x->off[c] != UINT64_MAX)
+            uint64_t mc = x->min_off[c];
+            if (mc == UINT64_MAX)
                 continue;
             hatless = 0;
-            if (x->min_off[c] >= height)
+            if (mc >= height)
                 continue;
             if (push_change(x, c, x->min_off[c]))
                 return -2;
@@ -214,7 +226,7 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
             uint64_t lo = UINT64_MAX, fl = x->floor[s];
             for (uint32_t e = x->sb_start[s]; e < x->sb_start[s + 1]; e++) {
                 uint32_t c = x->sb[e];
-                if (x->off[c] == UINT64_MAX && x->min_off[c] < lo) {
+                if (x->min_off[c] < lo) {
                     lo = x->min_off[c];
                     if (lo <= fl)
                         break;
@@ -232,14 +244,21 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
          * began; placing b at o leaves max(floor, o) + total unchanged on b's own sections
          * (floor <= o there before, height after, total down by b's size), and raised floors
          * were checked above. So only a higher offset needs the full pass. */
-        if (ok && o > last_off)
+        /* mtot bounds the totals of [plo, phi) (they only fall on the way down): when
+         * o + mtot fits, no section can fail; else a full pass also renews the bound. */
+        uint64_t mt = mtot;
+        if (ok && o > last_off && o + mtot > x->capacity) {
+            mt = 0;
             for (uint32_t s = plo; s < phi; s++) {
                 uint64_t f = x->floor[s] > o ? x->floor[s] : o;
                 if (f + x->total[s] > x->capacity) {
                     ok = 0;
                     break;
                 }
+                if (x->total[s] > mt)
+                    mt = x->total[s];
             }
+        }
         /* Dynamic decomposition: when no unplaced tensor crosses a boundary any more, the two
          * sides are independent subproblems (solved one after the other; one failing fails
          * this node, with no retrying of the others). */
@@ -250,7 +269,7 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
         int r = 0;
         if (ok)
             r = split ? solve_split(x, mine, k, plo, phi, mine + k)
-                      : search(x, mine, k, mine + k, o, x->rank[b], plo, phi);
+                      : search(x, mine, k, mine + k, o, x->rank[b], plo, phi, mt);
         for (uint32_t s = x->sec_lo[b]; s + 1 < x->sec_hi[b]; s++)
             x->cuts[s]++;
         for (uint32_t s = x->sec_lo[b]; s < x->sec_hi[b]; s++)
@@ -315,7 +334,11 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
             sort_pre(x, part, pk);
             for (size_t j = 0; j < pk; j++)
                 x->rank[part[j]] = (uint32_t)j;
-            r = search(x, part, pk, pool + used, 0, 0, lo, hi);
+            uint64_t mt = 0;
+            for (uint32_t s = lo; s < hi; s++)
+                if (x->total[s] > mt)
+                    mt = x->total[s];
+            r = search(x, part, pk, pool + used, 0, 0, lo, hi, mt);
         }
         lo = hi;
     }
