@@ -32,6 +32,21 @@ mapping (same address for the same bytes). Arrays a process sent are found again
 back (a ``Pool`` result returning its argument is the original memory at the original address),
 and forked children inherit the parent's cache, so they need no fd at all.
 
+One round trip per message, not per memfd: every token also names the sending thread (its
+*stream*) and the token's place in that thread's sequence of exports. A message is pickled by
+one thread in one go, so its memfds are consecutive in that sequence. On a miss, the receiver
+asks for its memfd *and* for the memfds the same thread exported right after it (up to
+``MAX_EXTRAS`` = 1,024 distinct ones within the next ``WINDOW_EVENTS`` exports, fewer when the
+receiver is short of fds), all over one connection (250 fds per ``SCM_RIGHTS`` message). The
+receiver checks each extra fd is the memfd named and keeps it, unmapped, for
+``PREFETCH_SECONDS``; later tokens of the message (and of the next messages) find it there. So
+a ``Pool.map`` chunk of 256 in-place-shared arrays costs one round trip instead of 256.
+Extras are a guess, never a hand-over: the sender keeps serving every key to everyone (with
+``Pool(2)`` a worker may be handed the memfds of the other worker's chunk), and an extra does
+not release the sender's keep-alive hold; the receiver acknowledges the extras it really used
+(with its next request, or from a small ``pyshm-janitor`` thread that also closes extras
+unused after ``PREFETCH_SECONDS`` and exits when none are left).
+
 Liveness: the sender holds memory it made for ``KEEPALIVE_SECONDS`` after pickling it (or until
 the receiver fetched it) so an array can be dropped right after ``put``; memory it received
 from elsewhere and sends on is not held (forward it only while you or its owner keep it); after that the memory must still be
@@ -51,6 +66,7 @@ fd and mapping policy (why 100,000 small arrays work under ``ulimit -n 1024``)
 * A receiver keeps each received memfd's fd (so it can send the array on) while it holds fewer
   than ``max(64, RLIMIT_NOFILE // 2)`` of them; beyond that it closes the fd right after mapping
   (``lshm_segment_close_fd``) and such an array can no longer be sent on (pickling it raises).
+  Extras handed out with a fetch (above) wait as fds, at most ``RLIMIT_NOFILE // 4`` of them.
 * Mappings: one per memfd, and ``vm.max_map_count`` (65,530 by default) bounds them, so a
   receiver can hold at most ~65,000 distinct memfds at once (about 256 GiB of slabs, or 65,000
   in-place-shared arrays). Slabs are what make 100,000+ small arrays possible.
@@ -58,7 +74,8 @@ fd and mapping policy (why 100,000 small arrays work under ``ulimit -n 1024``)
 
 Read-only sharing
 -----------------
-:func:`share_readonly` seals an array's memfd with ``F_SEAL_FUTURE_WRITE``: this process keeps
+:func:`share_readonly` seals an array's memfd with ``F_SEAL_FUTURE_WRITE``
+(``lshm_storage_seal_readonly``): this process keeps
 writing through its existing mapping, every receiver gets a read-only array, and no receiver can
 make a writable mapping of the fd or ``write`` to it (the kernel refuses, whatever the receiver
 does). It needs the array to be alone in its memfd (not in a slab: sealing would make the slab's
@@ -109,6 +126,14 @@ F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
 _MAX_FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253
 _KEY = struct.Struct("=QQ")
+# request header: explicit keys, acks, most extras wanted, stream, sequence number
+_REQUEST = struct.Struct("=IIIIQ")
+LOG_LENGTH = 8192  # export events remembered per stream (sending thread)
+WINDOW_EVENTS = 4096  # events after the one asked for that a fetch may hand out too
+MAX_EXTRAS = 1024  # distinct memfds handed out in one fetch beyond the one asked for
+PREFETCH_SECONDS = 1.0  # an extra fd nobody used by then is closed
+JANITOR_SECONDS = 0.2
+_MAX_ACKS = 2048
 _REPLY_TIMEOUT = 30.0
 
 
@@ -155,9 +180,44 @@ class _State:
         self.recent: list = []
         self.slab: Optional[_Mapping] = None
         self.slab_used = 0
+        # sender: per sending thread ("stream"), the keys it exported, in order
+        self.local = threading.local()
+        self.streams: dict = {}  # stream id -> _Log
+        self.next_stream = 1
+        # receiver: fds handed out with a fetch before any token asked for them:
+        # key -> (fd, deadline, sender address); consumed ones are acknowledged to the sender
+        self.prefetched: dict = {}
+        self.acks: dict = {}  # sender address -> [key, ...]
+        self.janitor: Optional[threading.Thread] = None
+        self.fetches = 0  # fd-fetch round trips (connections to a sender) made so far
+
+
+class _Log:
+    """The keys one sending thread exported, in order (the last LOG_LENGTH of them)."""
+
+    __slots__ = ("base", "keys", "thread")
+
+    def __init__(self) -> None:
+        self.base = 0  # sequence number of keys[0]
+        self.keys: list = []
+        self.thread = weakref.ref(threading.current_thread())
+
+    def append(self, key: tuple) -> int:
+        keys = self.keys
+        if len(keys) >= LOG_LENGTH:
+            drop = LOG_LENGTH // 2
+            del keys[:drop]
+            self.base += drop
+        keys.append(key)
+        return self.base + len(keys) - 1
 
 
 _state = _State()
+
+
+def fetch_count() -> int:
+    """How many fd-fetch round trips this process made to senders (one per cache miss batch)."""
+    return _state.fetches
 
 
 def _drop_segment(segment: int, fd_kept: bool) -> None:
@@ -288,14 +348,19 @@ def _sweep(now: float) -> None:
         del _state.exports[key]
 
 
-def _export(handle: int, holder: Any, hold: bool = True) -> tuple:
+def _export(
+    handle: int, holder: Any, hold: bool = True, mapping: Optional[_Mapping] = None
+) -> tuple:
     """Make storage `handle` sendable; returns the token the receiver needs.
 
     With `hold`, `holder` is kept alive for KEEPALIVE_SECONDS (or until fetched) so the sender
     may drop the array right after pickling. Memory received from another process is not held
     (its owner holds it; holding it here would pin one fd per array for no one's benefit).
+    `mapping`: the cached segment `handle` views (a slab, or memory received), whose key and
+    size are known already.
     """
-    if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
+    flags = lib.lshm_storage_flags(handle)
+    if not flags & _ffi.STORAGE_SHARED:
         lib.lshm_storage_share(handle)  # in place, same address; atomic on failure
     fd = c_int(-1)
     offset = c_uint64(0)
@@ -309,12 +374,14 @@ def _export(handle: int, holder: Any, hold: bool = True) -> tuple:
                 "copy (pyshm.copy(array, shared=True))"
             ) from exc
         raise
-    st = os.fstat(fd.value)
-    key = (st.st_dev, st.st_ino)
-    seals = fcntl.fcntl(fd.value, fcntl.F_GET_SEALS)
-    readonly = bool(seals & _WRITE_SEALS) or bool(
-        lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY
-    )
+    readonly = bool(flags & _ffi.STORAGE_READONLY)
+    if mapping is not None:
+        # (the seals need no look: a receiver reads them from the fd it gets)
+        key, size = mapping.key, mapping.size
+    else:
+        st = os.fstat(fd.value)
+        key, size = (st.st_dev, st.st_ino), st.st_size
+        readonly = readonly or bool(fcntl.fcntl(fd.value, fcntl.F_GET_SEALS) & _WRITE_SEALS)
     nbytes = lib.lshm_storage_nbytes(handle)
     now = time.monotonic()
     with _state.lock:
@@ -332,7 +399,25 @@ def _export(handle: int, holder: Any, hold: bool = True) -> tuple:
         server = _state.server
         if server is None or server.pid != os.getpid():
             server = _state.server = _Server()
-    return (key, server.address, st.st_size, offset.value, nbytes, readonly)
+        stream = getattr(_state.local, "stream", 0)
+        log = _state.streams.get(stream)
+        if log is None:
+            stream = _state.local.stream = _state.next_stream
+            _state.next_stream += 1
+            log = _state.streams[stream] = _Log()
+            _forget_dead_streams()
+        seq = log.append(key)
+    return (key, server.address, size, offset.value, nbytes, readonly, (stream, seq))
+
+
+def _forget_dead_streams() -> None:
+    """Drop the logs of threads that have exited (lock held; called when a stream is added)."""
+    if len(_state.streams) <= 16:
+        return
+    for stream, log in list(_state.streams.items()):
+        thread = log.thread()
+        if thread is None or not thread.is_alive():
+            del _state.streams[stream]
 
 
 def _lookup_export(key: tuple) -> Optional[Any]:
@@ -387,36 +472,78 @@ class _Server:
 
     def _serve(self, conn: socket.socket) -> None:
         request = conn.recv(65536)
-        count = len(request) // _KEY.size
+        if len(request) < _REQUEST.size:
+            return
+        count, nacks, max_extra, stream, seq = _REQUEST.unpack_from(request)
+        if len(request) != _REQUEST.size + (count + nacks) * _KEY.size:
+            return
+        keys = [
+            _KEY.unpack_from(request, _REQUEST.size + i * _KEY.size) for i in range(count + nacks)
+        ]
         status = bytearray(count)
         fds = []
+        extras = []
         holders = []  # keep every fd open until the kernel has taken its copy
         with _state.lock:
-            for i in range(count):
-                key = _KEY.unpack_from(request, i * _KEY.size)
-                holder = _lookup_export(key)
-                if holder is None:
-                    continue
-                try:
-                    fd = _fd_of_holder(holder)
-                except OSError:
-                    continue
-                status[i] = 1
-                fds.append(fd)
-                holders.append(holder)
-                entry = _state.exports.get(key)
-                if entry is not None:
-                    entry[1] -= 1
-                    if entry[1] <= 0:
-                        del _state.exports[key]
-        socket.send_fds(conn, [bytes(status)], fds[:_MAX_FDS_PER_MESSAGE])
+            for key in keys[count:]:
+                _release_hold(key)  # the receiver used an fd it got as an extra
+            for i, key in enumerate(keys[:count]):
+                if _add_fd(key, fds, holders):
+                    status[i] = 1
+                    _release_hold(key)
+            log = _state.streams.get(stream) if count else None
+            if log is not None and max_extra:
+                # The memfds this thread exported right after the one asked for: the rest of
+                # the message being unpickled (and maybe the next ones). Extras do not release
+                # the sender's hold: another receiver may be the one that needs them.
+                seen = set(keys[:count])
+                start = max(0, seq + 1 - log.base)
+                for key in log.keys[start : start + WINDOW_EVENTS]:
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    if _add_fd(key, fds, holders):
+                        extras.append(key)
+                        if len(extras) >= min(max_extra, MAX_EXTRAS):
+                            break
+        reply = bytes(status) + b"".join(_KEY.pack(*key) for key in extras)
+        socket.send_fds(conn, [reply], fds[:_MAX_FDS_PER_MESSAGE])
         for start in range(_MAX_FDS_PER_MESSAGE, len(fds), _MAX_FDS_PER_MESSAGE):
             socket.send_fds(conn, [b"+"], fds[start : start + _MAX_FDS_PER_MESSAGE])
         del holders
 
 
-def _fetch_fds(address: bytes, keys: list) -> list:
-    """Ask the sender at `address` for the fds of `keys`; a list of fd or None, caller closes."""
+def _add_fd(key: tuple, fds: list, holders: list) -> bool:
+    """Append the fd of export `key` (and what keeps it open) if it is still here (lock held)."""
+    holder = _lookup_export(key)
+    if holder is None:
+        return False
+    try:
+        fds.append(_fd_of_holder(holder))
+    except OSError:
+        return False
+    holders.append(holder)
+    return True
+
+
+def _release_hold(key: tuple) -> None:
+    """One pickle of `key` was fetched: drop the keep-alive hold when none is left (lock held)."""
+    entry = _state.exports.get(key)
+    if entry is not None:
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _state.exports[key]
+
+
+def _fetch_fds(
+    address: bytes, keys: list, where: tuple = (0, 0), max_extra: int = 0, acks: list = ()
+) -> tuple:
+    """Ask the sender at `address` for the fds of `keys` (one round trip).
+
+    Returns (a list of fd or None for `keys`, a list of (key, fd) extras: memfds the sender's
+    thread `where[0]` exported after event `where[1]`, at most `max_extra`). `acks` are keys
+    of extras this process used since its last request. The caller closes every fd.
+    """
     if not isinstance(address, bytes) or not address.startswith(b"\0pyshm-"):
         raise pickle.UnpicklingError(f"bad pyshm sender address {address!r}")
     received: list = []
@@ -430,8 +557,12 @@ def _fetch_fds(address: bytes, keys: list) -> list:
                 f"pyshm: cannot reach the process that sent this array ({exc}); the sender must "
                 "stay alive until the receiver has unpickled memory it has not seen before"
             ) from None
-        sock.sendall(b"".join(_KEY.pack(*key) for key in keys))
-        status, fds, flags, _ = socket.recv_fds(
+        if keys:
+            _state.fetches += 1
+        stream, seq = where
+        header = _REQUEST.pack(len(keys), len(acks), max_extra, stream, seq)
+        sock.sendall(header + b"".join(_KEY.pack(*key) for key in (*keys, *acks)))
+        reply, fds, flags, _ = socket.recv_fds(
             sock, 65536, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
         )
         received.extend(fds)
@@ -441,9 +572,12 @@ def _fetch_fds(address: bytes, keys: list) -> list:
                 "pyshm: fds sent by another process were dropped (no fd left in this "
                 "process: RLIMIT_NOFILE)",
             )
-        if len(status) != len(keys):
+        status = reply[: len(keys)]
+        tail = reply[len(keys) :]
+        if len(status) != len(keys) or len(tail) % _KEY.size or len(tail) > max_extra * _KEY.size:
             raise pickle.UnpicklingError("pyshm: malformed reply from the sending process")
-        wanted = sum(status)
+        extra_keys = [_KEY.unpack_from(tail, i) for i in range(0, len(tail), _KEY.size)]
+        wanted = sum(1 for ok in status if ok) + len(extra_keys)
         while len(received) < wanted:
             _, more, flags, _ = socket.recv_fds(
                 sock, 16, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
@@ -451,8 +585,11 @@ def _fetch_fds(address: bytes, keys: list) -> list:
             received.extend(more)
             if not more or flags & socket.MSG_CTRUNC:
                 raise OSError(errno.EMFILE, "pyshm: fds from the sending process were dropped")
+        if len(received) != wanted:
+            raise pickle.UnpicklingError("pyshm: malformed reply from the sending process")
         it = iter(received)
-        return [next(it) if ok else None for ok in status]
+        asked = [next(it) if ok else None for ok in status]
+        return asked, list(zip(extra_keys, it))
     except BaseException:
         for fd in received:
             os.close(fd)
@@ -468,21 +605,27 @@ def _fetch_fds(address: bytes, keys: list) -> list:
 
 def _check_token(token: Any) -> tuple:
     try:
-        key, address, size, offset, nbytes, readonly = token
+        key, address, size, offset, nbytes, readonly, (stream, seq) = token
         key = (int(key[0]), int(key[1]))
         size, offset, nbytes = int(size), int(offset), int(nbytes)
+        stream, seq = int(stream), int(seq)
     except (TypeError, ValueError):
         raise pickle.UnpicklingError(f"bad pyshm token {token!r}") from None
+    if not (0 <= stream < 1 << 32 and 0 <= seq < 1 << 64):
+        raise pickle.UnpicklingError(f"bad pyshm token {token!r}")
+    where = (stream, seq)
     if min(size, offset, nbytes) < 0 or offset + nbytes > size:
         raise pickle.UnpicklingError(
             f"bad pyshm token: {nbytes} bytes at offset {offset} of a {size}-byte memfd"
         )
-    return key, address, size, offset, nbytes, bool(readonly)
+    return key, address, size, offset, nbytes, bool(readonly), where
 
 
-def _attach(fd: int, key: tuple, readonly: bool) -> _Mapping:
-    """Map a received memfd whole (validated by libshm) and cache it (lock held)."""
-    if _key_of(fd) != key:
+def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapping:
+    """Map a received memfd whole (validated by libshm) and cache it (lock held).
+
+    `checked`: the fd is known to be the memfd `key` names (an extra checked on arrival)."""
+    if not checked and _key_of(fd) != key:
         raise pickle.UnpicklingError("pyshm: the fd received is not the memfd that was named")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -507,7 +650,7 @@ def _attach(fd: int, key: tuple, readonly: bool) -> _Mapping:
 
 def _resolve(token: Any) -> tuple:
     """(mapping or None, storage handle with a reference the caller must release)."""
-    key, address, size, offset, nbytes, readonly = _check_token(token)
+    key, address, size, offset, nbytes, readonly, where = _check_token(token)
     with _state.lock:
         mapping = _state.mappings.get(key)
         if mapping is None:
@@ -517,28 +660,105 @@ def _resolve(token: Any) -> tuple:
                 handle = _handle_of(holder)
                 if lib.lshm_storage_nbytes(handle) == nbytes:
                     return None, lib.lshm_storage_retain(handle)
+            entry = _state.prefetched.pop(key, None)
+            if entry is not None:  # handed to us with an earlier fetch
+                fd, _, sender = entry
+                try:
+                    mapping = _attach(fd, key, readonly, checked=True)
+                finally:
+                    os.close(fd)
+                _state.acks.setdefault(sender, []).append(key)
+                _ensure_janitor()
+            else:
+                acks = _state.acks.pop(address, [])
+                if len(acks) > _MAX_ACKS:
+                    _state.acks[address] = acks[_MAX_ACKS:]
+                    del acks[_MAX_ACKS:]
+                room = min(MAX_EXTRAS, _fd_budget() // 2 - len(_state.prefetched))
     if mapping is None:
         # Never hold the lock while waiting for another process: two processes fetching
         # from each other would deadlock.
-        (fd,) = _fetch_fds(address, [key])
-        if fd is None:
-            raise ConnectionError(
-                "pyshm: the sending process no longer holds this memory (it was dropped "
-                f"there and its {KEEPALIVE_SECONDS:.0f} s keep-alive after pickling passed "
-                "before this receiver unpickled it)"
-            )
+        (fd,), extras = _fetch_fds(address, [key], where, max(0, room), acks)
         try:
             with _state.lock:
+                _keep_extras(extras, address)
+                extras = []
+                if fd is None:
+                    raise ConnectionError(
+                        "pyshm: the sending process no longer holds this memory (it was "
+                        f"dropped there and its {KEEPALIVE_SECONDS:.0f} s keep-alive after "
+                        "pickling passed before this receiver unpickled it)"
+                    )
                 mapping = _state.mappings.get(key)  # another thread may have won the race
                 if mapping is None:
                     mapping = _attach(fd, key, readonly)
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
+            for _, extra in extras:
+                os.close(extra)
     if mapping.size != size:
         raise pickle.UnpicklingError(
             f"pyshm: memfd is {mapping.size} bytes, the sender said {size}"
         )
     return mapping, _new_view(mapping, offset, nbytes, readonly)
+
+
+def _keep_extras(extras: list, address: bytes) -> None:
+    """Keep the fds a fetch handed out beyond the one asked for, briefly (lock held)."""
+    deadline = time.monotonic() + PREFETCH_SECONDS
+    for key, fd in extras:
+        try:
+            valid = _key_of(fd) == key
+        except OSError:
+            valid = False
+        if (
+            not valid
+            or key in _state.mappings
+            or key in _state.prefetched
+            or _lookup_export(key) is not None
+        ):
+            os.close(fd)  # a lie, or one we have already (or our own memory)
+        else:
+            _state.prefetched[key] = (fd, deadline, address)
+    if _state.prefetched:
+        _ensure_janitor()
+
+
+def _ensure_janitor() -> None:
+    """Start the thread that closes unused extras and acknowledges used ones (lock held)."""
+    if _state.janitor is None:
+        _state.janitor = threading.Thread(target=_janitor, name="pyshm-janitor", daemon=True)
+        _state.janitor.start()
+
+
+def _janitor() -> None:
+    me = threading.current_thread()
+    while True:
+        time.sleep(JANITOR_SECONDS)
+        stale = []
+        with _state.lock:
+            if _state.janitor is not me:
+                return
+            now = time.monotonic()
+            for key, (fd, deadline, _) in list(_state.prefetched.items()):
+                if deadline < now:
+                    del _state.prefetched[key]
+                    stale.append(fd)
+            acks, _state.acks = _state.acks, {}
+            done = not _state.prefetched
+            if done:
+                _state.janitor = None
+        for fd in stale:
+            os.close(fd)
+        for address, keys in acks.items():
+            for start in range(0, len(keys), _MAX_ACKS):
+                try:
+                    _fetch_fds(address, [], acks=keys[start : start + _MAX_ACKS])
+                except (OSError, pickle.UnpicklingError):
+                    break  # the sender is gone: nothing to release
+        if done:
+            return
 
 
 def _rebuild_ndarray(token, shape, dtype, strides, start, writeable) -> np.ndarray:
@@ -574,8 +794,8 @@ def _reduce_ndarray(array: np.ndarray):
     if owner is None or array.size == 0:
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
     handle = owner._handle
-    received = isinstance(owner, _SegmentOwner) and not owner._mapping.own
-    token = _export(handle, owner, hold=not received)
+    mapping = owner._mapping if isinstance(owner, _SegmentOwner) else None
+    token = _export(handle, owner, hold=mapping is None or mapping.own, mapping=mapping)
     data = lib.lshm_storage_data(handle) or 0
     start = array.__array_interface__["data"][0] - data
     return _rebuild_ndarray, (
@@ -593,7 +813,7 @@ def _reduce_storage(storage: Storage):
     if lib.lshm_storage_nbytes(handle) == 0:
         return reduce_storage_by_value(storage, 4)
     if isinstance(storage, _SegmentStorage) and not storage._mapping.own:
-        return _rebuild_storage, (_export(handle, storage, hold=False),)
+        return _rebuild_storage, (_export(handle, storage, hold=False, mapping=storage._mapping),)
     holder = Storage._from_handle(lib.lshm_storage_retain(handle))
     return _rebuild_storage, (_export(handle, holder),)
 
@@ -659,15 +879,7 @@ def share_readonly(array: Any) -> Any:
             "sealing it read-only would affect them too. Use "
             "pyshm.share_readonly(pyshm.copy(array)) to give it a memfd of its own"
         )
-    segment = lib.lshm_storage_segment(handle)
-    if segment:
-        lib.lshm_segment_seal_readonly(segment)
-    else:
-        # TODO(libshm): lshm_storage_seal_readonly for storages shared in place
-        try:
-            fcntl.fcntl(fd.value, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
-        except OSError as exc:
-            raise _ffi.ShmPermissionError(exc.errno, f"cannot seal read-only: {exc}") from None
+    lib.lshm_storage_seal_readonly(handle)  # a view seals its whole segment: checked above
     return array
 
 
@@ -691,6 +903,14 @@ def _after_fork_in_child() -> None:
     old.slab = None
     old.slab_used = 0
     old.recent = []
+    old.local = threading.local()
+    old.streams = {}
+    old.next_stream = 1
+    for fd, _, _ in old.prefetched.values():
+        os.close(fd)
+    old.prefetched = {}
+    old.acks = {}
+    old.janitor = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

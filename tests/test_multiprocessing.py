@@ -123,6 +123,30 @@ def open_fd_count():
     return len(os.listdir("/proc/self/fd"))
 
 
+def fetches_and_touch(arrays):
+    for a in arrays:
+        a[1] = 7
+    return reduction.fetch_count(), [int(a[0]) for a in arrays]
+
+
+def first_element(array):
+    return int(array[0]), os.getpid()
+
+
+def receive_and_watch_extras(conn):
+    baseline = open_fd_count()
+    array = conn.recv()
+    held = len(reduction._state.prefetched)
+    fds = open_fd_count()
+    time.sleep(reduction.PREFETCH_SECONDS + 3 * reduction.JANITOR_SECONDS)
+    conn.send((int(array[0]), held, fds - baseline, len(reduction._state.prefetched)))
+    del array
+    import gc
+
+    gc.collect()
+    conn.send(open_fd_count() - baseline)
+
+
 # ---- zero-copy sending ------------------------------------------------------------------------
 
 
@@ -234,6 +258,62 @@ def test_forked_child_never_allocates_from_the_parents_slab():
     assert mine.ctypes.data != child_address or (mine == 0).all()
 
 
+# ---- one fd fetch per message, not per array ----------------------------------------------------
+
+
+def test_a_message_of_in_place_arrays_needs_few_fetches(pool):
+    n = 600
+    arrays = [pyshm.share_memory_(pyshm.empty(1024, np.int32)) for _ in range(n)]  # 1 memfd each
+    for i, a in enumerate(arrays):
+        a[0] = i
+    before, _ = pool.apply(fetches_and_touch, ([],))
+    after, firsts = pool.apply(fetches_and_touch, (arrays,))  # one message, 600 memfds
+    assert firsts == list(range(n))
+    assert all(a[1] == 7 for a in arrays)  # the worker wrote our memory
+    assert 1 <= after - before <= -(-n // 250)
+    # a second message of the same arrays: none of them is mapped in the worker any more
+    # (they were dropped there), each fetch still returns many
+    again, _ = pool.apply(fetches_and_touch, (arrays[::-1],))
+    assert 1 <= again - after <= -(-n // 250)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_extras_one_worker_got_stay_fetchable_by_another(method):
+    # Arrays made on the fly and dropped by the sender right after pickling, spread over two
+    # workers: a worker's fetch also hands it the other worker's memfds, which must not
+    # release the sender's hold on them.
+    def arrays():
+        for i in range(400):
+            a = pyshm.share_memory_(pyshm.empty(256, np.int64))
+            a[0] = i
+            yield a
+
+    with mp.get_context(method).Pool(2) as p:
+        results = list(p.imap(first_element, arrays(), chunksize=40))
+    assert [value for value, _ in results] == list(range(400))
+
+
+def test_unused_extras_are_closed_and_bounded():
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=receive_and_watch_extras, args=(child_end,))
+    child.start()
+    child_end.close()
+    first = pyshm.share_memory_(pyshm.empty(16, np.int64))
+    first[0] = 5
+    others = [pyshm.share_memory_(pyshm.empty(16, np.int64)) for _ in range(100)]
+    payload = ForkingPickler.dumps(first)
+    ForkingPickler.dumps(others)  # pickled after `first` by this thread, never sent
+    parent_end.send_bytes(payload)
+    value, held, extra_fds, held_later = parent_end.recv()
+    assert value == 5
+    assert held == 100 and extra_fds >= 100  # handed out with the one fetch, as fds only
+    assert held_later == 0  # closed once unused for PREFETCH_SECONDS
+    assert parent_end.recv() <= 1  # the one mapping the child keeps (RECENT_SLABS)
+    child.join(30)
+    assert child.exitcode == 0
+
+
 # ---- read-only sharing and seals --------------------------------------------------------------
 
 
@@ -342,16 +422,18 @@ def _token(array):
 def test_hostile_payloads_raise(no_fd_leak, tmp_path):
     a = pyshm.empty(100, np.uint8, shared=True)
     func, args = _token(a)
-    key, address, size, offset, nbytes, readonly = args[0]
+    key, address, size, offset, nbytes, readonly, where = args[0]
     unknown = (key[0], key[1] + 12345)
     bad_tokens = [
-        (key, address, size, offset, size + 1, readonly),  # larger than the memfd
-        (key, address, size, size - 10, 100, readonly),  # past the end
-        (key, address, size + 4096, offset, nbytes, readonly),  # lies about the size
-        (unknown, address, size, offset, nbytes, readonly),  # a memfd nobody sent
-        (unknown, b"\0pyshm-nobody", size, offset, nbytes, readonly),  # nobody listening
-        (unknown, "not bytes", size, offset, nbytes, readonly),
-        (unknown, b"/etc/passwd", size, offset, nbytes, readonly),
+        (key, address, size, offset, size + 1, readonly, where),  # larger than the memfd
+        (key, address, size, size - 10, 100, readonly, where),  # past the end
+        (key, address, size + 4096, offset, nbytes, readonly, where),  # lies about the size
+        (unknown, address, size, offset, nbytes, readonly, where),  # a memfd nobody sent
+        (unknown, b"\0pyshm-nobody", size, offset, nbytes, readonly, where),  # nobody listening
+        (unknown, "not bytes", size, offset, nbytes, readonly, where),
+        (unknown, b"/etc/passwd", size, offset, nbytes, readonly, where),
+        (unknown, address, size, offset, nbytes, readonly, (-1, 2**70)),  # bad stream, sequence
+        (key, address, size, offset, nbytes, readonly),  # no stream, sequence
         "garbage",
     ]
     for token in bad_tokens:
@@ -374,7 +456,7 @@ def test_hostile_payloads_raise(no_fd_leak, tmp_path):
         for fd in (pipe_r, regular.fileno()):
             st = os.fstat(fd)
             fake = _FakeSender(fd)
-            token = ((st.st_dev, st.st_ino), fake.address, 4096, 0, 100, False)
+            token = ((st.st_dev, st.st_ino), fake.address, 4096, 0, 100, False, (1, 0))
             with pytest.raises((ValueError, OSError, pickle.UnpicklingError)):
                 func(token, *args[1:])
             fake.close()
