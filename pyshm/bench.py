@@ -15,7 +15,9 @@ Everything is measured side by side in one process, methods interleaved round by
 
 Cases: (a) the seed workload (uint8 arrays of 128x480x640, 64 by default, fewer when a quarter
 of the available memory does not hold them) from a ``ThreadPool`` of 1, 2 and 8 threads; (b)
-one 1 GiB array; (c) 10,000 arrays of 4 KiB, one call at a time (time per share in us).
+one 1 GiB array; (c) 10,000 arrays of 4 KiB, one call at a time (time per share in us); (d)
+``processes``: 4 KiB shared arrays sent to a ``Pool(1)`` worker and back, batched and one by one
+(us per array, ratios to torch and SharedMemory; see :mod:`pyshm.bench_processes`).
 
 Fairness (DESIGN section 8, "Benchmarking caveat"): memory new to the process is slow on these
 VMs, so each method builds its own inputs the same way right before its timed run, frees or
@@ -64,7 +66,7 @@ TARGET_SEED_VS_CEILING = 1.10  # pyshm time / ceiling time, same case
 TARGET_BIG_SPEEDUP = 1.10  # torch time / pyshm time, one 1 GiB array
 TARGET_SMALL_US = 12.0  # pyshm us per 4 KiB share
 
-CASES = ("seed", "big", "small")
+CASES = ("seed", "big", "small", "processes")
 
 # A timed run is "quiet" when other processes kept fewer CPUs than this busy meanwhile.
 QUIET_LOAD = 0.25
@@ -106,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"a run under 30 s: {QUICK['count']} seed arrays, "
                              f"{QUICK['repeats']} rounds, a {QUICK['big_mib']} MiB big array, "
-                             f"{QUICK['small_count']} small arrays")
+                             f"{QUICK['small_count']} small arrays, fewer arrays sent to "
+                             "processes")
     parser.add_argument("--json", action="store_true",
                         help="print the result as JSON on stdout (tables go to stderr)")
     parser.add_argument("--repeats", type=_positive_int, default=None,
@@ -121,7 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-count", type=_positive_int, default=None,
                         help=f"number of 4 KiB arrays (default {DEFAULTS['small_count']})")
     parser.add_argument("--cases", type=_case_list, default=CASES,
-                        help="which cases to run, comma-separated (default seed,big,small)")
+                        help="which cases to run, comma-separated (default "
+                             f"{','.join(CASES)})")
     parser.add_argument("--no-torch", action="store_true", help="do not try to import torch")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -737,11 +741,21 @@ def _run_cases(config: dict, methods: list, workloads: dict, torch, torch_text: 
         "config": {key: value for key, value in config.items() if key != "available_memory"},
         "cases": [],
     }
+    more_targets = []
     for key in config["cases"]:
+        if key == "processes":
+            from . import bench_processes
+
+            sizes = bench_processes.QUICK if config["quick"] else bench_processes.DEFAULTS
+            case = bench_processes.run_case(sizes["count"], sizes["single"], "fork",
+                                            config["repeats"], torch is not None, progress)
+            result["cases"].append(case)
+            more_targets += bench_processes.targets(case, config["quick"])
+            continue
         workload, threads = workloads[key]
         rows = _run_case(workload, methods, threads, config["repeats"], progress)
         result["cases"].append(_case_result(workload, rows))
-    result["targets"] = _targets(result)
+    result["targets"] = _targets(result) + more_targets
     return result
 
 

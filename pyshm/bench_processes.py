@@ -1,27 +1,31 @@
-"""Cross-process benchmark: send N small arrays to a Pool worker and back.
+"""Cross-process benchmark: send 4 KiB arrays to a Pool worker and back.
 
-    python tools/bench_processes.py [--count 5000] [--method fork] [--repeats 3] [--json]
+    python -m pyshm.bench_processes [--count 2000] [--single 200] [--method fork]
+                                    [--repeats 5] [--quick] [--no-torch] [--json]
 
-Entry points for ``python -m pyshm bench``: :func:`add_arguments` (argparse options),
-:func:`run` (returns result rows) and :func:`main` (prints the table).
+``python -m pyshm bench`` runs it as its ``processes`` case (through :func:`run_case`).
 
 Methods, each on a ``Pool(1)`` of the same start method, each array sent as a task argument
 and returned as its result (the worker increments one element, so every array is really used
-on both sides):
+on both sides; the sender checks every write came back):
 
 * ``pyshm slab``: arrays from ``pyshm.empty(..., shared=True)`` (4 KiB: packed in 4 MiB
-  slabs, one fd per slab, fetched once per receiver);
-* ``pyshm in place``: ``pyshm.empty`` arrays shared in place (one memfd each, one fd fetch
-  per array);
+  slabs, one fd per slab);
+* ``pyshm in place``: ``pyshm.empty`` arrays shared in place with ``pyshm.share_memory_``
+  (one memfd each; a receiver fetches the fds of a whole message in one round trip);
 * ``torch``: ``torch.multiprocessing`` with tensors after ``share_memory_()``
-  (``file_descriptor`` strategy), when torch is installed;
+  (``file_descriptor`` strategy: one fd per tensor through the resource sharer), when torch is
+  installed;
 * ``SharedMemory``: one ``multiprocessing.shared_memory.SharedMemory`` per array; its name,
-  shape and dtype are sent and the worker attaches by name.
+  shape and dtype are sent and the worker attaches by name (once per block).
 
 Two shapes of traffic: ``batched`` (``pool.map`` with chunks of 256 arrays per message: the
-per-array throughput) and ``one by one`` (``pool.apply`` per array: the latency of one
-round trip). The table shows microseconds per array, the logical GB/s (array bytes delivered
-per second; nothing is copied) and each row's time as a ratio of torch's.
+per-array throughput) and ``one by one`` (``pool.apply`` per array: the latency of one round
+trip). Methods are interleaved round by round (order rotated each round); every method builds
+its arrays untimed right before its run. Reported: microseconds per array (min and median over
+rounds), the logical GB/s (array bytes delivered per second; nothing is copied), each row's
+time as a ratio of torch's and of SharedMemory's for the same traffic, and the DESIGN section 7
+bar: sending shared 4 KiB arrays costs at most 0.1x torch's time per array.
 """
 
 from __future__ import annotations
@@ -33,21 +37,38 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
+from typing import Optional
 
 import numpy as np
 
 import pyshm
+from pyshm.bench import QUIET_LOAD, _cpu_snapshot, _other_load
+
+__all__ = ["add_arguments", "run_case", "targets", "format_case", "main"]
 
 ARRAY_BYTES = 4096
 CHUNK = 256
+TRAFFIC = ("batched", "one by one")
+_SHORT = {"batched": "batch", "one by one": "1 by 1"}  # labels fit pyshm.bench's tables
+DEFAULTS = {"count": 2000, "single": 200, "repeats": 5}
+QUICK = {"count": 768, "single": 60, "repeats": 3}
+TARGET_VS_TORCH = 0.10  # DESIGN section 7: pyshm time per array / torch's, batched
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--count", type=int, default=5000, help="arrays per batched run")
-    parser.add_argument("--single", type=int, default=300, help="arrays sent one by one")
-    parser.add_argument("--method", default="fork", choices=["fork", "spawn", "forkserver"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--count", type=int, default=None,
+                        help=f"arrays per batched run (default {DEFAULTS['count']})")
+    parser.add_argument("--single", type=int, default=None,
+                        help=f"arrays sent one by one (default {DEFAULTS['single']})")
+    parser.add_argument("--method", default="fork", choices=["fork", "spawn", "forkserver"],
+                        help="start method of the worker pools")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"rounds (default {DEFAULTS['repeats']})")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK['count']} batched, {QUICK['single']} one by one, "
+                             f"{QUICK['repeats']} rounds")
+    parser.add_argument("--no-torch", action="store_true", help="do not try to import torch")
     parser.add_argument("--json", action="store_true", help="machine-readable result on stdout")
 
 
@@ -65,7 +86,7 @@ _attached: dict = {}
 def touch_shared_memory(handle):
     name, shape, dtype = handle
     shm = _attached.get(name)
-    if shm is None:  # attach once per segment, as a user would
+    if shm is None:  # attach once per block, as a user would
         shm = _attached[name] = shared_memory.SharedMemory(name)
     array = np.ndarray(shape, dtype, buffer=shm.buf)
     array[0] += 1
@@ -73,17 +94,25 @@ def touch_shared_memory(handle):
     return handle
 
 
+def forget_shared_memory():
+    for shm in _attached.values():
+        shm.close()
+    _attached.clear()
+
+
 # ---- makers: each returns (items to send, check, cleanup) -----------------------------------
 
 
 def make_pyshm_slab(count):
     arrays = [pyshm.empty(ARRAY_BYTES // 8, np.int64, shared=True) for _ in range(count)]
-    return arrays, lambda: all(a[0] >= 1 for a in arrays), lambda: None
+    return arrays, lambda: all(a[0] == 1 for a in arrays), lambda: None
 
 
 def make_pyshm_inplace(count):
     arrays = [pyshm.share_memory_(pyshm.empty(ARRAY_BYTES // 8, np.int64)) for _ in range(count)]
-    return arrays, lambda: all(a[0] >= 1 for a in arrays), lambda: None
+    for a in arrays:
+        a[0] = 0
+    return arrays, lambda: all(a[0] == 1 for a in arrays), lambda: None
 
 
 def make_torch(count):
@@ -92,7 +121,7 @@ def make_torch(count):
     tensors = [torch.zeros(ARRAY_BYTES // 8, dtype=torch.int64) for _ in range(count)]
     for t in tensors:
         t.share_memory_()
-    return tensors, lambda: all(int(t[0]) >= 1 for t in tensors), lambda: None
+    return tensors, lambda: all(int(t[0]) == 1 for t in tensors), lambda: None
 
 
 def make_shared_memory(count):
@@ -100,7 +129,7 @@ def make_shared_memory(count):
     handles = [(b.name, (ARRAY_BYTES // 8,), "int64") for b in blocks]
 
     def check():
-        return all(np.ndarray((ARRAY_BYTES // 8,), np.int64, buffer=b.buf)[0] >= 1 for b in blocks)
+        return all(np.ndarray((ARRAY_BYTES // 8,), np.int64, buffer=b.buf)[0] == 1 for b in blocks)
 
     def cleanup():
         for b in blocks:
@@ -110,88 +139,236 @@ def make_shared_memory(count):
     return handles, check, cleanup
 
 
-def methods():
-    rows = [
-        ("pyshm slab", make_pyshm_slab, touch_array, mp),
-        ("pyshm in place", make_pyshm_inplace, touch_array, mp),
-    ]
-    try:
-        import torch.multiprocessing as tmp
+class _Method:
+    def __init__(self, key, label, make, work, module, after=None) -> None:
+        self.key, self.label, self.make, self.work, self.module = key, label, make, work, module
+        self.after = after  # run in the worker after each run (untimed)
+        self.pool = None
 
-        rows.append(("torch", make_torch, touch_array, tmp))
-    except ImportError:
-        pass
-    rows.append(("SharedMemory", make_shared_memory, touch_shared_memory, mp))
-    return rows
+
+def _methods(use_torch: bool) -> tuple:
+    """(methods, torch description)."""
+    methods = [
+        _Method("pyshm", "pyshm slab", make_pyshm_slab, touch_array, mp),
+        _Method("pyshm", "pyshm in place", make_pyshm_inplace, touch_array, mp),
+    ]
+    note = "not run (--no-torch)"
+    if use_torch:
+        try:
+            import torch
+            import torch.multiprocessing as tmp
+
+            tmp.set_sharing_strategy("file_descriptor")
+            methods.append(_Method("torch", "torch", make_torch, touch_array, tmp))
+            note = f"{torch.__version__} (file_descriptor strategy)"
+        except Exception as exc:  # ImportError, or a broken install
+            note = f"not installed ({type(exc).__name__}: {exc})"
+    methods.append(_Method("shm", "SharedMemory", make_shared_memory, touch_shared_memory, mp,
+                           after=forget_shared_memory))
+    return methods, note
 
 
 # ---- measuring -------------------------------------------------------------------------------
 
 
-def run(count: int = 5000, single: int = 300, method: str = "fork", repeats: int = 3) -> list:
-    """Time every method; a list of dicts (method, traffic, us_per_array, gb_per_s)."""
-    results = []
-    for name, make, work, module in methods():
-        ctx = module.get_context(method)
-        with ctx.Pool(1) as pool:
-            pool.apply(int, (0,))  # worker started
-            for traffic, n in (("batched", count), ("one by one", single)):
-                times = []
-                for _ in range(repeats):
-                    items, check, cleanup = make(n)
-                    start = time.perf_counter()
-                    if traffic == "batched":
-                        back = pool.map(work, items, chunksize=CHUNK)
-                    else:
-                        back = [pool.apply(work, (item,)) for item in items]
-                    times.append(time.perf_counter() - start)
-                    assert len(back) == n and check(), f"{name}: the worker's writes are missing"
-                    del back, items
-                    cleanup()
-                    gc.collect()
-                best = min(times)
-                results.append(
-                    {
-                        "method": name,
-                        "traffic": traffic,
-                        "arrays": n,
-                        "us_per_array": best / n * 1e6,
-                        "median_us_per_array": statistics.median(times) / n * 1e6,
-                        "gb_per_s": n * ARRAY_BYTES / best / 1e9,
-                    }
-                )
-    return results
+def _run_once(method: _Method, traffic: str, n: int) -> tuple:
+    """(seconds, CPUs other processes kept busy meanwhile or None); checks every write."""
+    pool = method.pool
+    items, check, cleanup = method.make(n)
+    gc.collect()
+    try:
+        before = _cpu_snapshot()
+        start = time.perf_counter()
+        if traffic == "batched":
+            back = pool.map(method.work, items, chunksize=CHUNK)
+        else:
+            back = [pool.apply(method.work, (item,)) for item in items]
+        seconds = time.perf_counter() - start
+        others = _other_load(before, _cpu_snapshot())
+        if len(back) != n or not check():
+            raise AssertionError(f"{method.label}: the worker's writes are missing")
+        del back
+    finally:
+        del items
+        cleanup()
+        if method.after is not None:
+            pool.apply(method.after)
+        gc.collect()
+    return seconds, others
 
 
-def table(results: list) -> str:
-    torch = {r["traffic"]: r["us_per_array"] for r in results if r["method"] == "torch"}
-    lines = [
-        f"{'method':<16}{'traffic':<12}{'us/array (best)':>16}{'median':>9}{'GB/s':>8}"
-        f"{'x torch':>9}",
-    ]
-    for r in results:
-        ratio = r["us_per_array"] / torch[r["traffic"]] if r["traffic"] in torch else float("nan")
-        lines.append(
-            f"{r['method']:<16}{r['traffic']:<12}{r['us_per_array']:>16.1f}"
-            f"{r['median_us_per_array']:>9.1f}{r['gb_per_s']:>8.3f}{ratio:>9.3f}"
-        )
-    lines.append("target: pyshm slab at most 0.1x torch per array (4 KiB arrays)")
+def run_case(count: int, single: int, start_method: str = "fork", repeats: int = 3,
+             use_torch: bool = True, progress=None) -> dict:
+    """Time every method, interleaved; the ``processes`` case of ``python -m pyshm bench``.
+
+    Rows use the keys of :mod:`pyshm.bench` results (method, label, threads, count, seconds,
+    min_s, median_s, gbps, min_us_per_share, ratios to torch and shm...) plus ``traffic``.
+    """
+    methods, torch_note = _methods(use_torch)
+    resource_tracker.ensure_running()  # one tracker, shared by the workers (no stray warnings)
+    counts = {"batched": count, "one by one": single}
+    runs = {(m.label, t): [] for m in methods for t in TRAFFIC}
+    errors: dict = {}
+    try:
+        for method in methods:
+            method.pool = method.module.get_context(start_method).Pool(1)
+            method.pool.apply(int, (0,))  # worker started
+            _run_once(method, "batched", 8)  # warm: imports, first fetches, trackers
+        for round_index in range(repeats):
+            for traffic in TRAFFIC:
+                done = []
+                shift = round_index % len(methods)
+                for method in methods[shift:] + methods[:shift]:
+                    if (method.label, traffic) in errors:
+                        continue
+                    try:
+                        seconds, others = _run_once(method, traffic, counts[traffic])
+                    except Exception as exc:  # report, keep the other methods going
+                        errors[method.label, traffic] = f"{type(exc).__name__}: {exc}"
+                        done.append(f"{method.label} FAILED")
+                        continue
+                    runs[method.label, traffic].append((seconds, others))
+                    done.append(f"{method.label} {seconds / counts[traffic] * 1e6:.0f} us")
+                if progress:
+                    progress(f"processes round {round_index + 1}/{repeats}, {traffic}: "
+                             + ", ".join(done))
+    finally:
+        for method in methods:
+            if method.pool is not None:
+                method.pool.terminate()
+                method.pool.join()
+                method.pool = None
+    rows = []
+    for traffic in TRAFFIC:
+        for method in methods:
+            measured = runs[method.label, traffic]
+            n = counts[traffic]
+            seconds = [s for s, _ in measured]
+            loads = [load for _, load in measured]
+            row = {
+                "method": method.key,
+                "label": f"{method.label}, {_SHORT[traffic]}",
+                "traffic": traffic,
+                "threads": 1,
+                "count": n,
+                "bytes": n * ARRAY_BYTES,
+                "seconds": seconds,
+                "other_cpu_load": loads,
+                "quiet_runs": sum(1 for x in loads if x is not None and x < QUIET_LOAD),
+                "min_s": min(seconds) if seconds else None,
+                "median_s": statistics.median(seconds) if seconds else None,
+                "error": errors.get((method.label, traffic)),
+                "note": None,
+                "ratios": {},
+            }
+            if seconds:
+                best_load = loads[seconds.index(row["min_s"])]
+                row["best_run_quiet"] = None if best_load is None else best_load < QUIET_LOAD
+                row["gbps"] = row["bytes"] / row["min_s"] / 1e9
+                row["min_us_per_share"] = row["min_s"] / n * 1e6
+                row["median_us_per_share"] = row["median_s"] / n * 1e6
+            rows.append(row)
+    for row in rows:
+        for base in ("torch", "shm"):
+            other = next((o for o in rows if o["method"] == base
+                          and o["traffic"] == row["traffic"] and o["seconds"]), None)
+            if other is not None and row["seconds"]:
+                row["ratios"][base] = {stat: row[f"{stat}_s"] / other[f"{stat}_s"]
+                                       for stat in ("min", "median")}
+    return {
+        "case": "processes",
+        "title": f"{count:,} arrays of 4 KiB to a Pool(1) worker ({start_method}) and back in "
+                 f"chunks of {CHUNK} (batched), {single:,} one by one with pool.apply "
+                 "(us per array)",
+        "shape": [ARRAY_BYTES],
+        "count": count,
+        "bytes": count * ARRAY_BYTES,
+        "per_share": True,
+        "start_method": start_method,
+        "torch_note": torch_note,
+        "rows": rows,
+    }
+
+
+def targets(case: dict, quick: bool = False) -> list:
+    """The 0.1x-torch bar for both kinds of pyshm arrays, in :mod:`pyshm.bench`'s format."""
+    out = []
+    for label in ("pyshm slab", "pyshm in place"):
+        target = {"name": f"sending shared 4 KiB arrays to a worker, batched, {label} time / "
+                          "torch time", "bar": f"<= {TARGET_VS_TORCH:.2f}", "value": None,
+                  "median_value": None, "met": None, "text": "", "note": ""}
+        out.append(target)
+        row = next((r for r in case["rows"]
+                    if r["label"] == f"{label}, {_SHORT['batched']}"), None)
+        if row is None or not row["seconds"]:
+            target["text"] = "not measured (pyshm failed)"
+            continue
+        ratio = row["ratios"].get("torch")
+        if ratio is None:
+            target["text"] = f"not measured: torch {case['torch_note']}"
+            continue
+        value, median = ratio["min"], ratio["median"]
+        target.update(value=value, median_value=median, met=value <= TARGET_VS_TORCH,
+                      text=f"{value:.3f}")
+        notes = [f"median {median:.3f}"]
+        if (median <= TARGET_VS_TORCH) != target["met"]:
+            notes[0] += ", not met on the median" if target["met"] else ", met on the median only"
+        torch_row = next(r for r in case["rows"]
+                         if r["method"] == "torch" and r["traffic"] == "batched")
+        disturbed = [r["label"] for r in (row, torch_row) if r.get("best_run_quiet") is False]
+        if disturbed:
+            notes.append(f"best run of {' and '.join(disturbed)} disturbed by other processes")
+        if quick:
+            notes.append("quick run")
+        target["note"] = "; ".join(notes)
+    return out
+
+
+def format_case(case: dict, case_targets: list) -> str:
+    def ratio(row, base):
+        r = row["ratios"].get(base)
+        return "-" if r is None else f"{r['min']:.3f} ({r['median']:.3f})"
+
+    head = (f"{'method':<26}{'min us':>9}{'median us':>11}{'GB/s':>8}{'quiet':>7}"
+            f"{'vs torch':>16}{'vs SharedMem':>16}")
+    lines = [case["title"], f"torch: {case['torch_note']}", head, "-" * len(head)]
+    for row in case["rows"]:
+        text = f"{row['label']:<26}"
+        if not row["seconds"]:
+            lines.append(f"{text}  {row['error'] or 'no result'}")
+            continue
+        known = sum(1 for load in row["other_cpu_load"] if load is not None)
+        quiet = f"{row['quiet_runs']}/{len(row['seconds'])}" if known else "-"
+        text += (f"{row['min_us_per_share']:>9.1f}{row['median_us_per_share']:>11.1f}"
+                 f"{row['gbps']:>8.3f}{quiet:>7}{ratio(row, 'torch'):>16}{ratio(row, 'shm'):>16}")
+        if row["error"]:
+            text += f"  then failed: {row['error']}"
+        lines.append(text)
+    lines.append("ratio = this row's time / the baseline's for the same traffic, min (median)")
+    for target in case_targets:
+        state = {True: "met", False: "NOT MET", None: "-"}[target["met"]]
+        line = f"target: {target['name']} {target['bar']}: {target['text']}  {state}"
+        if target["note"]:
+            line += f"  ({target['note']})"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pyshm.bench_processes",
+                                     description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    results = run(args.count, args.single, args.method, args.repeats)
-    text = table(results)
+    sizes = QUICK if args.quick else DEFAULTS
+    case = run_case(args.count or sizes["count"], args.single or sizes["single"], args.method,
+                    args.repeats or sizes["repeats"], use_torch=not args.no_torch,
+                    progress=lambda message: print(message, file=sys.stderr, flush=True))
+    case_targets = targets(case, args.quick)
+    print(format_case(case, case_targets), file=sys.stderr if args.json else sys.stdout)
     if args.json:
-        print(text, file=sys.stderr)
-        print(json.dumps(results))
-    else:
-        print(f"{ARRAY_BYTES}-byte arrays, Pool(1), start method {args.method}")
-        print(text)
-    return 0
+        print(json.dumps({"case": case, "targets": case_targets}, indent=2))
+    failed = any(row["method"] == "pyshm" and row["error"] for row in case["rows"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
