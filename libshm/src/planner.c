@@ -1400,19 +1400,24 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
      *    round on, a round begins with LB again while LB is not disproven. How long a
      *    decision takes varies a lot from one capacity to the next (a capacity a little above
      *    one solved in 0.1 s may take seconds), so a capacity that timed out is only skipped
-     *    for the rest of its round. Capacities are multiples of g, the gcd of the alignment
-     *    and the sizes: every canonical plan's arena is one. */
+     *    for the rest of its round. Capacities are multiples of g, the gcd of the sizes when
+     *    the alignment divides it (every canonical offset is a sum of sizes then), else the
+     *    gcd of that and the alignment: every canonical plan's arena is one. */
     if (!optimal && opts->time_limit > 0 && exact_ok && !(target && (best <= target || hopeless))) {
         uint64_t *width = malloc(m * sizeof *width);
         if (!width)
             goto nomem;
-        uint64_t g = in.alignment;
+        uint64_t g = 0; /* gcd of the sizes */
         for (size_t i = 0; i < m; i++) {
             uint32_t o = in.orig[i];
             width[i] = (uint64_t)(lasts[o] - firsts[o]) + ((opts->flags & LSHM_PLAN_INCLUSIVE) ? 1 : 0);
             for (uint64_t a = in.size[i], t; a; t = g % a, g = a, a = t)
                 ;
         }
+        if (g % in.alignment) /* offsets: multiples of the alignment, arenas of gcd(a, g) */
+            for (uint64_t a = in.alignment, t; a; t = g % a, g = a, a = t)
+                ;
+        /* else every offset is a sum of sizes (rounding to the alignment changes nothing) */
         lshm__plan_problem prob = {m, in.start, in.end, in.size, in.alignment, in.times, width};
         uint64_t hi = best;                /* best plan found */
         uint64_t lo = (lb + g - 1) / g * g; /* every capacity below is infeasible (proven) */
