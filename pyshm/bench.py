@@ -58,7 +58,7 @@ BIG_ROW = 1 << 16  # the big array is filled row by row with one 64 KiB pattern
 BIG_MARK = 1 << 20  # and a counter byte every MiB
 
 DEFAULTS = {"repeats": 5, "threads": (1, 2, 8), "big_mib": 1024, "small_count": 10_000}
-QUICK = {"repeats": 3, "count": 6, "big_mib": 256, "small_count": 2_000}
+QUICK = {"repeats": 3, "count": 4, "big_mib": 256, "small_count": 2_000}
 
 # Targets of the issue / DESIGN section 7.
 TARGET_SEED_VS_TORCH = 0.65  # pyshm time / torch time, seed workload, ThreadPool(2)
