@@ -1192,6 +1192,29 @@ static const strategy portfolio_large[] = {
 /* Exact search is tried up to this many tensors (its data is O(conflicting pairs)). */
 #define EXACT_MAX_TENSORS 2000
 
+/* One exact decision: a plan within `cap` before `until`? On success it becomes the best plan.
+ * Returns what lshm__plan_exact returns. */
+static int exact_probe(const lshm__plan_problem *prob, uint64_t cap, double until,
+                       uint64_t *cur_off, uint64_t *best_off, uint64_t *best, int debug)
+{
+    double now = lshm__plan_now();
+    int r = lshm__plan_exact(prob, cap, until, cur_off);
+    if (debug)
+        fprintf(stderr, "lshm_plan: exact: cap %llu -> %d after %.3f s\n",
+                (unsigned long long)cap, r, lshm__plan_now() - now);
+    if (r == 1) {
+        uint64_t arena = 0;
+        for (size_t i = 0; i < prob->n; i++)
+            arena = max_u64(arena, cur_off[i] + prob->size[i]);
+        assert(arena <= cap);
+        if (arena < *best) {
+            *best = arena;
+            memcpy(best_off, cur_off, prob->n * sizeof *best_off);
+        }
+    }
+    return r;
+}
+
 int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int64_t *lasts,
               const int64_t *fixed_offsets, const lshm_plan_options *opts, uint64_t *offsets,
               lshm_plan_result *result)
@@ -1260,6 +1283,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     uint32_t *items = malloc((m ? m : 1) * sizeof *items);
     uint32_t *tmp = malloc((scratch + 1) * sizeof *tmp);
     uint64_t *key = malloc((scratch + 1) * sizeof *key);
+    uint64_t *width = NULL; /* lifetime lengths for the exact search's preorders */
     engine eng;
     memset(&eng, 0, sizeof eng);
     int have_engine = 0;
@@ -1318,17 +1342,51 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
         optimal = 1;
 
     double deadline = t0 + opts->time_limit;
-    /* Phase 2: local search on the best order. Moves a tensor that touches the top to an
-     * earlier place in the order; keeps moves that do not grow the arena (plateaus let the
-     * search drift). With an exact tail coming, it only gets a share of the budget. */
     int exact_ok = m && in.n_fixed == 0 && m <= EXACT_MAX_TENSORS;
     /* With a capacity below the lower bound nothing fits: no search. */
     int fits = target && best <= target;
     int hopeless = target && target < lb;
+    int exact_phase = !optimal && opts->time_limit > 0 && exact_ok && !fits && !hopeless;
+    lshm__plan_problem prob = {m, in.start, in.end, in.size, in.alignment, in.times, NULL};
+    uint64_t g = 1;           /* every canonical plan's arena is a multiple of g (phase 3) */
+    uint64_t lb_cap = lb;     /* LB rounded up to g: no plan is smaller */
+    int lb_disproven = 0, used_exact = 0;
+    if (exact_phase) {
+        width = malloc(m * sizeof *width);
+        if (!width)
+            goto nomem;
+        g = 0; /* gcd of the sizes */
+        for (size_t i = 0; i < m; i++) {
+            uint32_t o = in.orig[i];
+            width[i] = (uint64_t)(lasts[o] - firsts[o]) + ((opts->flags & LSHM_PLAN_INCLUSIVE) ? 1 : 0);
+            for (uint64_t a = in.size[i], t; a; t = g % a, g = a, a = t)
+                ;
+        }
+        if (g % in.alignment) /* offsets: multiples of the alignment, arenas of gcd(a, g) */
+            for (uint64_t a = in.alignment, t; a; t = g % a, g = a, a = t)
+                ;
+        /* else every offset is a sum of sizes (rounding to the alignment changes nothing) */
+        prob.width = width;
+        lb_cap = (lb + g - 1) / g * g;
+        /* Minimise mode asks for LB first, before the local search: OPT = LB on most real
+         * traces, and a tight capacity is where the search's inference is strongest. */
+        if (!target && lb_cap < best) {
+            int r = exact_probe(&prob, lb_cap, t0 + opts->time_limit / 5, cur_off, best_off,
+                                &best, debug);
+            if (r < 0 && r != -1)
+                goto nomem;
+            if (r == 1)
+                optimal = used_exact = 1;
+            lb_disproven = r == 0;
+        }
+    }
+    /* Phase 2: local search on the best order. Moves a tensor that touches the top to an
+     * earlier place in the order; keeps moves that do not grow the arena (plateaus let the
+     * search drift). With an exact tail coming, it only gets a share of the budget. */
     /* In capacity mode the exact search decides right away when it can run. */
     if (!optimal && !fits && !hopeless && opts->time_limit > 0 && count > 1 &&
         !(target && exact_ok)) {
-        double ls_deadline = exact_ok ? t0 + opts->time_limit * 0.05 : deadline;
+        double ls_deadline = exact_ok ? lshm__plan_now() + opts->time_limit * 0.05 : deadline;
         uint64_t cur = best, seed = 0x5DEECE66Dull ^ m;
         memcpy(order, best_order, count * sizeof *order);
         memcpy(cur_off, best_off, m * sizeof *cur_off);
@@ -1393,39 +1451,21 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
 
     /* Phase 3: exact decision search (planner_exact.c).
      *  - capacity mode: one decision at the target with the whole remaining budget;
-     *  - minimise mode: LB first with a fifth of the budget (OPT = LB on most real traces, and
-     *    a tight capacity is where the search's inference is strongest); then rounds of
-     *    bisection between the lowest capacity not disproven and the best plan, every
-     *    decision with the same time slice, the slice doubling each round; from the second
-     *    round on, a round begins with LB again while LB is not disproven. How long a
-     *    decision takes varies a lot from one capacity to the next (a capacity a little above
-     *    one solved in 0.1 s may take seconds), so a capacity that timed out is only skipped
-     *    for the rest of its round. Capacities are multiples of g, the gcd of the sizes when
-     *    the alignment divides it (every canonical offset is a sum of sizes then), else the
-     *    gcd of that and the alignment: every canonical plan's arena is one. */
-    if (!optimal && opts->time_limit > 0 && exact_ok && !(target && (best <= target || hopeless))) {
-        uint64_t *width = malloc(m * sizeof *width);
-        if (!width)
-            goto nomem;
-        uint64_t g = 0; /* gcd of the sizes */
-        for (size_t i = 0; i < m; i++) {
-            uint32_t o = in.orig[i];
-            width[i] = (uint64_t)(lasts[o] - firsts[o]) + ((opts->flags & LSHM_PLAN_INCLUSIVE) ? 1 : 0);
-            for (uint64_t a = in.size[i], t; a; t = g % a, g = a, a = t)
-                ;
-        }
-        if (g % in.alignment) /* offsets: multiples of the alignment, arenas of gcd(a, g) */
-            for (uint64_t a = in.alignment, t; a; t = g % a, g = a, a = t)
-                ;
-        /* else every offset is a sum of sizes (rounding to the alignment changes nothing) */
-        lshm__plan_problem prob = {m, in.start, in.end, in.size, in.alignment, in.times, width};
-        uint64_t hi = best;                /* best plan found */
-        uint64_t lo = (lb + g - 1) / g * g; /* every capacity below is infeasible (proven) */
-        uint64_t rlo = lo;                  /* ... or timed out in this round */
+     *  - minimise mode (after the LB probe above): rounds of bisection between the lowest
+     *    capacity not disproven and the best plan, every decision with the same time slice,
+     *    the slice doubling each round; a round begins with LB again while LB is not
+     *    disproven. How long a decision takes varies a lot from one capacity to the next (a
+     *    capacity a little above one solved in 0.1 s may take seconds), so a capacity that
+     *    timed out is only skipped for the rest of its round. Capacities are multiples of g,
+     *    the gcd of the sizes when the alignment divides it (every canonical offset is a sum
+     *    of sizes then), else the gcd of that and the alignment. */
+    if (exact_phase && !optimal && !(target && best <= target)) {
+        uint64_t hi = best;                          /* best plan found */
+        uint64_t lo = lb_disproven ? lb_cap + g : lb_cap; /* below: infeasible (proven) */
+        uint64_t rlo = hi;                           /* ... or timed out in this round */
         /* resolution: a round stops bisecting when the gap left is below 1/64 of the first */
-        uint64_t res = ((hi - lo) / 64 + g - 1) / g * g;
-        const uint64_t lb_cap = lo;
-        int used = 0, first = 1, lb_again = 0;
+        uint64_t res = lo < hi ? ((hi - lo) / 64 + g - 1) / g * g : 0;
+        int first = 1, rounds = 0;
         double slice = 0;
         while (lo < hi) {
             double now = lshm__plan_now();
@@ -1437,44 +1477,27 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
                 if (!first)
                     break;
                 cap = target;
-                t = deadline - now;
-            } else if (first) {
-                cap = lo;
-                t = opts->time_limit / 5;
+                t = deadline;
             } else {
-                if (rlo + res >= hi) { /* next round */
+                int new_round = rlo + res >= hi;
+                if (new_round) {
                     rlo = lo;
-                    slice *= 2;
-                    lb_again = 1;
+                    slice = slice ? 2 * slice : (deadline - now) / 16;
+                    rounds++;
                 }
-                if (slice == 0)
-                    slice = (deadline - now) / 16;
                 cap = rlo + (hi - rlo) / g / 2 * g;
-                if (lb_again && rlo == lb_cap) /* LB again with the longer slice */
+                if (new_round && rounds > 1 && rlo == lb_cap) /* LB again, longer slice */
                     cap = rlo;
-                lb_again = 0;
-                t = slice;
+                t = now + slice;
             }
             first = 0;
-            if (t > deadline - now)
-                t = deadline - now;
-            int r = lshm__plan_exact(&prob, cap, now + t, cur_off);
-            if (debug)
-                fprintf(stderr, "lshm_plan: exact: cap %llu -> %d after %.3f s\n",
-                        (unsigned long long)cap, r, lshm__plan_now() - now);
-            if (r < 0 && r != -1) {
-                free(width);
+            int r = exact_probe(&prob, cap, t < deadline ? t : deadline, cur_off, best_off,
+                                &best, debug);
+            if (r < 0 && r != -1)
                 goto nomem;
-            }
             if (r == 1) {
-                uint64_t arena = 0;
-                for (size_t i = 0; i < m; i++)
-                    arena = max_u64(arena, cur_off[i] + in.size[i]);
-                assert(arena <= cap);
-                best = arena;
-                hi = arena;
-                memcpy(best_off, cur_off, m * sizeof *best_off);
-                used = 1;
+                hi = best;
+                used_exact = 1;
             } else {
                 if (r == 0 && cap >= lo)
                     lo = cap + g;
@@ -1484,12 +1507,11 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
                     rlo = lo;
             }
         }
-        free(width);
-        if (used)
-            snprintf(name, sizeof name, "exact");
         if (!target && lo >= hi)
             optimal = 1;
     }
+    if (used_exact)
+        snprintf(name, sizeof name, "exact");
     if (m && best <= lb)
         optimal = 1;
 
@@ -1529,6 +1551,7 @@ nomem:
 out:
     if (have_engine)
         engine_free(&eng);
+    free(width);
     free(best_off), free(cur_off), free(order), free(best_order), free(items), free(tmp),
         free(key);
     input_free(&in);
