@@ -1368,6 +1368,8 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
         /* else every offset is a sum of sizes (rounding to the alignment changes nothing) */
         prob.width = width;
         lb_cap = (lb + g - 1) / g * g;
+        if (best <= lb_cap)
+            optimal = 1; /* OPT is a multiple of g too */
         /* Minimise mode asks for LB first, before the local search: OPT = LB on most real
          * traces, and a tight capacity is where the search's inference is strongest. */
         if (!target && lb_cap < best) {
@@ -1382,8 +1384,8 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     }
     /* Phase 2: local search on the best order. Moves a tensor that touches the top to an
      * earlier place in the order; keeps moves that do not grow the arena (plateaus let the
-     * search drift). With an exact tail coming, it only gets a share of the budget. */
-    /* In capacity mode the exact search decides right away when it can run. */
+     * search drift). With an exact tail coming, it only gets a share of the budget; in
+     * capacity mode the exact search decides right away when it can run. */
     if (!optimal && !fits && !hopeless && opts->time_limit > 0 && count > 1 &&
         !(target && exact_ok)) {
         double ls_deadline = exact_ok ? lshm__plan_now() + opts->time_limit * 0.05 : deadline;
