@@ -1,6 +1,7 @@
 """pyshm.plan: validity on random traces (hypothesis) and on every trace in ../shared/traces,
-quality against the best anchor heuristic per trace (research/planner.md section 13), the
-framework test values (section 14(b)), bad input, determinism, and `python -m pyshm plan`."""
+quality against the best anchor heuristic per trace (research/planner.md section 13), capacity
+mode (MiniMalloc's challenging A..K fit in 1 MiB), the framework test values (section 14(b)),
+bad input, determinism, and `python -m pyshm plan`."""
 
 import csv
 import subprocess
