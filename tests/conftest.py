@@ -14,6 +14,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if not os.environ.get("PYSHM_LIBRARY"):
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
+    # The same for the Python subprocesses tests start (`python -c ...` in the repository
+    # root would otherwise import the source folder): Python 3.11+ then leaves cwd off sys.path.
+    os.environ["PYTHONSAFEPATH"] = "1"
 
 
 def open_fds() -> set:
