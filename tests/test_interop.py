@@ -64,3 +64,38 @@ def test_child_reads_a_shared_array_as_a_torch_tensor(method):
     assert child.exitcode == 0
     assert total == float(np.arange(4096, dtype=np.float32).sum()) and aliased
     assert (array == 2 * np.arange(4096, dtype=np.float32)).all()  # the tensor's write is ours
+
+
+@pytest.mark.parametrize("torch_first", [True, False])
+def test_torch_in_the_same_process_does_not_clash(torch_first):
+    """torch ships its own libshm.so; ours is liblshm and exports only lshm_ symbols, so both
+    load side by side in either import order and both share memory correctly."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+    import textwrap
+
+    imports = "import torch, pyshm" if torch_first else "import pyshm, torch"
+    code = textwrap.dedent(
+        f"""
+        {imports}
+        import numpy as np
+        maps = open("/proc/self/maps").read()
+        assert "liblshm.so" in maps, "pyshm's library is not loaded"
+        assert pyshm.LIBRARY_PATH.endswith("liblshm.so")
+        t = torch.ones(1 << 16)
+        t.share_memory_()                      # torch's own sharing still works
+        assert t.is_shared() and float(t.sum()) == 1 << 16
+        a = pyshm.empty(1 << 16, np.float32)
+        a[:] = 2
+        pyshm.share_memory_(a)
+        view = torch.from_numpy(a)             # zero-copy both ways
+        view[0] = 5
+        assert a[0] == 5 and pyshm.is_shared(a)
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
