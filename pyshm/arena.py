@@ -13,7 +13,7 @@ import numpy as np
 from . import _ffi
 from ._ffi import lib
 from .arrays import ArrayOwner, ShapeLike, _nbytes_of, _normalize_shape, _owner_of
-from .planner import Plan, _inputs, _options, _p
+from .planner import Plan, _inputs, _options, _p, _plan_from_result
 from .storage import Storage
 
 __all__ = ["Arena", "ArenaStats"]
@@ -294,16 +294,7 @@ class Arena:
         if not _unless_no_data(lib.lshm_arena_plan_result, self._as_parameter_, ctypes.byref(result)):
             return None
         offsets = np.array([self.offset(i) for i in range(len(self))], dtype=np.uint64)
-        return Plan(
-            offsets=offsets,
-            arena_size=int(result.arena_size),
-            lower_bound=int(result.lower_bound),
-            strategy=result.strategy.decode("utf-8", "replace"),
-            optimal=bool(result.optimal),
-            seconds=float(result.seconds),
-            alignment=self._alignment,
-            inclusive=self._inclusive,
-        )
+        return _plan_from_result(offsets, result, self._alignment, self._inclusive)
 
     @property
     def stats(self) -> ArenaStats:

@@ -136,6 +136,13 @@ def plan(
         _p(offsets, _u64_p),
         ctypes.byref(result),
     )
+    return _plan_from_result(offsets, result, int(opts.alignment), inclusive)
+
+
+def _plan_from_result(
+    offsets: np.ndarray, result: _ffi.PlanResult, alignment: int, inclusive: bool
+) -> Plan:
+    """A :class:`Plan` from the C library's lshm_plan_result (shared with pyshm.arena)."""
     return Plan(
         offsets=offsets,
         arena_size=int(result.arena_size),
@@ -143,7 +150,7 @@ def plan(
         strategy=result.strategy.decode("utf-8", "replace"),
         optimal=bool(result.optimal),
         seconds=float(result.seconds),
-        alignment=int(opts.alignment),
+        alignment=alignment,
         inclusive=inclusive,
     )
 
