@@ -281,7 +281,9 @@ typedef struct lshm_plan_options {
 LSHM_API void lshm_plan_options_init(lshm_plan_options *opts);
 
 typedef struct lshm_plan_result {
-    uint64_t arena_size;  /* max over tensors of offset + size (aligned sizes not added) */
+    uint64_t arena_size;  /* max of offset + size over tensors that are ever live (a tensor with
+                             first == last in half-open mode conflicts with nothing and may
+                             lie anywhere; aligned sizes are not added) */
     uint64_t lower_bound; /* no plan can be smaller; see lshm_plan_lower_bound */
     int optimal;          /* 1 when arena_size is proven minimal (== lower bound or exact search) */
     char strategy[48];    /* name of the strategy that produced the plan */
@@ -290,7 +292,8 @@ typedef struct lshm_plan_result {
 
 /* Place n tensors. sizes[i] bytes, live from firsts[i] to lasts[i] (see LSHM_PLAN_INCLUSIVE);
  * fixed_offsets may be NULL, else fixed_offsets[i] >= 0 pins tensor i at that offset and -1
- * lets the planner choose. Writes offsets[i] and *result. Deterministic for equal input.
+ * lets the planner choose. Writes offsets[i] and *result. Deterministic for equal input when
+ * time_limit is 0 (the search under a time budget depends on how fast the machine runs).
  * Zero-size tensors get offset 0. Thread-safe (no shared state).
  * Errors: -EINVAL (NULL arrays with n > 0, first > last, alignment not a power of two, a fixed
  * offset misaligned or colliding with another fixed tensor, unknown flags), -EOVERFLOW (sizes
