@@ -7,15 +7,16 @@
  * those very pages, so the data pointer and every raw pointer into the storage keep working
  * and now see the shared memory.
  *
- * The order of steps is what makes a failure harmless: memfd_create, ftruncate, seal against
- * shrink/grow, pwrite the bytes. None of these touches the storage, so a failure at any of
- * them closes the memfd and leaves the storage exactly as it was. Only the last mmap replaces
+ * The order of steps is what makes a failure harmless: memfd_create, pwrite the bytes (which
+ * sizes the file), seal against shrink/grow. None of these touches the storage, so a failure
+ * at any of them closes the memfd and leaves the storage exactly as it was. Only the last mmap replaces
  * the storage's pages. (That last step is atomic only as far as the kernel makes it: since
  * Linux 6.12 a MAP_FIXED mmap that fails, e.g. at vm.max_map_count, restores the old mapping;
  * older kernels may have unmapped it already. The fault tests cover every step before it.)
  * The copy uses pwrite rather than writing through a fresh mapping: it
  * is the fastest way in (DESIGN section 8: no page faults) and it allocates every page of the
- * memfd, so there is no later SIGBUS and no need for a separate fallocate on this path.
+ * memfd, so there is no later SIGBUS and no need for a separate fallocate on this path. The
+ * fd stays in this process (and this call) until it is sealed.
  *
  * Storages that do not own whole pages (foreign memory, plain caller allocators) get a new
  * mapping at a new address; the old memory goes back through its release callback/free.
@@ -37,18 +38,17 @@ static int owns_whole_pages(const lshm_storage *s) {
             (s->allocator.flags & LSHM_ALLOCATOR_WHOLE_PAGES) != 0);
 }
 
-/* A sealed memfd of `size` bytes holding the `size` bytes at `data`. */
+/* A memfd of `size` bytes holding the `size` bytes at `data`, sealed against shrink and grow
+ * before anyone else can see it: memfd_create, pwrite (which extends the file to exactly
+ * `size` and allocates every page, so no ftruncate and no SIGBUS later), then seal. */
 static int make_filled_memfd(const void *data, size_t size, int *out) {
     int fd;
     int rc = lshm__os_memfd_create(size, &fd);
     if (rc != 0)
         return rc;
-    /* A zero-length memfd is the right size already: skip the syscall. */
-    if (size > 0 && (rc = lshm__os_ftruncate(fd, size)) != 0)
+    if (size > 0 && (rc = lshm__os_pwrite_all(fd, data, size, 0)) != 0)
         goto fail;
     if ((rc = lshm__os_seal_size(fd)) != 0)
-        goto fail;
-    if (size > 0 && (rc = lshm__os_pwrite_all(fd, data, size, 0)) != 0)
         goto fail;
     *out = fd;
     return 0;
