@@ -54,6 +54,14 @@ int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset);
 /* Reserve the pages of [0, size) (fallocate), so exhaustion is an error here and not a SIGBUS
  * later; a file system without fallocate (EOPNOTSUPP) is accepted as is. */
 int lshm__os_reserve(int fd, uint64_t size);
+/* Allocate every page of the mapping [addr, addr + len) of fd at `offset` (MADV_POPULATE_WRITE;
+ * fallocate of the range on kernels without it), so a copy into it cannot SIGBUS. */
+int lshm__os_populate_write(int fd, uint64_t offset, void *addr, size_t len);
+/* A bare fault point named `site`: 0, or the injected error with its message (tests only).
+ * Lets a thread take the fault points of work it hands to another thread. */
+int lshm__os_fault_point(const char *site);
+/* Online CPUs (sysconf, cached; at least 1). */
+unsigned lshm__os_ncpu(void);
 /* mmap(MAP_SHARED) len bytes of fd at a page-aligned offset, PROT_READ (readonly) or
  * PROT_READ|PROT_WRITE; at `fixed` with MAP_FIXED when it is not NULL. */
 int lshm__os_map_fd(int fd, uint64_t offset, size_t len, int readonly, void *fixed, void **out);
@@ -140,6 +148,12 @@ static inline int lshm__ref_release(_Atomic size_t *refcount) {
 #endif
     return old == 1;
 }
+
+/* share.c: a share of at least this many bytes (default 64 MiB), when it is the only share in
+ * progress in the process and there are 2+ CPUs, splits its copy over two threads. Tests lower
+ * it; lshm__share_splits counts the shares that did split. */
+extern _Atomic size_t lshm__share_split_threshold;
+extern _Atomic unsigned long lshm__share_splits;
 
 /* Size arithmetic: round up to whole pages, -EOVERFLOW (with message) if it wraps. */
 int lshm__round_pages(size_t nbytes, size_t *out);

@@ -21,6 +21,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010 /* Linux 5.1; older libc headers lack the name */
 #endif
@@ -33,16 +37,27 @@
             return LSHM_FAIL(fault_, "%s: injected fault (%s)", site, lshm_strerror(fault_)); \
     } while (0)
 
-size_t lshm__os_page_size(void) {
-    /* sysconf is cheap but not free; the page size never changes while we run. */
-    static _Atomic size_t cached;
-    size_t page = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (page == 0) {
-        long v = sysconf(_SC_PAGESIZE);
-        page = v > 0 ? (size_t)v : 4096;
-        atomic_store_explicit(&cached, page, memory_order_relaxed);
+/* sysconf is cheap but not free, and the page size and CPU count do not change while we run
+ * (CPU hotplug aside, which only tunes a heuristic): ask once. */
+static long cached_sysconf(_Atomic long *cache, int name, long fallback) {
+    long v = atomic_load_explicit(cache, memory_order_relaxed);
+    if (v == 0) {
+        v = sysconf(name);
+        if (v <= 0)
+            v = fallback;
+        atomic_store_explicit(cache, v, memory_order_relaxed);
     }
-    return page;
+    return v;
+}
+
+size_t lshm__os_page_size(void) {
+    static _Atomic long cached;
+    return (size_t)cached_sysconf(&cached, _SC_PAGESIZE, 4096);
+}
+
+unsigned lshm__os_ncpu(void) {
+    static _Atomic long cached;
+    return (unsigned)cached_sysconf(&cached, _SC_NPROCESSORS_ONLN, 1);
 }
 
 int lshm__os_memfd_create(size_t nbytes, int *fd) {
@@ -120,6 +135,39 @@ int lshm__os_reserve(int fd, uint64_t size) {
         return LSHM_FAIL(-e, "fallocate(fd %d, %llu bytes): %s", fd, (unsigned long long)size,
                          strerror(e));
     }
+    return 0;
+}
+
+int lshm__os_populate_write(int fd, uint64_t offset, void *addr, size_t len) {
+    LSHM_OS_FAULT("populate");
+    if (len == 0)
+        return 0;
+    for (;;) {
+        if (madvise(addr, len, MADV_POPULATE_WRITE) == 0)
+            return 0;
+        int e = errno;
+        if (e == EINTR)
+            continue;
+        if (e == EINVAL) /* kernel older than 5.14: reserve the range instead */
+            break;
+        /* EFAULT is what populating reports where a plain write would have raised SIGBUS. */
+        if (e == EFAULT)
+            e = ENOMEM;
+        return LSHM_FAIL(-e, "madvise(%p, %zu bytes, MADV_POPULATE_WRITE): %s", addr, len,
+                         strerror(e));
+    }
+    if (fallocate(fd, 0, (off_t)offset, (off_t)len) != 0) {
+        int e = errno;
+        if (e == EOPNOTSUPP)
+            return 0;
+        return LSHM_FAIL(-e, "fallocate(fd %d, %zu bytes at %llu): %s", fd, len,
+                         (unsigned long long)offset, strerror(e));
+    }
+    return 0;
+}
+
+int lshm__os_fault_point(const char *site) {
+    LSHM_OS_FAULT(site);
     return 0;
 }
 

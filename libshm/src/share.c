@@ -8,8 +8,10 @@
  * and now see the shared memory.
  *
  * The order of steps is what makes a failure harmless: memfd_create, pwrite the bytes (which
- * sizes the file), seal against shrink/grow. None of these touches the storage, so a failure
- * at any of them closes the memfd and leaves the storage exactly as it was. Only the last mmap replaces
+ * sizes the file), seal against shrink/grow (big shares: memfd_create, ftruncate, seal, a copy
+ * split over two threads). None of these touches the storage, so a failure at any of them
+ * closes the memfd (after unmapping any temporary mapping) and leaves the storage exactly as
+ * it was. Only the last mmap replaces
  * the storage's pages. (That last step is atomic only as far as the kernel makes it: since
  * Linux 6.12 a MAP_FIXED mmap that fails, e.g. at vm.max_map_count, restores the old mapping;
  * older kernels may have unmapped it already. The fault tests cover every step before it.)
@@ -29,7 +31,9 @@
 
 #include <assert.h>
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Does the storage own the pages at its data pointer, so the memfd can go over them? */
 static int owns_whole_pages(const lshm_storage *s) {
@@ -38,18 +42,102 @@ static int owns_whole_pages(const lshm_storage *s) {
             (s->allocator.flags & LSHM_ALLOCATOR_WHOLE_PAGES) != 0);
 }
 
+_Atomic size_t lshm__share_split_threshold = (size_t)64 << 20;
+_Atomic unsigned long lshm__share_splits;
+
+/* Shares running in this process right now: a big share splits its copy only when it is alone,
+ * so concurrent shares (a ThreadPool) are not slowed down by helper threads. */
+static _Atomic int active_shares;
+
+/* The second half of a split copy, done by a helper thread through a temporary mapping. */
+typedef struct copy_half {
+    int fd;
+    uint64_t offset; /* page-aligned */
+    size_t len;
+    const char *src; /* the bytes for [offset, offset + len) */
+    int injected;    /* a fault the calling thread took on the helper's behalf (tests) */
+    int rc;
+    char msg[400];
+} copy_half;
+
+static void *copy_half_thread(void *arg) {
+    copy_half *h = arg;
+    void *m = NULL;
+    int rc = lshm__os_map_fd(h->fd, h->offset, h->len, 0, NULL, &m);
+    if (rc == 0) {
+        rc = h->injected;
+        if (rc == 0)
+            rc = lshm__os_populate_write(h->fd, h->offset, m, h->len);
+        if (rc == 0)
+            memcpy(m, h->src, h->len);
+        lshm__os_unmap(m, h->len);
+    }
+    h->rc = rc;
+    if (rc != 0 && h->injected == 0)
+        snprintf(h->msg, sizeof h->msg, "%s", lshm_last_error());
+    return NULL;
+}
+
+/* Fill [0, size) of fd (already `size` bytes long) from data with two threads: this one
+ * pwrites the first half while a helper populates and memcpys the second half through a
+ * mapping (DESIGN section 8: two pwrites into one memfd do not scale; this mix does).
+ * Returns 1 (without error) when no thread could be started: the caller copies alone. */
+static int split_fill(int fd, const void *data, size_t size) {
+    size_t page = lshm__os_page_size();
+    size_t first = (size / 2) & ~(page - 1);
+    copy_half h = {fd, first, size - first, (const char *)data + first, 0, 0, {0}};
+    /* The helper's fault point is taken here: fault injection is per thread. */
+    h.injected = lshm__os_fault_point("copy_thread");
+    if (h.injected != 0)
+        h.msg[0] = '\0';
+    pthread_t t;
+    if (pthread_create(&t, NULL, copy_half_thread, &h) != 0)
+        return 1;
+    int rc = lshm__os_pwrite_all(fd, data, first, 0);
+    pthread_join(t, NULL);
+    if (rc != 0)
+        return rc;
+    if (h.rc != 0) {
+        if (h.injected != 0)
+            return LSHM_FAIL(h.rc, "copy thread: injected fault (%s)", lshm_strerror(h.rc));
+        return LSHM_FAIL(h.rc, "copy thread: %s", h.msg);
+    }
+    atomic_fetch_add_explicit(&lshm__share_splits, 1, memory_order_relaxed);
+    return 0;
+}
+
+static int want_split(size_t size) {
+    return size >= atomic_load_explicit(&lshm__share_split_threshold, memory_order_relaxed) &&
+           atomic_load_explicit(&active_shares, memory_order_relaxed) == 1 &&
+           lshm__os_ncpu() >= 2;
+}
+
 /* A memfd of `size` bytes holding the `size` bytes at `data`, sealed against shrink and grow
- * before anyone else can see it: memfd_create, pwrite (which extends the file to exactly
- * `size` and allocates every page, so no ftruncate and no SIGBUS later), then seal. */
+ * before anyone else can see it, every page allocated (no SIGBUS later).
+ * Small and medium sizes: memfd_create, pwrite (which extends the file to exactly `size` and
+ * allocates every page), then seal: three syscalls, no ftruncate. Big sizes with the process
+ * otherwise idle: ftruncate, seal, then split_fill over two threads. */
 static int make_filled_memfd(const void *data, size_t size, int *out) {
     int fd;
     int rc = lshm__os_memfd_create(size, &fd);
     if (rc != 0)
         return rc;
-    if (size > 0 && (rc = lshm__os_pwrite_all(fd, data, size, 0)) != 0)
-        goto fail;
-    if ((rc = lshm__os_seal_size(fd)) != 0)
-        goto fail;
+    if (size > 0 && want_split(size)) {
+        if ((rc = lshm__os_ftruncate(fd, size)) != 0)
+            goto fail;
+        if ((rc = lshm__os_seal_size(fd)) != 0)
+            goto fail;
+        rc = split_fill(fd, data, size);
+        if (rc == 1) /* no helper thread: one pwrite, as below */
+            rc = lshm__os_pwrite_all(fd, data, size, 0);
+        if (rc != 0)
+            goto fail;
+    } else {
+        if (size > 0 && (rc = lshm__os_pwrite_all(fd, data, size, 0)) != 0)
+            goto fail;
+        if ((rc = lshm__os_seal_size(fd)) != 0)
+            goto fail;
+    }
     *out = fd;
     return 0;
 fail:
@@ -125,8 +213,11 @@ int lshm_storage_share(lshm_storage *s) {
     pthread_mutex_lock(&s->lock);
     int rc = 0;
     /* Another thread may have shared it while we waited for the lock. */
-    if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) == 0)
+    if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) == 0) {
+        atomic_fetch_add_explicit(&active_shares, 1, memory_order_relaxed);
         rc = share_locked(s);
+        atomic_fetch_sub_explicit(&active_shares, 1, memory_order_relaxed);
+    }
     pthread_mutex_unlock(&s->lock);
     return rc;
 }

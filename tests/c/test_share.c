@@ -315,7 +315,9 @@ static void share_fault_loop(make_fn make, size_t n, int err) {
         uint64_t off;
         ASSERT_ERR(lshm_storage_fd(s, &fd, &off), -ENODATA);
     }
-    ASSERT_GE(points, n > 0 ? 4 : 2); /* memfd, pwrite, seal, mmap; 0: memfd, seal */
+    /* memfd, pwrite, seal, mmap; 0: memfd, seal; split: memfd, ftruncate, seal, copy_thread,
+     * pwrite, mmap */
+    ASSERT_GE(points, n >= lshm__share_split_threshold ? 6 : n > 0 ? 4 : 2);
     ASSERT(lshm_storage_flags(s) & LSHM_STORAGE_SHARED);
     ASSERT(check(lshm_storage_data(s), n, 9));
     ASSERT_EQ(fd_count(), fds + 1);
@@ -329,6 +331,42 @@ static void test_fault_atomicity(void) {
     share_fault_loop(make_pages, 0, -EMFILE);
     share_fault_loop(make_foreign, 1234, -ENOMEM);
     share_fault_loop(make_foreign, 0, -ENOMEM);
+}
+
+/* The big path (copy split over two threads), forced at a small size: same bytes, same
+ * pointer, sealed fd; and every fault point, including the helper thread's, leaves the storage
+ * untouched with no fd or temporary mapping left behind. */
+static void test_split_copy(void) {
+    if (lshm__os_ncpu() < 2)
+        return; /* the split needs a second CPU */
+    size_t saved = lshm__share_split_threshold;
+    lshm__share_split_threshold = 8 * page;
+    for (size_t n = 8 * page; n <= 21 * page + 5; n += 13 * page + 5) {
+        unsigned long splits = lshm__share_splits;
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+        unsigned char *raw = lshm_storage_data(s);
+        fill(raw, n, 21);
+        ASSERT_OK(lshm_storage_share(s));
+        ASSERT_EQ(lshm__share_splits, splits + 1);
+        ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+        ASSERT(check(raw, n, 21));
+        int fd;
+        uint64_t off;
+        ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+        size_t cap = (n + page - 1) / page * page;
+        assert_sealed_memfd(fd, cap);
+        unsigned char b = 0;
+        ASSERT_EQ(pread(fd, &b, 1, cap / 2 + 1), 1); /* the helper's half is in the memfd */
+        ASSERT_EQ(b, raw[cap / 2 + 1]);
+        lshm_storage_release(s);
+    }
+    /* a foreign storage (not whole pages) takes the split path too */
+    unsigned long splits = lshm__share_splits;
+    share_fault_loop(make_pages, 13 * page + 7, -ENOMEM);
+    share_fault_loop(make_foreign, 11 * page + 3, -ENOSPC);
+    ASSERT_GE(lshm__share_splits, splits + 2);
+    lshm__share_split_threshold = saved;
 }
 
 static void test_rlimit_nofile(void) {
@@ -438,6 +476,7 @@ int main(void) {
     RUN_TEST(test_foreign_swaps);
     RUN_TEST(test_concurrent_shares);
     RUN_TEST(test_fault_atomicity);
+    RUN_TEST(test_split_copy);
     RUN_TEST(test_rlimit_nofile);
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
