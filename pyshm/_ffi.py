@@ -319,6 +319,7 @@ _TABLE = [
     ("lshm_arena_free", c_int, [_arena_p, _storage_p], True),
     ("lshm_arena_end_iteration", c_int, [_arena_p], True),
     ("lshm_storage_seal_readonly", c_int, [_storage_p], True),
+    ("lshm_pool_trim", c_int, [], False),
 ]
 
 for _name, _restype, _argtypes, _status in _TABLE:

@@ -191,6 +191,25 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * Errors: -EINVAL (NULL), -ENOMEM, -ENOSPC, -EMFILE, -ENFILE, other -errno from the kernel. */
 LSHM_API int lshm_storage_share(lshm_storage *s);
 
+/* The pool of recycled memfds. When a storage that lshm_storage_share shared in place (default
+ * allocator pages) is released, its range is unmapped at once as before, but its memfd (sized,
+ * sealed against shrink/grow, every page allocated) may be kept in a per-process pool instead
+ * of being closed; the next lshm_storage_share of a storage with the same capacity (nbytes
+ * rounded up to a page) overwrites every byte of it instead of making a new memfd, which is
+ * several times faster than filling fresh pages. What is kept holds memory (and one fd per
+ * entry) after the release: at most 256 memfds and at most LSHM_POOL_BYTES bytes in total
+ * (environment variable, read once at the first share, decimal bytes; default 1/8 of
+ * physical memory; 0 disables the pool).
+ * Safety: a memfd is pooled only if nobody else can still reach it: never exported (no
+ * lshm_storage_fd call on the storage, hence never sent to another process), never sealed
+ * read-only (lshm_storage_seal_readonly), and no fork() since its share began (a child
+ * inherits fds and mappings); a fork also empties the pool in parent and child. Storages
+ * that are views of segments, use a caller allocator or foreign memory never pool.
+ *
+ * lshm_pool_trim closes every pooled memfd and returns how many it closed (never fails).
+ * Thread-safe. */
+LSHM_API int lshm_pool_trim(void);
+
 /* Make a shared storage read-only for everyone it is sent to from now on (F_SEAL_FUTURE_WRITE
  * on its memfd): later mappings of the fd can only be read, and writes through the fd fail.
  * This process's own mapping keeps writing. A storage viewing a segment seals the whole

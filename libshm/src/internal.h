@@ -60,6 +60,8 @@ int lshm__os_populate_write(int fd, uint64_t offset, void *addr, size_t len);
 /* A bare fault point named `site`: 0, or the injected error with its message (tests only).
  * Lets a thread take the fault points of work it hands to another thread. */
 int lshm__os_fault_point(const char *site);
+/* Physical memory in bytes (sysconf; 0 when unknown). */
+uint64_t lshm__os_phys_bytes(void);
 /* Online CPUs (sysconf, cached; at least 1). */
 unsigned lshm__os_ncpu(void);
 /* mmap(MAP_SHARED) len bytes of fd at a page-aligned offset, PROT_READ (readonly) or
@@ -118,6 +120,8 @@ struct lshm_storage {
     int fd;                   /* own memfd once shared (in place or MAPPED), else -1 */
     uint64_t fd_offset;       /* offset of data within fd (or within the segment's fd) */
     lshm_segment *segment;    /* ORIGIN_VIEW: retained segment */
+    _Atomic unsigned char exported; /* its fd was handed out or sealed read-only: never pooled */
+    unsigned long fork_epoch; /* lshm__fork_epoch when the share began (see lshm__pool_put) */
     pthread_mutex_t lock;     /* serialises share and resize of this storage */
 };
 
@@ -154,6 +158,14 @@ static inline int lshm__ref_release(_Atomic size_t *refcount) {
  * it; lshm__share_splits counts the shares that did split. */
 extern _Atomic size_t lshm__share_split_threshold;
 extern _Atomic unsigned long lshm__share_splits;
+
+/* The pool of recycled memfds (share.c). lshm__pool_put is called by free_bytes after the
+ * storage's own range was unmapped: it keeps s->fd (and clears it) when the memfd can be
+ * reused safely (shared in place by lshm_storage_share, never exported, no fork since) and
+ * the pool has room; returns 1 if it took the fd, 0 if the caller must close it. */
+int lshm__pool_put(lshm_storage *s);
+/* The pool's byte bound, set at the first share from LSHM_POOL_BYTES (tests change it). */
+extern size_t lshm__pool_limit;
 
 /* Size arithmetic: round up to whole pages, -EOVERFLOW (with message) if it wraps. */
 int lshm__round_pages(size_t nbytes, size_t *out);

@@ -55,6 +55,11 @@ size_t lshm__os_page_size(void) {
     return (size_t)cached_sysconf(&cached, _SC_PAGESIZE, 4096);
 }
 
+uint64_t lshm__os_phys_bytes(void) {
+    long pages = sysconf(_SC_PHYS_PAGES);
+    return pages > 0 ? (uint64_t)pages * lshm__os_page_size() : 0;
+}
+
 unsigned lshm__os_ncpu(void) {
     static _Atomic long cached;
     return (unsigned)cached_sysconf(&cached, _SC_NPROCESSORS_ONLN, 1);

@@ -130,8 +130,11 @@ static void free_bytes(lshm_storage *s) {
     void *data = atomic_load_explicit(&s->data, memory_order_acquire);
     switch ((enum lshm__origin)s->origin) {
     case LSHM__ORIGIN_PAGES:
-        /* Private pages or the memfd mapped over them: one munmap either way. */
+        /* Private pages or the memfd mapped over them: one munmap either way. The memfd itself
+         * may go to the pool (share.c) instead of being closed. */
         lshm__os_unmap(data, s->capacity);
+        if (s->fd >= 0)
+            lshm__pool_put(s);
         break;
     case LSHM__ORIGIN_ALLOCATOR:
         if (data == NULL)
@@ -292,6 +295,8 @@ int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset) {
     int f = s->segment != NULL ? lshm_segment_fd(s->segment) : s->fd;
     if (f < 0)
         return LSHM_FAIL(-EBADF, "the fd of storage %p's segment was closed", (const void *)s);
+    /* Someone else may hold this fd from now on: its memfd must never be recycled. */
+    atomic_store_explicit(&((lshm_storage *)s)->exported, 1, memory_order_relaxed);
     *fd = f;
     *offset = s->fd_offset;
     return 0;

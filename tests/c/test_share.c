@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static size_t page;
@@ -288,6 +289,7 @@ static int make_foreign(lshm_storage **s, size_t n) {
  * and a later share must work. */
 static void share_fault_loop(make_fn make, size_t n, int err) {
     lshm_storage *s;
+    lshm_pool_trim(); /* a pooled memfd would be taken (and closed on failure): counts differ */
     ASSERT_OK(make(&s, n));
     void *data = lshm_storage_data(s);
     fill(data, n, 9);
@@ -322,6 +324,7 @@ static void share_fault_loop(make_fn make, size_t n, int err) {
     ASSERT(check(lshm_storage_data(s), n, 9));
     ASSERT_EQ(fd_count(), fds + 1);
     lshm_storage_release(s);
+    lshm_pool_trim();
     ASSERT_EQ(fd_count(), fds - 0);
 }
 
@@ -465,6 +468,145 @@ static void test_seal_readonly(void) {
     lshm_segment_release(seg);
 }
 
+/* ---- the pool of recycled memfds ---------------------------------------------------------- */
+
+static int is_zero(const unsigned char *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != 0)
+            return 0;
+    return 1;
+}
+
+static lshm_storage *shared_storage(size_t n, unsigned seed) {
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+    fill(lshm_storage_data(s), n, seed);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT(check(lshm_storage_data(s), n, seed));
+    return s;
+}
+
+static void test_pool(void) {
+    lshm_pool_trim();
+    int base = fd_count();
+    /* a released memfd is kept ... */
+    lshm_storage *s = shared_storage(3 * page + 100, 1);
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base + 1);
+    /* ... and reused by the next share of the same capacity, with no stale bytes: nbytes
+     * smaller than before, the tail up to the page end is the new storage's zeros. */
+    const size_t n = 3 * page + 50;
+    s = shared_storage(n, 2);
+    ASSERT_EQ(fd_count(), base + 1); /* the pooled memfd, not a new one */
+    unsigned char *raw = lshm_storage_data(s);
+    ASSERT(is_zero(raw + n, 4 * page - n));
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base + 1);
+    /* another capacity makes a new memfd */
+    s = shared_storage(page, 3);
+    ASSERT_EQ(fd_count(), base + 2);
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base + 2);
+    ASSERT_EQ(lshm_pool_trim(), 2);
+    ASSERT_EQ(fd_count(), base);
+
+    /* never pooled: exported fd, read-only seal, a fork since the share */
+    s = shared_storage(5 * page, 4);
+    int fd;
+    uint64_t off;
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base);
+    s = shared_storage(5 * page, 5);
+    ASSERT_OK(lshm_storage_seal_readonly(s));
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base);
+    s = shared_storage(5 * page, 6);
+    lshm_storage *kept = shared_storage(7 * page, 7);
+    lshm_storage_release(kept); /* pooled before the fork */
+    ASSERT_EQ(fd_count(), base + 2);
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0)
+        _exit(fd_count() == base + 1 ? 0 : 1); /* the child's pool was emptied too */
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    ASSERT_EQ(fd_count(), base + 1); /* the fork emptied the pool */
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base); /* shared before the fork: closed */
+    /* a share after the fork pools again */
+    s = shared_storage(5 * page, 8);
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base + 1);
+    ASSERT_EQ(lshm_pool_trim(), 1);
+
+    /* bounds: at most 256 entries ... */
+    enum { MANY = 300 };
+    lshm_storage *many[MANY];
+    for (int i = 0; i < MANY; i++)
+        many[i] = shared_storage(page, (unsigned)i);
+    for (int i = 0; i < MANY; i++)
+        lshm_storage_release(many[i]);
+    ASSERT_EQ(fd_count(), base + 256);
+    ASSERT_EQ(lshm_pool_trim(), 256);
+    ASSERT_EQ(fd_count(), base);
+    /* ... and at most lshm__pool_limit bytes; 0 disables the pool */
+    size_t saved = lshm__pool_limit;
+    lshm__pool_limit = 3 * page;
+    for (int i = 0; i < 4; i++)
+        many[i] = shared_storage(page, (unsigned)i);
+    for (int i = 0; i < 4; i++)
+        lshm_storage_release(many[i]);
+    ASSERT_EQ(fd_count(), base + 3);
+    lshm__pool_limit = 0;
+    s = shared_storage(2 * page, 9);
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base + 3);
+    ASSERT_EQ(lshm_pool_trim(), 3);
+    lshm__pool_limit = saved;
+    ASSERT_EQ(fd_count(), base);
+}
+
+/* A failure while refilling a pooled memfd leaves the storage untouched and closes that memfd
+ * (it may hold part of the new bytes); the next share works. */
+static void test_pool_refill_faults(void) {
+    lshm_pool_trim();
+    int base = fd_count();
+    size_t saved = lshm__share_split_threshold;
+    for (int split = 0; split < 2; split++) {
+        lshm__share_split_threshold = split ? 4 * page : saved;
+        for (int nth = 1;; nth++) {
+            lshm_storage *p = shared_storage(6 * page, 1);
+            lshm_storage_release(p); /* pooled */
+            ASSERT_EQ(fd_count(), base + 1);
+            lshm_storage *s;
+            ASSERT_OK(lshm_storage_create(6 * page, NULL, 0, &s));
+            void *data = lshm_storage_data(s);
+            fill(data, 6 * page, 2);
+            lshm__fault_arm(nth, -ENOMEM);
+            int rc = lshm_storage_share(s);
+            int hit = lshm__fault_points_hit();
+            lshm__fault_arm(0, 0);
+            if (hit < nth) {
+                ASSERT_OK(rc);
+                ASSERT_EQ(fd_count(), base + 1); /* the pooled memfd, now the storage's */
+                lshm_storage_release(s);
+                break;
+            }
+            ASSERT_ERR(rc, -ENOMEM);
+            ASSERT_PTR_EQ(lshm_storage_data(s), data);
+            ASSERT_EQ(lshm_storage_flags(s), 0);
+            ASSERT(check(data, 6 * page, 2));
+            ASSERT_EQ(fd_count(), base);
+            lshm_storage_release(s);
+        }
+        ASSERT_EQ(lshm_pool_trim(), 1);
+    }
+    lshm__share_split_threshold = saved;
+    ASSERT_EQ(fd_count(), base);
+}
+
 int main(void) {
     page = lshm_page_size();
     int fds = fd_count();
@@ -481,6 +623,9 @@ int main(void) {
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
     RUN_TEST(test_seal_readonly);
+    RUN_TEST(test_pool);
+    RUN_TEST(test_pool_refill_faults);
+    lshm_pool_trim();
     ASSERT_EQ(fd_count(), fds);
     return 0;
 }
