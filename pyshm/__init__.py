@@ -26,7 +26,7 @@ from ._ffi import (
 from .arena import Arena
 from .arrays import copy, empty, is_shared, share_memory_, storage_of, zeros
 from .planner import Plan, lower_bound, plan
-from .storage import Storage
+from .storage import Storage, trim_pool
 from .reduction import register as _register_reducers, share_readonly
 
 _register_reducers()
@@ -41,6 +41,7 @@ __all__ = [
     "share_memory_",
     "is_shared",
     "storage_of",
+    "trim_pool",
     "share_readonly",
     "plan",
     "lower_bound",

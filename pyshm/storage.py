@@ -9,7 +9,7 @@ from typing import Optional
 from . import _ffi
 from ._ffi import lib
 
-__all__ = ["Storage"]
+__all__ = ["Storage", "trim_pool"]
 
 
 def _release(handle: int) -> None:
@@ -223,3 +223,14 @@ def _check_nbytes(nbytes) -> int:
         raise OverflowError(f"nbytes {value} does not fit in a C size_t")
     return value
 
+
+def trim_pool() -> int:
+    """Give back the memory libshm keeps for reuse; returns how many memfds it closed.
+
+    When a storage shared in place is released, libshm may keep its memfd (pages allocated,
+    sealed) so that the next share of the same size refills it several times faster than fresh
+    memory. Only memfds nobody else can reach are kept (never sent, no fork since), at most
+    ``LSHM_POOL_BYTES`` bytes (environment, read at the first share; default 1/8 of physical
+    memory, ``0`` disables the pool) and 256 entries. Call this to release them now.
+    """
+    return int(lib.lshm_pool_trim())

@@ -210,3 +210,26 @@ def test_flags_constants_match_library():
     assert storage.flags & _ffi.STORAGE_INPLACE == 0  # heap storage
     storage.share_memory_()
     assert storage.flags & _ffi.STORAGE_SHARED
+
+
+def test_trim_pool_gives_back_recycled_memfds():
+    import gc
+
+    pyshm.trim_pool()
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    arrays = [pyshm.empty(1 << 20, np.uint8) for _ in range(4)]
+    for a in arrays:
+        a[:] = 1
+        pyshm.share_memory_(a)
+    del a, arrays
+    gc.collect()
+    kept = len(os.listdir("/proc/self/fd")) - before  # memfds kept for reuse
+    assert kept == (0 if os.environ.get("LSHM_POOL_BYTES") == "0" else 4)
+    assert pyshm.trim_pool() == kept
+    assert len(os.listdir("/proc/self/fd")) == before
+    # A recycled memfd carries the new bytes only.
+    b = pyshm.empty(1 << 20, np.uint8)
+    b[:] = 2
+    pyshm.share_memory_(b)
+    assert (b == 2).all()
