@@ -184,9 +184,13 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  *   memory is released through its release callback. The caller must ensure no views of the
  *   old memory remain (pyshm refuses for memory it does not own).
  * Idempotent: an already shared storage returns 0 at once. Thread-safe: concurrent calls on one
- * storage serialise and copy once; all return 0. Atomic: on failure the bytes, data pointer and
- * flags are exactly as before. Clears LSHM_STORAGE_RESIZABLE. A zero-byte storage becomes shared
- * with a zero-length memfd (data stays NULL, the fd can be sent).
+ * storage serialise and copy once; all return 0. Atomic: on failure the bytes, data pointer,
+ * flags and reference count are exactly as before. (Big non-resizable storages of the default
+ * allocator are swapped chunk by chunk: after a failure part of their pages may already be
+ * pages of a closed private memfd holding the same bytes; only a fork() before the next
+ * successful share could tell, as the child would share those pages instead of copying them.)
+ * Clears LSHM_STORAGE_RESIZABLE. A zero-byte storage becomes shared with a zero-length memfd
+ * (data stays NULL, the fd can be sent).
  * The bytes must not be written by other threads during the call (their writes may be lost).
  * Errors: -EINVAL (NULL), -ENOMEM, -ENOSPC, -EMFILE, -ENFILE, other -errno from the kernel. */
 LSHM_API int lshm_storage_share(lshm_storage *s);

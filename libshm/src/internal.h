@@ -158,6 +158,11 @@ static inline int lshm__ref_release(_Atomic size_t *refcount) {
  * it; lshm__share_splits counts the shares that did split. */
 extern _Atomic size_t lshm__share_split_threshold;
 extern _Atomic unsigned long lshm__share_splits;
+/* share.c: a non-resizable storage of default pages of at least lshm__share_chunk_threshold
+ * bytes (default 256 MiB) is shared in place chunk by chunk, lshm__share_chunk_bytes at a time
+ * (default 32 MiB, rounded down to whole pages). Tests lower both. */
+extern _Atomic size_t lshm__share_chunk_threshold;
+extern _Atomic size_t lshm__share_chunk_bytes;
 
 /* The pool of recycled memfds (share.c). lshm__pool_put is called by free_bytes after the
  * storage's own range was unmapped: it keeps s->fd (and clears it) when the memfd can be

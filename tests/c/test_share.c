@@ -372,6 +372,92 @@ static void test_split_copy(void) {
     lshm__share_split_threshold = saved;
 }
 
+static int make_fixed_pages(lshm_storage **s, size_t n) {
+    return lshm_storage_create(n, NULL, 0, s);
+}
+
+/* Mappings of /proc/self/maps that overlap [p, p + n). */
+static int mappings_over(const void *p, size_t n) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    ASSERT(f != NULL);
+    uintptr_t lo = (uintptr_t)p, hi = lo + n, a, b;
+    int count = 0;
+    char line[512];
+    while (fgets(line, sizeof line, f) != NULL)
+        if (sscanf(line, "%lx-%lx", &a, &b) == 2 && a < hi && b > lo)
+            count++;
+    fclose(f);
+    return count;
+}
+
+/* The chunked path (big non-resizable default pages), forced at a small size with 2-page
+ * chunks: same bytes and pointer, one mapping at the end; every fault point (each chunk's fill
+ * and mmap, the helper's) leaves bytes, pointer, flags, refcount and fds as they were, a retry
+ * works, and a storage released right after a failure mid-way leaks nothing. */
+static void test_chunked(void) {
+    size_t saved_threshold = lshm__share_chunk_threshold;
+    size_t saved_chunk = lshm__share_chunk_bytes;
+    size_t saved_split = lshm__share_split_threshold;
+    lshm__share_chunk_threshold = 8 * page;
+    lshm__share_chunk_bytes = 2 * page + 5; /* rounded down to 2 pages */
+    lshm_pool_trim();
+    int base = fd_count();
+    for (int split = 0; split < 2; split++) {
+        lshm__share_split_threshold = split ? 8 * page : saved_split;
+        size_t n = 9 * page + 5;
+        lshm_storage *s;
+        ASSERT_OK(make_fixed_pages(&s, n));
+        unsigned char *raw = lshm_storage_data(s);
+        fill(raw, n, 33);
+        unsigned long splits = lshm__share_splits;
+        ASSERT_OK(lshm_storage_share(s));
+        if (split && lshm__os_ncpu() >= 2)
+            ASSERT_EQ(lshm__share_splits, splits + 1);
+        ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+        ASSERT(check(raw, n, 33));
+        ASSERT_EQ(mappings_over(raw, 10 * page), 1);
+        int fd;
+        uint64_t off;
+        ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+        assert_sealed_memfd(fd, 10 * page);
+        unsigned char b = 0;
+        ASSERT_EQ(pread(fd, &b, 1, 7 * page + 3), 1);
+        ASSERT_EQ(b, raw[7 * page + 3]);
+        lshm_storage_release(s);
+        ASSERT_EQ(fd_count(), base);
+
+        share_fault_loop(make_fixed_pages, n, -ENOMEM);
+
+        /* fail mid-way (points: memfd, ftruncate, seal, [copy_thread,] then pwrite and mmap
+         * per chunk), then release at once */
+        for (int nth = 4; nth <= 9; nth++) {
+            ASSERT_OK(make_fixed_pages(&s, n));
+            raw = lshm_storage_data(s);
+            fill(raw, n, 34);
+            lshm__fault_arm(nth, -ENOSPC);
+            int rc = lshm_storage_share(s);
+            lshm__fault_arm(0, 0);
+            ASSERT_ERR(rc, -ENOSPC);
+            ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+            ASSERT_EQ(lshm_storage_flags(s), 0);
+            ASSERT(check(raw, n, 34));
+            if (!split && nth == 6) /* failed at chunk 2's pwrite: chunk 1 swapped, rest not */
+                ASSERT_EQ(mappings_over(raw, 10 * page), 2);
+            raw[n - 1] = 7; /* still writable everywhere */
+            raw[0] = 7;
+            ASSERT_EQ(fd_count(), base);
+            lshm_storage_release(s);
+            ASSERT_EQ(fd_count(), base);
+        }
+    }
+    /* resizable storages keep the one-mapping path */
+    lshm__share_split_threshold = saved_split;
+    share_fault_loop(make_pages, 9 * page + 5, -ENOMEM);
+    lshm__share_chunk_threshold = saved_threshold;
+    lshm__share_chunk_bytes = saved_chunk;
+    ASSERT_EQ(fd_count(), base);
+}
+
 static void test_rlimit_nofile(void) {
     lshm_storage *s;
     ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
@@ -619,6 +705,7 @@ int main(void) {
     RUN_TEST(test_concurrent_shares);
     RUN_TEST(test_fault_atomicity);
     RUN_TEST(test_split_copy);
+    RUN_TEST(test_chunked);
     RUN_TEST(test_rlimit_nofile);
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
