@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as _errno
+import importlib.metadata
 import importlib.resources
 import os
 from ctypes import (
@@ -130,10 +131,22 @@ def _load() -> tuple[ctypes.CDLL, str]:
         resource = importlib.resources.files(__package__ or "pyshm") / LIBRARY_NAME
         candidates = [str(resource)] if resource.is_file() else []
     if not candidates:
+        # Imported from a source checkout (e.g. `python -m pyshm` in the repository root puts
+        # the source folder first on sys.path): use the library of the installed distribution,
+        # whose version is checked below like any other.
+        try:
+            installed = importlib.metadata.distribution("pyshm").locate_file(
+                f"pyshm/{LIBRARY_NAME}"
+            )
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed is not None and os.path.isfile(str(installed)):
+            candidates = [str(installed)]
+    if not candidates:
         raise ImportError(
             f"pyshm: {LIBRARY_NAME} is not inside the installed package. Install pyshm with "
             "'python -m pip install .' (it builds the library), or point PYSHM_LIBRARY at a "
-            "built liblshm.so. Running from a source checkout without installing does not work."
+            "built liblshm.so."
         )
     path = candidates[0]
     try:

@@ -15,6 +15,7 @@ from multiprocessing.pool import ThreadPool
 import numpy as np
 
 from . import arrays
+from .storage import trim_pool
 
 FRAME_SHAPE = (128, 480, 640)
 FRAME_BYTES = int(np.prod(FRAME_SHAPE))
@@ -92,6 +93,9 @@ def run(count: int | None = None, threads: int | None = None) -> int:
               f"every byte checked, addresses unchanged")
         del frames
         gc.collect()
+        # Start every round from fresh memory: without this, the next round would refill the
+        # memfds this round released (libshm's recycling) and the comparison would flatter it.
+        trim_pool()
     if threads != 1:
         print(f"  speed-up of {threads} threads over 1: {results[1] / results[threads]:.2f}x")
     return 0

@@ -182,3 +182,16 @@ def test_interpreter_exit_with_live_storages_is_clean():
     assert result.returncode == 0, result.stderr
     assert "done" in result.stdout and "atexit sees 0" in result.stdout
     assert result.stderr == ""
+
+
+def test_python_m_pyshm_works_from_the_repository_root(tmp_path):
+    """README's first command runs `python -m pyshm ...` in the clone, where the source folder
+    shadows the installed package: it must still find the installed library."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trace = tmp_path / "t.csv"
+    trace.write_text("id,lower,upper,size\n0,0,2,100\n1,1,3,50\n2,2,4,80\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    result = subprocess.run([sys.executable, "-m", "pyshm", "plan", str(trace), "--alignment", "1"],
+                            capture_output=True, text=True, timeout=60, cwd=root, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "arena size   150" in result.stdout
