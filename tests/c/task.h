@@ -79,6 +79,15 @@
         fn();                                                                                 \
     } while (0)
 
+/* 1 when all n bytes at p equal v. */
+static inline int all_bytes(const void *p, size_t n, unsigned char v) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != v)
+            return 0;
+    return 1;
+}
+
 /* Number of open fds of this process (entries of /proc/self/fd, minus the directory's own). */
 static inline int fd_count(void) {
     DIR *d = opendir("/proc/self/fd");

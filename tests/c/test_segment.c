@@ -19,14 +19,6 @@
 
 static size_t page;
 
-static int all_bytes(const void *p, size_t n, unsigned char v) {
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++)
-        if (b[i] != v)
-            return 0;
-    return 1;
-}
-
 static void test_create(void) {
     lshm_segment *seg;
     ASSERT_OK(lshm_segment_create(10000, 0, &seg));

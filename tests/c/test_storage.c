@@ -20,14 +20,6 @@ static void *storage_mem(void) {
     return mem;
 }
 
-static int all_bytes(const void *p, size_t n, unsigned char v) {
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++)
-        if (b[i] != v)
-            return 0;
-    return 1;
-}
-
 static void test_init_in_caller_buffer(void) {
     void *mem = storage_mem();
     lshm_storage *s = NULL;
