@@ -918,6 +918,19 @@ def _targets(result: dict) -> list:
     return targets
 
 
+def quiet_text(row: dict) -> str:
+    """"quiet runs/runs", or "-" when no run was long enough to measure other processes."""
+    known = sum(1 for load in row["other_cpu_load"] if load is not None)
+    return f"{row['quiet_runs']}/{len(row['seconds'])}" if known else "-"
+
+
+def target_text(target: dict) -> str:
+    """One target as a line: name, bar, measured value, met or not, note."""
+    state = {True: "met", False: "NOT MET", None: "-"}[target["met"]]
+    text = f"{target['name']} {target['bar']}: {target['text']}  {state}"
+    return text + (f"  ({target['note']})" if target["note"] else "")
+
+
 def _ratio_text(row: dict, base: str) -> str:
     ratio = row["ratios"].get(base)
     if ratio is None:
@@ -963,9 +976,7 @@ def format_report(result: dict) -> str:
                 text += f"{low:>10.1f}{mid:>11.1f}"
             else:
                 text += f"{row['min_s']:>10.3f}{row['median_s']:>11.3f}"
-            known = sum(1 for load in row["other_cpu_load"] if load is not None)
-            quiet = f"{row['quiet_runs']}/{len(row['seconds'])}" if known else "-"
-            text += f"{row['gbps']:>8.2f}{quiet:>7}"
+            text += f"{row['gbps']:>8.2f}{quiet_text(row):>7}"
             text += "".join(f"{_ratio_text(row, base):>15}" for base in bases)
             notes = [note for note in (row["note"], row["error"] and f"then failed: "
                                        f"{row['error']}") if note]
@@ -973,10 +984,5 @@ def format_report(result: dict) -> str:
                 text += "  " + "; ".join(notes)
             lines.append(text)
     lines += ["", "targets (judged on min times)"]
-    for target in result["targets"]:
-        state = {True: "met", False: "NOT MET", None: "-"}[target["met"]]
-        text = f"  {target['name']} {target['bar']}: {target['text']}  {state}"
-        if target["note"]:
-            text += f"  ({target['note']})"
-        lines.append(text)
+    lines += ["  " + target_text(target) for target in result["targets"]]
     return "\n".join(lines)

@@ -43,7 +43,7 @@ from typing import Optional
 import numpy as np
 
 import pyshm
-from pyshm.bench import QUIET_LOAD, _cpu_snapshot, _other_load
+from pyshm.bench import QUIET_LOAD, _cpu_snapshot, _other_load, quiet_text, target_text
 
 __all__ = ["add_arguments", "run_case", "targets", "format_case", "main"]
 
@@ -337,20 +337,13 @@ def format_case(case: dict, case_targets: list) -> str:
         if not row["seconds"]:
             lines.append(f"{text}  {row['error'] or 'no result'}")
             continue
-        known = sum(1 for load in row["other_cpu_load"] if load is not None)
-        quiet = f"{row['quiet_runs']}/{len(row['seconds'])}" if known else "-"
         text += (f"{row['min_us_per_share']:>9.1f}{row['median_us_per_share']:>11.1f}"
-                 f"{row['gbps']:>8.3f}{quiet:>7}{ratio(row, 'torch'):>16}{ratio(row, 'shm'):>16}")
+                 f"{row['gbps']:>8.3f}{quiet_text(row):>7}{ratio(row, 'torch'):>16}{ratio(row, 'shm'):>16}")
         if row["error"]:
             text += f"  then failed: {row['error']}"
         lines.append(text)
     lines.append("ratio = this row's time / the baseline's for the same traffic, min (median)")
-    for target in case_targets:
-        state = {True: "met", False: "NOT MET", None: "-"}[target["met"]]
-        line = f"target: {target['name']} {target['bar']}: {target['text']}  {state}"
-        if target["note"]:
-            line += f"  ({target['note']})"
-        lines.append(line)
+    lines += ["target: " + target_text(target) for target in case_targets]
     return "\n".join(lines)
 
 
