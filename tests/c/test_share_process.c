@@ -70,6 +70,18 @@ static void wait_child(pid_t pid, int expect_signal) {
 }
 
 /* A child sees the shared pages of its parent (MAP_SHARED survives fork), both ways. */
+/* fork() with a connected socket pair: returns the pid and, in *own, this side's end of the
+ * pair (the other end is closed on each side). */
+static pid_t fork_with_socket(int *own) {
+    int sv[2];
+    ASSERT_OK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv));
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    close(pid == 0 ? sv[0] : sv[1]);
+    *own = pid == 0 ? sv[1] : sv[0];
+    return pid;
+}
+
 static void test_fork(void) {
     const size_t n = 2 * page + 10;
     lshm_storage *s;
@@ -77,42 +89,35 @@ static void test_fork(void) {
     unsigned char *raw = lshm_storage_data(s);
     memset(raw, 1, n);
     ASSERT_OK(lshm_storage_share(s));
-    int sv[2];
-    ASSERT_OK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv));
-    pid_t pid = fork();
-    ASSERT_GE(pid, 0);
+    int sock;
+    pid_t pid = fork_with_socket(&sock);
     if (pid == 0) {
-        close(sv[0]);
         ASSERT_EQ(raw[0], 1);
         memset(raw, 2, n); /* child writes through the parent's old pointer */
-        send_byte(sv[1], 'w');
-        ASSERT_EQ(recv_byte(sv[1]), 'p');
+        send_byte(sock, 'w');
+        ASSERT_EQ(recv_byte(sock), 'p');
         for (size_t i = 0; i < n; i++)
             ASSERT_EQ(raw[i], 3); /* and sees what the parent wrote after */
         _exit(0);
     }
-    close(sv[1]);
-    ASSERT_EQ(recv_byte(sv[0]), 'w');
+    ASSERT_EQ(recv_byte(sock), 'w');
     for (size_t i = 0; i < n; i++)
         ASSERT_EQ(raw[i], 2);
     memset(lshm_storage_data(s), 3, n);
-    send_byte(sv[0], 'p');
+    send_byte(sock, 'p');
     wait_child(pid, 0);
-    close(sv[0]);
+    close(sock);
     lshm_storage_release(s);
 }
 
 /* Parent shares after the fork, so the child holds nothing until the fd arrives. */
 static void test_scm_rights(void) {
     const size_t n = 5 * page + 123;
-    int sv[2];
-    ASSERT_OK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv));
-    pid_t pid = fork();
-    ASSERT_GE(pid, 0);
+    int sock;
+    pid_t pid = fork_with_socket(&sock);
     if (pid == 0) {
-        close(sv[0]);
         uint64_t nbytes;
-        int fd = recv_fd(sv[1], &nbytes);
+        int fd = recv_fd(sock, &nbytes);
         lshm_storage *t;
         ASSERT_OK(lshm_storage_attach(fd, 0, (size_t)nbytes, 0, &t));
         close(fd); /* the storage holds its own dup */
@@ -122,10 +127,9 @@ static void test_scm_rights(void) {
         for (size_t i = 0; i < nbytes; i++)
             p[i] = (unsigned char)(i % 13);
         lshm_storage_release(t);
-        send_byte(sv[1], 'd');
+        send_byte(sock, 'd');
         _exit(0);
     }
-    close(sv[1]);
     int fds = fd_count();
     lshm_storage *s;
     ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
@@ -136,45 +140,41 @@ static void test_scm_rights(void) {
     int fd;
     uint64_t off;
     ASSERT_OK(lshm_storage_fd(s, &fd, &off));
-    send_fd(sv[0], fd, n);
-    ASSERT_EQ(recv_byte(sv[0]), 'd');
+    send_fd(sock, fd, n);
+    ASSERT_EQ(recv_byte(sock), 'd');
     wait_child(pid, 0);
     for (size_t i = 0; i < n; i++)
         ASSERT_EQ(raw[i], (unsigned char)(i % 13));
     lshm_storage_release(s);
     ASSERT_EQ(fd_count(), fds);
-    close(sv[0]);
+    close(sock);
 }
 
 /* After seal_readonly, another process can only attach read-only. */
 static void test_readonly_across(void) {
-    int sv[2];
-    ASSERT_OK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv));
-    pid_t pid = fork();
-    ASSERT_GE(pid, 0);
+    int sock;
+    pid_t pid = fork_with_socket(&sock);
     if (pid == 0) {
-        close(sv[0]);
         uint64_t nbytes;
-        int fd = recv_fd(sv[1], &nbytes);
+        int fd = recv_fd(sock, &nbytes);
         lshm_segment *seg = NULL;
         ASSERT_ERR(lshm_segment_attach(fd, 0, &seg), -EPERM);
         ASSERT_OK(lshm_segment_attach(fd, LSHM_STORAGE_READONLY, &seg));
         ASSERT_EQ(((char *)lshm_segment_data(seg))[0], 'r');
         lshm_segment_release(seg);
         close(fd);
-        send_byte(sv[1], 'd');
+        send_byte(sock, 'd');
         _exit(0);
     }
-    close(sv[1]);
     lshm_segment *seg;
     ASSERT_OK(lshm_segment_create(page, 0, &seg));
     ((char *)lshm_segment_data(seg))[0] = 'r';
     ASSERT_OK(lshm_segment_seal_readonly(seg));
-    send_fd(sv[0], lshm_segment_fd(seg), page);
-    ASSERT_EQ(recv_byte(sv[0]), 'd');
+    send_fd(sock, lshm_segment_fd(seg), page);
+    ASSERT_EQ(recv_byte(sock), 'd');
     wait_child(pid, 0);
     lshm_segment_release(seg);
-    close(sv[0]);
+    close(sock);
 }
 
 /* A child that attaches and dies by SIGKILL takes nothing with it. */
@@ -187,18 +187,16 @@ static void test_child_crash(void) {
     int fd;
     uint64_t off;
     ASSERT_OK(lshm_storage_fd(s, &fd, &off));
-    int sv[2];
-    ASSERT_OK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv));
-    pid_t pid = fork();
-    ASSERT_GE(pid, 0);
+    int sock;
+    pid_t pid = fork_with_socket(&sock);
     if (pid == 0) {
         lshm_storage *t;
         ASSERT_OK(lshm_storage_attach(fd, 0, n, 0, &t));
-        send_byte(sv[1], 'a');
+        send_byte(sock, 'a');
         for (;;)
             pause(); /* killed here, holding the mapping and an fd */
     }
-    ASSERT_EQ(recv_byte(sv[0]), 'a');
+    ASSERT_EQ(recv_byte(sock), 'a');
     ASSERT_OK(kill(pid, SIGKILL));
     wait_child(pid, SIGKILL);
     const unsigned char *p = lshm_storage_data(s);
@@ -210,8 +208,7 @@ static void test_child_crash(void) {
     ASSERT(memcmp(lshm_storage_data(t), p, n) == 0);
     lshm_storage_release(t);
     lshm_storage_release(s);
-    close(sv[0]);
-    close(sv[1]);
+    close(sock);
 }
 
 /* Read-only really means read-only: a write through such a storage kills the writer. */
