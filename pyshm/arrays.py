@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 ShapeLike = Union[int, Sequence[int]]
-_SLAB_MAX = 64 << 10  # == pyshm.reduction.SLAB_MAX
+_SLAB_MAX = 64 << 10  # arrays up to this size go into shared slabs (pyshm.reduction)
 
 
 class ArrayOwner:

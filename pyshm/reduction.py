@@ -105,7 +105,7 @@ import numpy as np
 
 from . import _ffi
 from ._ffi import lib
-from .arrays import ArrayOwner, _owner_of
+from .arrays import _SLAB_MAX, ArrayOwner, _owner_of
 from .storage import Storage
 
 __all__ = [
@@ -118,7 +118,7 @@ __all__ = [
 ]
 
 SLAB_SIZE = 4 << 20
-SLAB_MAX = 64 << 10
+SLAB_MAX = _SLAB_MAX  # one value, defined where empty() decides
 SLAB_ALIGN = 64
 KEEPALIVE_SECONDS = 60.0
 RECENT_SLABS = 8
