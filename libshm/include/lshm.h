@@ -185,10 +185,11 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  *   old memory remain (pyshm refuses for memory it does not own).
  * Idempotent: an already shared storage returns 0 at once. Thread-safe: concurrent calls on one
  * storage serialise and copy once; all return 0. Atomic: on failure the bytes, data pointer,
- * flags and reference count are exactly as before. (Big non-resizable storages of the default
- * allocator are swapped chunk by chunk: after a failure part of their pages may already be
- * pages of a closed private memfd holding the same bytes; only a fork() before the next
- * successful share could tell, as the child would share those pages instead of copying them.)
+ * flags and reference count are exactly as before. (Non-resizable storages of the default
+ * allocator of 1 MiB or more are swapped chunk by chunk: after a failure part of their pages
+ * may be copy-on-write pages of a closed, never exported memfd holding the same bytes, which
+ * behave as private memory, across fork() too. Should even that remap fail, those pages stay
+ * shared with nobody but a child forked before the next successful share.)
  * Clears LSHM_STORAGE_RESIZABLE. A zero-byte storage becomes shared with a zero-length memfd
  * (data stays NULL, the fd can be sent).
  * The bytes must not be written by other threads during the call (their writes may be lost).

@@ -29,6 +29,8 @@ int lshm__fail(int err, const char *file, int line, const char *fmt, ...)
 void lshm__fault_arm(int nth, int err);
 int lshm__fault_points_hit(void);
 int lshm__fault_check(const char *site);
+/* Count `delta` more (or fewer) shares as running, so one thread sees the busy chunk size. */
+void lshm__share_pretend_busy(int delta);
 #define LSHM_FAULT(site) lshm__fault_check(site)
 #else
 #define LSHM_FAULT(site) 0
@@ -67,6 +69,9 @@ unsigned lshm__os_ncpu(void);
 /* mmap(MAP_SHARED) len bytes of fd at a page-aligned offset, PROT_READ (readonly) or
  * PROT_READ|PROT_WRITE; at `fixed` with MAP_FIXED when it is not NULL. */
 int lshm__os_map_fd(int fd, uint64_t offset, size_t len, int readonly, void *fixed, void **out);
+/* [offset, offset + len) of fd mapped MAP_PRIVATE (copy-on-write) and writable over
+ * [addr, addr + len) (MAP_FIXED). Returns 0 or -errno and leaves lshm_last_error alone. */
+int lshm__os_map_fd_private_fixed(int fd, uint64_t offset, size_t len, void *addr);
 /* Anonymous private zero pages, anywhere (map_anon) or over [addr, addr + len) (MAP_FIXED). */
 int lshm__os_map_anon(size_t len, void **out);
 int lshm__os_map_anon_fixed(void *addr, size_t len);
@@ -159,10 +164,14 @@ static inline int lshm__ref_release(_Atomic size_t *refcount) {
 extern _Atomic size_t lshm__share_split_threshold;
 extern _Atomic unsigned long lshm__share_splits;
 /* share.c: a non-resizable storage of default pages of at least lshm__share_chunk_threshold
- * bytes (default 256 MiB) is shared in place chunk by chunk, lshm__share_chunk_bytes at a time
- * (default 32 MiB, rounded down to whole pages). Tests lower both. */
+ * bytes (default 1 MiB) is shared in place chunk by chunk, lshm__share_chunk_bytes at a time
+ * (default 256 KiB) while it is the only share running, lshm__share_chunk_busy_bytes (4 MiB)
+ * while others run; rounded down to whole pages. Tests lower them. lshm__share_restores counts
+ * the failed chunked shares whose swapped chunks were mapped back privately. */
 extern _Atomic size_t lshm__share_chunk_threshold;
 extern _Atomic size_t lshm__share_chunk_bytes;
+extern _Atomic size_t lshm__share_chunk_busy_bytes;
+extern _Atomic unsigned long lshm__share_restores;
 
 /* The pool of recycled memfds (share.c). lshm__pool_put is called by free_bytes after the
  * storage's own range was unmapped: it keeps s->fd (and clears it) when the memfd can be

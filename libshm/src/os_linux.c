@@ -192,6 +192,13 @@ int lshm__os_map_fd(int fd, uint64_t offset, size_t len, int readonly, void *fix
     return 0;
 }
 
+/* Not a fault point and no error message: it only undoes part of a share that failed, whose
+ * message must stay the one the caller reads. */
+int lshm__os_map_fd_private_fixed(int fd, uint64_t offset, size_t len, void *addr) {
+    void *p = mmap(addr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, (off_t)offset);
+    return p == MAP_FAILED ? -errno : 0;
+}
+
 int lshm__os_map_anon(size_t len, void **out) {
     LSHM_OS_FAULT("mmap_anon");
     void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

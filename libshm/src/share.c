@@ -8,24 +8,22 @@
  * and now see the shared memory.
  *
  * The order of steps is what makes a failure harmless: memfd_create, pwrite the bytes (which
- * sizes the file), seal against shrink/grow (big shares: memfd_create, ftruncate, seal, a copy
- * split over two threads). None of these touches the storage, so a failure at any of them
- * closes the memfd (after unmapping any temporary mapping) and leaves the storage exactly as
- * it was. Only the last mmap replaces
- * the storage's pages.
- * (That last step is atomic only as far as the kernel makes it: since
- * Linux 6.12 a MAP_FIXED mmap that fails, e.g. at vm.max_map_count, restores the old mapping;
- * older kernels may have unmapped it already. The fault tests cover every step before it.)
- * Big storages of default pages that are not resizable (>= lshm__share_chunk_threshold) are
- * shared chunk by chunk instead (memfd_create, ftruncate, seal, then per chunk: fill that range
- * of the memfd, mmap(MAP_FIXED) it over the same range of the storage), so the old pages are
- * freed as we go and later chunks reuse them (DESIGN section 8: memory new to the process
- * arrives slowly on some VMs; a pool full of memfds made the 1 GiB case 3x slower in median).
- * Adjacent chunks merge into one mapping. A failure at a later chunk leaves the chunks already
- * swapped as mappings of the (now closed, never exported) memfd holding byte-identical pages:
- * bytes, data pointer, flags and refcount are unchanged and a release or a retry works; what
- * changed is only the backing of those pages (shared file pages: a fork() before a successful
- * share would share them with the child instead of copying them on write).
+ * sizes the file), seal against shrink/grow (big shares of other memory: memfd_create,
+ * ftruncate, seal, a copy split over two threads). None of these touches the storage, so a
+ * failure at any of them closes the memfd (after unmapping any temporary mapping) and leaves
+ * the storage exactly as it was. Only the last mmap replaces the storage's pages.
+ * (That last step is atomic only as far as the kernel makes it: since Linux 6.12 a MAP_FIXED
+ * mmap that fails, e.g. at vm.max_map_count, restores the old mapping; older kernels may have
+ * unmapped it already. The fault tests cover every step before it.)
+ * Storages of default pages that are not resizable (>= lshm__share_chunk_threshold, 1 MiB) are
+ * shared chunk by chunk instead (memfd_create, ftruncate, seal, then per chunk: pwrite that
+ * range of the memfd, mmap(MAP_FIXED) it over the same range of the storage), so the old pages
+ * are freed as we go and the next chunk reuses them while they are still in the CPU cache
+ * (DESIGN section 8: memory new to the process arrives slowly on these VMs). Adjacent chunks
+ * merge into one mapping. A failure at a later chunk maps the chunks already swapped again as
+ * a private (copy-on-write) mapping of the same byte-identical memfd pages: bytes, data pointer,
+ * flags and refcount are unchanged, writes stay private and a fork() copies them on write, as
+ * before; a release or a retry works.
  * The copy uses pwrite rather than writing through a fresh mapping: it
  * is the fastest way in (DESIGN section 8: no page faults) and it allocates every page of the
  * memfd, so there is no later SIGBUS and no need for a separate fallocate on this path. The
@@ -59,6 +57,12 @@ _Atomic unsigned long lshm__share_splits;
 /* Shares running in this process right now: a big share splits its copy only when it is alone,
  * so concurrent shares (a ThreadPool) are not slowed down by helper threads. */
 static _Atomic int active_shares;
+
+#ifdef LSHM_TESTING
+void lshm__share_pretend_busy(int delta) {
+    atomic_fetch_add_explicit(&active_shares, delta, memory_order_relaxed);
+}
+#endif
 
 /* The second half of a split copy, done by a helper thread through a temporary mapping. */
 typedef struct copy_half {
@@ -156,68 +160,12 @@ fail:
     return rc;
 }
 
-/* ---- chunked in-place share (big storages of default pages) --------------------------------- */
+/* ---- chunked in-place share (storages of default pages) ------------------------------------ */
 
-_Atomic size_t lshm__share_chunk_threshold = (size_t)256 << 20;
-_Atomic size_t lshm__share_chunk_bytes = (size_t)32 << 20;
-
-/* One thread's part of a chunked share: [begin, end) of the storage (and of the memfd). */
-typedef struct chunk_run {
-    int fd;
-    char *base;       /* the storage's first byte (page-aligned) */
-    size_t begin, end;
-    size_t chunk;
-    int via_map;      /* fill through a temporary mapping (helper thread) instead of pwrite */
-    _Atomic int *stop; /* set by the thread that failed: the other one stops at its next chunk */
-    int injected;     /* a fault the calling thread took on the helper's behalf (tests) */
-    int rc;
-    char msg[400];
-} chunk_run;
-
-/* Fill each chunk of the memfd, then map that chunk of the memfd over the same chunk of the
- * storage: the old private pages go back to the kernel as we go, so later chunks are filled
- * from memory the process just freed (DESIGN section 8: new memory arrives slowly here), and
- * the extra memory in use at any time is one chunk. */
-static int swap_chunks(chunk_run *r) {
-    size_t len = r->end - r->begin;
-    void *tmp = NULL;
-    int rc = 0;
-    if (len == 0)
-        return 0;
-    if (r->via_map && (rc = lshm__os_map_fd(r->fd, r->begin, len, 0, NULL, &tmp)) != 0)
-        return rc;
-    if (r->injected != 0)
-        rc = r->injected;
-    for (size_t off = r->begin; rc == 0 && off < r->end;) {
-        if (atomic_load_explicit(r->stop, memory_order_relaxed))
-            break;
-        size_t n = r->end - off < r->chunk ? r->end - off : r->chunk;
-        if (r->via_map) {
-            char *t = (char *)tmp + (off - r->begin);
-            rc = lshm__os_populate_write(r->fd, off, t, n);
-            if (rc == 0)
-                memcpy(t, r->base + off, n);
-        } else {
-            rc = lshm__os_pwrite_all(r->fd, r->base + off, n, off);
-        }
-        void *m;
-        if (rc == 0)
-            rc = lshm__os_map_fd(r->fd, off, n, 0, r->base + off, &m);
-        off += n;
-    }
-    lshm__os_unmap(tmp, len);
-    if (rc != 0)
-        atomic_store_explicit(r->stop, 1, memory_order_relaxed);
-    return rc;
-}
-
-static void *swap_chunks_thread(void *arg) {
-    chunk_run *r = arg;
-    r->rc = swap_chunks(r);
-    if (r->rc != 0 && r->rc != r->injected)
-        snprintf(r->msg, sizeof r->msg, "%s", lshm_last_error());
-    return NULL;
-}
+_Atomic size_t lshm__share_chunk_threshold = (size_t)1 << 20;
+_Atomic size_t lshm__share_chunk_bytes = (size_t)256 << 10;
+_Atomic size_t lshm__share_chunk_busy_bytes = (size_t)4 << 20;
+_Atomic unsigned long lshm__share_restores;
 
 static int want_chunks(const lshm_storage *s) {
     /* Not for resizable storages: after a failed chunked share their range would be several
@@ -227,14 +175,29 @@ static int want_chunks(const lshm_storage *s) {
            s->capacity >= atomic_load_explicit(&lshm__share_chunk_threshold, memory_order_relaxed);
 }
 
-/* Share the default pages [data, data + capacity) in place chunk by chunk. On failure, the
- * chunks already swapped stay mappings of the memfd holding the very same bytes (closing the
- * memfd here leaves them alive): bytes, pointer and flags are as before. */
+/* The next chunk's size: small while this is the only share running (each chunk is filled from
+ * pages the previous chunk's mmap just freed, still in the CPU cache), bigger while other shares
+ * run (every mmap then also interrupts the other CPUs running this process to flush their TLBs,
+ * which costs more than the cache saves). Whole pages, at least one. */
+static size_t next_chunk(size_t page) {
+    size_t chunk = atomic_load_explicit(&active_shares, memory_order_relaxed) > 1
+                       ? atomic_load_explicit(&lshm__share_chunk_busy_bytes, memory_order_relaxed)
+                       : atomic_load_explicit(&lshm__share_chunk_bytes, memory_order_relaxed);
+    return chunk < page ? page : chunk & ~(page - 1);
+}
+
+/* Share the default pages [data, data + capacity) in place chunk by chunk: fill a chunk of the
+ * memfd with pwrite, then mmap(MAP_FIXED) that chunk of the memfd over the same chunk of the
+ * storage. The old private pages go back to the kernel as we go and the next chunk's pwrite
+ * allocates them again while they are still cached (DESIGN section 8: memory new to the
+ * process arrives slowly on these VMs; 1.3x faster than one pwrite on one thread), and the extra
+ * memory in use at any time is one chunk. Adjacent chunks merge into one mapping.
+ * On failure the chunks already swapped are mapped again, privately (MAP_PRIVATE of the same
+ * memfd pages, which hold the very bytes): copy-on-write across fork() and writes that stay in
+ * this process, as before the call. Closing the memfd leaves those mappings alive. */
 static int share_chunked(lshm_storage *s, char *data, int *out) {
     size_t cap = s->capacity;
     size_t page = lshm__os_page_size();
-    size_t chunk = atomic_load_explicit(&lshm__share_chunk_bytes, memory_order_relaxed);
-    chunk = chunk < page ? page : chunk & ~(page - 1);
     int fd;
     int rc = lshm__os_memfd_create(cap, &fd);
     if (rc != 0)
@@ -243,35 +206,19 @@ static int share_chunked(lshm_storage *s, char *data, int *out) {
         lshm__os_close(fd);
         return rc;
     }
-    _Atomic int stop = 0;
-    size_t first = cap;
-    chunk_run h = {0};
-    pthread_t t;
-    int helper = 0;
-    if (want_split(cap)) {
-        first = (cap / 2) & ~(page - 1);
-        h = (chunk_run){fd, data, first, cap, chunk, 1, &stop, 0, 0, {0}};
-        h.injected = lshm__os_fault_point("copy_thread");
-        if (h.injected != 0)
-            h.msg[0] = '\0';
-        helper = pthread_create(&t, NULL, swap_chunks_thread, &h) == 0;
-        if (!helper)
-            first = cap;
-    }
-    chunk_run m = {fd, data, 0, first, chunk, 0, &stop, 0, 0, {0}};
-    rc = swap_chunks(&m);
-    if (helper) {
-        pthread_join(t, NULL);
-        if (rc == 0 && h.rc != 0) {
-            if (h.rc == h.injected)
-                rc = LSHM_FAIL(h.rc, "copy thread: injected fault (%s)", lshm_strerror(h.rc));
-            else
-                rc = LSHM_FAIL(h.rc, "copy thread: %s", h.msg);
-        }
-        if (rc == 0)
-            atomic_fetch_add_explicit(&lshm__share_splits, 1, memory_order_relaxed);
+    size_t off = 0;
+    while (off < cap) {
+        size_t chunk = next_chunk(page);
+        size_t n = cap - off < chunk ? cap - off : chunk;
+        void *m;
+        if ((rc = lshm__os_pwrite_all(fd, data + off, n, off)) != 0 ||
+            (rc = lshm__os_map_fd(fd, off, n, 0, data + off, &m)) != 0)
+            break;
+        off += n;
     }
     if (rc != 0) {
+        if (off > 0 && lshm__os_map_fd_private_fixed(fd, 0, off, data) == 0)
+            atomic_fetch_add_explicit(&lshm__share_restores, 1, memory_order_relaxed);
         lshm__os_close(fd);
         return rc;
     }

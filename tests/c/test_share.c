@@ -390,68 +390,131 @@ static int mappings_over(const void *p, size_t n) {
     return count;
 }
 
-/* The chunked path (big non-resizable default pages), forced at a small size with 2-page
- * chunks: same bytes and pointer, one mapping at the end; every fault point (each chunk's fill
- * and mmap, the helper's) leaves bytes, pointer, flags, refcount and fds as they were, a retry
- * works, and a storage released right after a failure mid-way leaks nothing. */
+/* Is every mapping over [p, p + n) private ('p' in the permissions of /proc/self/maps)? */
+static int mappings_private(const void *p, size_t n) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    ASSERT(f != NULL);
+    uintptr_t lo = (uintptr_t)p, hi = lo + n, a, b;
+    char perms[8];
+    int all = 1;
+    char line[512];
+    while (fgets(line, sizeof line, f) != NULL)
+        if (sscanf(line, "%lx-%lx %4s", &a, &b, perms) == 3 && a < hi && b > lo)
+            all = all && perms[3] == 'p';
+    fclose(f);
+    return all;
+}
+
+/* After a failed share: a forked child writing to the storage must not change the parent's
+ * bytes (the pages are private, copy-on-write, as they were before the call). */
+static void assert_private_across_fork(unsigned char *raw, size_t n) {
+    unsigned char first = raw[0], last = raw[n - 1];
+    pid_t pid = fork();
+    ASSERT(pid >= 0);
+    if (pid == 0) {
+        raw[0] = (unsigned char)(first + 1);
+        raw[n - 1] = (unsigned char)(last + 1);
+        _exit(0);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    ASSERT_EQ(raw[0], first);
+    ASSERT_EQ(raw[n - 1], last);
+}
+
+/* The chunked path (non-resizable default pages), forced at a small size with 2-page chunks:
+ * same bytes and pointer, one mapping at the end; every fault point (each chunk's pwrite and
+ * mmap) leaves bytes, pointer, flags, refcount and fds as they were, the chunks already swapped
+ * are private again (across fork too), a retry works, and a storage released right after a
+ * failure mid-way leaks nothing. With other shares running, chunks are bigger. */
 static void test_chunked(void) {
     size_t saved_threshold = lshm__share_chunk_threshold;
     size_t saved_chunk = lshm__share_chunk_bytes;
-    size_t saved_split = lshm__share_split_threshold;
     lshm__share_chunk_threshold = 8 * page;
     lshm__share_chunk_bytes = 2 * page + 5; /* rounded down to 2 pages */
     lshm_pool_trim();
     int base = fd_count();
-    for (int split = 0; split < 2; split++) {
-        lshm__share_split_threshold = split ? 8 * page : saved_split;
-        size_t n = 9 * page + 5;
-        lshm_storage *s;
+    size_t n = 9 * page + 5;
+    lshm_storage *s;
+    ASSERT_OK(make_fixed_pages(&s, n));
+    unsigned char *raw = lshm_storage_data(s);
+    fill(raw, n, 33);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+    ASSERT(check(raw, n, 33));
+    ASSERT_EQ(mappings_over(raw, 10 * page), 1);
+    int fd;
+    uint64_t off;
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    assert_sealed_memfd(fd, 10 * page);
+    unsigned char b = 0;
+    ASSERT_EQ(pread(fd, &b, 1, 7 * page + 3), 1);
+    ASSERT_EQ(b, raw[7 * page + 3]);
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base);
+
+    share_fault_loop(make_fixed_pages, n, -ENOMEM);
+
+    /* fail mid-way (points: memfd, ftruncate, seal, then pwrite and mmap per chunk) */
+    for (int nth = 4; nth <= 9; nth++) {
         ASSERT_OK(make_fixed_pages(&s, n));
-        unsigned char *raw = lshm_storage_data(s);
-        fill(raw, n, 33);
-        unsigned long splits = lshm__share_splits;
-        ASSERT_OK(lshm_storage_share(s));
-        if (split && lshm__os_ncpu() >= 2)
-            ASSERT_EQ(lshm__share_splits, splits + 1);
+        raw = lshm_storage_data(s);
+        fill(raw, n, 34);
+        unsigned long restores = lshm__share_restores;
+        lshm__fault_arm(nth, -ENOSPC);
+        int rc = lshm_storage_share(s);
+        lshm__fault_arm(0, 0);
+        ASSERT_ERR(rc, -ENOSPC);
+        ASSERT(strstr(lshm_last_error(), "injected") != NULL);
         ASSERT_PTR_EQ(lshm_storage_data(s), raw);
-        ASSERT(check(raw, n, 33));
-        ASSERT_EQ(mappings_over(raw, 10 * page), 1);
-        int fd;
-        uint64_t off;
-        ASSERT_OK(lshm_storage_fd(s, &fd, &off));
-        assert_sealed_memfd(fd, 10 * page);
-        unsigned char b = 0;
-        ASSERT_EQ(pread(fd, &b, 1, 7 * page + 3), 1);
-        ASSERT_EQ(b, raw[7 * page + 3]);
-        lshm_storage_release(s);
+        ASSERT_EQ(lshm_storage_flags(s), 0);
+        ASSERT(check(raw, n, 34));
+        ASSERT_EQ(lshm__share_restores, restores + (nth >= 6)); /* a chunk was swapped */
+        if (nth == 6) /* failed at chunk 2's pwrite: chunk 1 swapped back privately, rest not */
+            ASSERT_EQ(mappings_over(raw, 10 * page), 2);
+        ASSERT(mappings_private(raw, 10 * page));
+        assert_private_across_fork(raw, n);
+        raw[n - 1] = 7; /* still writable everywhere */
+        raw[0] = 7;
         ASSERT_EQ(fd_count(), base);
-
-        share_fault_loop(make_fixed_pages, n, -ENOMEM);
-
-        /* fail mid-way (points: memfd, ftruncate, seal, [copy_thread,] then pwrite and mmap
-         * per chunk), then release at once */
-        for (int nth = 4; nth <= 9; nth++) {
-            ASSERT_OK(make_fixed_pages(&s, n));
-            raw = lshm_storage_data(s);
-            fill(raw, n, 34);
-            lshm__fault_arm(nth, -ENOSPC);
-            int rc = lshm_storage_share(s);
-            lshm__fault_arm(0, 0);
-            ASSERT_ERR(rc, -ENOSPC);
+        if (nth == 8) { /* a retry shares every byte, the ones written since included */
+            ASSERT_OK(lshm_storage_share(s));
             ASSERT_PTR_EQ(lshm_storage_data(s), raw);
-            ASSERT_EQ(lshm_storage_flags(s), 0);
-            ASSERT(check(raw, n, 34));
-            if (!split && nth == 6) /* failed at chunk 2's pwrite: chunk 1 swapped, rest not */
-                ASSERT_EQ(mappings_over(raw, 10 * page), 2);
-            raw[n - 1] = 7; /* still writable everywhere */
-            raw[0] = 7;
-            ASSERT_EQ(fd_count(), base);
-            lshm_storage_release(s);
-            ASSERT_EQ(fd_count(), base);
+            ASSERT_EQ(mappings_over(raw, 10 * page), 1);
+            ASSERT(!mappings_private(raw, 10 * page));
+            ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+            ASSERT_EQ(pread(fd, &b, 1, 0), 1);
+            ASSERT_EQ(b, 7);
+            ASSERT_EQ(pread(fd, &b, 1, n - 1), 1);
+            ASSERT_EQ(b, 7);
         }
+        lshm_storage_release(s);
+        lshm_pool_trim();
+        ASSERT_EQ(fd_count(), base);
     }
+
+    /* with another share running, chunks are lshm__share_chunk_busy_bytes: here 4 pages, so a
+     * failure at the second pwrite (point 6) leaves 4 pages swapped back, not 2 */
+    size_t saved_busy = lshm__share_chunk_busy_bytes;
+    lshm__share_chunk_busy_bytes = 4 * page;
+    ASSERT_OK(make_fixed_pages(&s, n));
+    raw = lshm_storage_data(s);
+    fill(raw, n, 35);
+    lshm__share_pretend_busy(1);
+    lshm__fault_arm(6, -ENOSPC);
+    int rc = lshm_storage_share(s);
+    lshm__fault_arm(0, 0);
+    lshm__share_pretend_busy(-1);
+    ASSERT_ERR(rc, -ENOSPC);
+    ASSERT(check(raw, n, 35));
+    ASSERT_EQ(mappings_over(raw, 4 * page), 1);
+    ASSERT_EQ(mappings_over(raw, 5 * page), 2);
+    ASSERT(mappings_private(raw, 10 * page));
+    lshm_storage_release(s);
+    lshm__share_chunk_busy_bytes = saved_busy;
+
     /* resizable storages keep the one-mapping path */
-    lshm__share_split_threshold = saved_split;
     share_fault_loop(make_pages, 9 * page + 5, -ENOMEM);
     lshm__share_chunk_threshold = saved_threshold;
     lshm__share_chunk_bytes = saved_chunk;
