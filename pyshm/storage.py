@@ -228,8 +228,9 @@ def trim_pool() -> int:
     """Give back the memory libshm keeps for reuse; returns how many memfds it closed.
 
     When a storage shared in place is released, libshm may keep its memfd (pages allocated,
-    sealed) so that the next share of the same size refills it several times faster than fresh
-    memory. Only memfds nobody else can reach are kept (never sent, no fork since), at most
+    sealed) so that the next share of the same size refills it faster than fresh memory
+    (arrays under 1 MiB, and from 64 MiB up; between them a fresh share is faster, so nothing is
+    kept). Only memfds nobody else can reach are kept (never sent, no fork since), at most
     ``LSHM_POOL_BYTES`` bytes (environment, read at the first share; default 1/8 of physical
     memory, ``0`` disables the pool) and 256 entries. Call this to release them now.
     """

@@ -218,7 +218,7 @@ def test_trim_pool_gives_back_recycled_memfds():
     pyshm.trim_pool()
     gc.collect()
     before = len(os.listdir("/proc/self/fd"))
-    arrays = [pyshm.empty(1 << 20, np.uint8) for _ in range(4)]
+    arrays = [pyshm.empty(1 << 19, np.uint8) for _ in range(4)]
     for a in arrays:
         a[:] = 1
         pyshm.share_memory_(a)
@@ -226,10 +226,20 @@ def test_trim_pool_gives_back_recycled_memfds():
     gc.collect()
     kept = len(os.listdir("/proc/self/fd")) - before  # memfds kept for reuse
     assert kept == (0 if os.environ.get("LSHM_POOL_BYTES") == "0" else 4)
-    assert pyshm.trim_pool() == kept
-    assert len(os.listdir("/proc/self/fd")) == before
-    # A recycled memfd carries the new bytes only.
-    b = pyshm.empty(1 << 20, np.uint8)
+    # A recycled memfd carries the new bytes only (and leaves the pool).
+    b = pyshm.empty(1 << 19, np.uint8)
     b[:] = 2
     pyshm.share_memory_(b)
     assert (b == 2).all()
+    assert len(os.listdir("/proc/self/fd")) - before == max(kept, 1)
+    assert pyshm.trim_pool() == max(kept - 1, 0)
+    del b
+    gc.collect()
+    pyshm.trim_pool()
+    assert len(os.listdir("/proc/self/fd")) == before
+    # Arrays of 1 MiB up to 64 MiB are never kept: a fresh share is faster for them.
+    c = pyshm.empty(4 << 20, np.uint8)
+    pyshm.share_memory_(c)
+    del c
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before

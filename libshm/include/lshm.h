@@ -201,8 +201,10 @@ LSHM_API int lshm_storage_share(lshm_storage *s);
  * sealed against shrink/grow, every page allocated) may be kept in a per-process pool instead
  * of being closed; the next lshm_storage_share of a storage with the same capacity (nbytes
  * rounded up to a page) overwrites every byte of it instead of making a new memfd, which is
- * several times faster than filling fresh pages. What is kept holds memory (and one fd per
- * entry) after the release: at most 256 memfds and at most LSHM_POOL_BYTES bytes in total
+ * faster than filling fresh pages. Only capacities where that holds are kept: below 1 MiB,
+ * and from 64 MiB up (taken only by a share running alone, which refills with two threads);
+ * in between, a fresh share swapped in chunks is faster. What is kept holds memory (and one fd
+ * per entry) after the release: at most 256 memfds and at most LSHM_POOL_BYTES bytes in total
  * (environment variable, read once at the first share, decimal bytes; default 1/8 of
  * physical memory; 0 disables the pool).
  * Safety: a memfd is pooled only if nobody else can still reach it: never exported (no

@@ -719,6 +719,38 @@ static void test_pool(void) {
 
 /* A failure while refilling a pooled memfd leaves the storage untouched and closes that memfd
  * (it may hold part of the new bytes); the next share works. */
+/* The pool holds only the sizes whose refill beats a fresh share: below the chunk threshold,
+ * and from the split threshold up; a big pooled memfd is taken only by a share running alone
+ * (split refill), while other shares run a fresh chunked share is faster. */
+static void test_pool_sizes(void) {
+    size_t saved_chunk = lshm__share_chunk_threshold, saved_split = lshm__share_split_threshold;
+    lshm__share_chunk_threshold = 8 * page;
+    lshm__share_split_threshold = 16 * page;
+    lshm_pool_trim();
+    int base = fd_count();
+    lshm_storage_release(shared_storage(10 * page, 1)); /* chunked, below the split: not kept */
+    ASSERT_EQ(fd_count(), base);
+    lshm_storage_release(shared_storage(3 * page, 2)); /* small: kept */
+    ASSERT_EQ(fd_count(), base + 1);
+    lshm_storage_release(shared_storage(20 * page, 3)); /* big: kept */
+    ASSERT_EQ(fd_count(), base + 2);
+    lshm__share_pretend_busy(1);
+    lshm_storage *s = shared_storage(20 * page, 4); /* busy: a fresh memfd, the pool untouched */
+    lshm__share_pretend_busy(-1);
+    ASSERT_EQ(fd_count(), base + 3);
+    lshm_storage_release(s); /* pooled too: two of 20 pages now */
+    ASSERT_EQ(fd_count(), base + 3);
+    if (lshm__os_ncpu() >= 2) { /* alone: takes a pooled one */
+        s = shared_storage(20 * page, 5);
+        ASSERT_EQ(fd_count(), base + 3);
+        lshm_storage_release(s);
+    }
+    ASSERT_EQ(lshm_pool_trim(), 3);
+    ASSERT_EQ(fd_count(), base);
+    lshm__share_chunk_threshold = saved_chunk;
+    lshm__share_split_threshold = saved_split;
+}
+
 static void test_pool_refill_faults(void) {
     lshm_pool_trim();
     int base = fd_count();
@@ -774,6 +806,7 @@ int main(void) {
     RUN_TEST(test_copy_between_shared);
     RUN_TEST(test_seal_readonly);
     RUN_TEST(test_pool);
+    RUN_TEST(test_pool_sizes);
     RUN_TEST(test_pool_refill_faults);
     lshm_pool_trim();
     ASSERT_EQ(fd_count(), fds);
