@@ -158,9 +158,11 @@ static inline int lshm__ref_release(_Atomic size_t *refcount) {
     return old == 1;
 }
 
-/* share.c: a share of at least this many bytes (default 64 MiB), when it is the only share in
- * progress in the process and there are 2+ CPUs, splits its copy over two threads. Tests lower
- * it; lshm__share_splits counts the shares that did split. */
+/* share.c: a copy of at least this many bytes (default 64 MiB) into a new memfd for a storage
+ * that does not own whole pages, or into a recycled memfd, splits over two threads when it is
+ * the only share in progress in the process and there are 2+ CPUs (shares of default pages that
+ * need a fresh memfd are chunked instead, on one thread). Tests lower it; lshm__share_splits
+ * counts the copies that did split. */
 extern _Atomic size_t lshm__share_split_threshold;
 extern _Atomic unsigned long lshm__share_splits;
 /* share.c: a non-resizable storage of default pages of at least lshm__share_chunk_threshold
