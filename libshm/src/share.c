@@ -54,8 +54,9 @@ static int owns_whole_pages(const lshm_storage *s) {
 _Atomic size_t lshm__share_split_threshold = (size_t)64 << 20;
 _Atomic unsigned long lshm__share_splits;
 
-/* Shares running in this process right now: a big share splits its copy only when it is alone,
- * so concurrent shares (a ThreadPool) are not slowed down by helper threads. */
+/* Shares running in this process right now: a big copy splits over two threads only when it is
+ * alone, so concurrent shares (a ThreadPool) are not slowed down by helper threads, and a
+ * chunked share picks its chunk size from it (next_chunk). */
 static _Atomic int active_shares;
 
 #ifdef LSHM_TESTING
