@@ -3,7 +3,8 @@
  *
  * Every ASSERT_* prints file:line, the expression and both values, then aborts the process, so a
  * failing check is one line in `meson test` output and a non-zero exit. RUN_TEST runs one test
- * function and prints its name; fd_count() counts entries of /proc/self/fd for leak checks.
+ * function, prints its name and fails if the test left an fd open; fd_count() counts entries of
+ * /proc/self/fd for leak checks.
  */
 #ifndef LSHM_TEST_TASK_H
 #define LSHM_TEST_TASK_H
@@ -73,10 +74,17 @@
                       (int)(err), lshm_strerror(err));                                        \
     } while (0)
 
+/* Runs one test and checks it left no fd open. The memfds libshm keeps for reuse (its pool)
+ * are given back first: they are the library's cache, not a leak. */
 #define RUN_TEST(fn)                                                                          \
     do {                                                                                      \
         fprintf(stderr, "-- %s\n", #fn);                                                      \
+        int fds_before_ = fd_count();                                                         \
         fn();                                                                                 \
+        lshm_pool_trim();                                                                     \
+        int fds_after_ = fd_count();                                                          \
+        if (fds_after_ != fds_before_)                                                        \
+            TEST_FAIL("%s left %d fds open", #fn, fds_after_ - fds_before_);                  \
     } while (0)
 
 /* 1 when all n bytes at p equal v. */
