@@ -306,19 +306,19 @@ static int pool_get(size_t capacity) {
  * memfd's syscalls) and for big shares the process makes alone (the refill is split over two
  * threads). In between, a fresh chunked share is faster: its new pages are the old ones, still
  * cached, while a pooled memfd's pages are cold (64 x 39 MB from one thread: 0.63 s fresh and
- * chunked, 0.78 s refilled). put is asked before anyone knows who will share next. */
-static int pool_may_hold(size_t capacity) {
-    return capacity < atomic_load_explicit(&lshm__share_chunk_threshold, memory_order_relaxed) ||
-           capacity >= atomic_load_explicit(&lshm__share_split_threshold, memory_order_relaxed);
-}
-
-static int pool_worth(const lshm_storage *s) {
-    return !want_chunks(s) || want_split(s->capacity);
+ * chunked, 0.78 s refilled). */
+static int pool_pays(size_t capacity, int sharing) {
+    if (capacity < atomic_load_explicit(&lshm__share_chunk_threshold, memory_order_relaxed))
+        return 1;
+    /* On release nobody knows who will share next; a share knows whether it runs alone. */
+    return sharing ? want_split(capacity)
+                   : capacity >= atomic_load_explicit(&lshm__share_split_threshold,
+                                                      memory_order_relaxed);
 }
 
 int lshm__pool_put(lshm_storage *s) {
     if (s->origin != LSHM__ORIGIN_PAGES || s->capacity == 0 || s->fork_epoch == 0 ||
-        !pool_may_hold(s->capacity) ||
+        !pool_pays(s->capacity, 0) ||
         atomic_load_explicit(&s->exported, memory_order_relaxed) ||
         s->fork_epoch != current_epoch())
         return 0;
@@ -374,7 +374,7 @@ static int share_locked(lshm_storage *s) {
         /* The epoch is read before any memfd exists: a fork from here on makes it stale,
          * and the memfd is then never pooled on release. */
         unsigned long epoch = current_epoch();
-        fd = s->capacity > 0 && pool_worth(s) ? pool_get(s->capacity) : -1;
+        fd = s->capacity > 0 && pool_pays(s->capacity, 1) ? pool_get(s->capacity) : -1;
         int swapped = 0;
         if (fd >= 0) { /* sized, sealed, populated: only the bytes to write (all of them) */
             rc = refill_memfd(fd, data, s->capacity);
