@@ -110,4 +110,21 @@ static inline int fd_count(void) {
     return n - 1;
 }
 
+/* Mappings of /proc/self/maps that overlap [p, p + n); with `shared` set, only the shared ones
+ * ('s' in their permissions; private ones have 'p'). */
+static inline int count_mappings(const void *p, size_t n, int shared) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    ASSERT(f != NULL);
+    uintptr_t lo = (uintptr_t)p, hi = lo + n, a, b;
+    char perms[8];
+    int count = 0;
+    char line[8192]; /* longer than any path, so every line is read whole */
+    while (fgets(line, sizeof line, f) != NULL)
+        if (sscanf(line, "%lx-%lx %4s", &a, &b, perms) == 3 && a < hi && b > lo &&
+            (!shared || perms[3] == 's'))
+            count++;
+    fclose(f);
+    return count;
+}
+
 #endif

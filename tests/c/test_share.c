@@ -376,33 +376,13 @@ static int make_fixed_pages(lshm_storage **s, size_t n) {
     return lshm_storage_create(n, NULL, 0, s);
 }
 
-/* Mappings of /proc/self/maps that overlap [p, p + n). */
 static int mappings_over(const void *p, size_t n) {
-    FILE *f = fopen("/proc/self/maps", "r");
-    ASSERT(f != NULL);
-    uintptr_t lo = (uintptr_t)p, hi = lo + n, a, b;
-    int count = 0;
-    char line[512];
-    while (fgets(line, sizeof line, f) != NULL)
-        if (sscanf(line, "%lx-%lx", &a, &b) == 2 && a < hi && b > lo)
-            count++;
-    fclose(f);
-    return count;
+    return count_mappings(p, n, 0);
 }
 
-/* Is every mapping over [p, p + n) private ('p' in the permissions of /proc/self/maps)? */
+/* Is every mapping over [p, p + n) private? */
 static int mappings_private(const void *p, size_t n) {
-    FILE *f = fopen("/proc/self/maps", "r");
-    ASSERT(f != NULL);
-    uintptr_t lo = (uintptr_t)p, hi = lo + n, a, b;
-    char perms[8];
-    int all = 1;
-    char line[512];
-    while (fgets(line, sizeof line, f) != NULL)
-        if (sscanf(line, "%lx-%lx %4s", &a, &b, perms) == 3 && a < hi && b > lo)
-            all = all && perms[3] == 'p';
-    fclose(f);
-    return all;
+    return count_mappings(p, n, 1) == 0;
 }
 
 /* After a failed share: a forked child writing to the storage must not change the parent's
