@@ -15,8 +15,9 @@
  *     replays the plan afterwards, re-planning when a request outgrows its slice.
  *
  * Invariants:
- *   - slot i of the slab is initialised iff live[i]; the slab is only reallocated when no slot
- *     is live, so no initialised storage ever moves;
+ *   - slot i of the slab is initialised iff live_pos[i] != 0 (then live_list[live_pos[i] - 1]
+ *     is i); the slab is only reallocated when no slot is live, so no initialised storage ever
+ *     moves;
  *   - an initialised slot's bytes lie in [buffer, buffer + plan.arena_size) at offsets[i];
  *   - the buffer is only freed or replaced when no slot is live.
  * Everything touching the OS (mmap, memfd) goes through os_linux.c or segment.c.
@@ -55,7 +56,8 @@ struct lshm_arena {
     char *slab;
     size_t capacity;          /* slots in the slab (>= count) */
     size_t stride;            /* lshm_storage_sizeof() */
-    unsigned char *live;      /* live[i]: slot i is initialised (capacity entries) */
+    size_t *live_pos;         /* slot i is initialised iff live_pos[i] != 0: its place in
+                                 live_list, plus 1 (capacity entries) */
     size_t *live_list;        /* indices of live slots, in no order (live_count entries) */
     size_t live_count;
     int allocated;            /* planned arenas: allocate succeeded, deallocate not yet */
@@ -73,6 +75,8 @@ struct lshm_arena {
     size_t outstanding;       /* allocs not freed yet */
     int64_t tick;             /* next event's tick */
     int misfit;               /* a request did not fit this iteration: re-plan at its end */
+    int64_t *firsts, *lasts;  /* the ticks the current plan was made from (count entries) */
+    int in_order;             /* every event of this iteration came at its planned tick */
 
     lshm_arena_counters stats;
 };
@@ -87,19 +91,19 @@ static int slab_reserve(lshm_arena *a, size_t n) {
     if (n > SIZE_MAX / a->stride)
         return LSHM_FAIL(-EOVERFLOW, "a slab of %zu storages is too large", n);
     char *slab = aligned_alloc(lshm_storage_alignof(), n * a->stride);
-    unsigned char *live = calloc(n, 1);
+    size_t *pos = calloc(n, sizeof *pos);
     size_t *list = malloc(n * sizeof *list);
-    if (slab == NULL || live == NULL || list == NULL) {
+    if (slab == NULL || pos == NULL || list == NULL) {
         free(slab);
-        free(live);
+        free(pos);
         free(list);
         return LSHM_FAIL(-ENOMEM, "malloc of a slab of %zu storages failed", n);
     }
     free(a->slab);
-    free(a->live);
+    free(a->live_pos);
     free(a->live_list);
     a->slab = slab;
-    a->live = live;
+    a->live_pos = pos;
     a->live_list = list;
     a->capacity = n;
     return 0;
@@ -122,7 +126,7 @@ static ptrdiff_t slot_index(const lshm_arena *a, const lshm_storage *s) {
 
 /* Initialise slot i in place on its slice (nbytes <= sizes[i]). */
 static int slot_init(lshm_arena *a, size_t i, size_t nbytes) {
-    assert(i < a->count && !a->live[i] && a->have_buffer);
+    assert(i < a->count && a->live_pos[i] == 0 && a->have_buffer);
     assert(nbytes <= a->sizes[i]);
     lshm_storage *s = NULL;
     int rc;
@@ -134,23 +138,22 @@ static int slot_init(lshm_arena *a, size_t i, size_t nbytes) {
                                        nbytes, NULL, NULL, 0, &s);
     if (rc != 0)
         return rc;
-    a->live[i] = 1;
     a->live_list[a->live_count++] = i;
+    a->live_pos[i] = a->live_count;
     return 0;
 }
 
 /* Finalise slot i in place; the caller checked that only the arena's reference is left. */
 static void slot_fini(lshm_arena *a, size_t i) {
-    assert(a->live[i]);
+    assert(a->live_pos[i] != 0);
     int rc = lshm_storage_fini(slot_storage(a, i));
     assert(rc == 0);
     (void)rc;
-    a->live[i] = 0;
-    for (size_t j = 0; j < a->live_count; j++)
-        if (a->live_list[j] == i) {
-            a->live_list[j] = a->live_list[--a->live_count];
-            break;
-        }
+    /* O(1): the last live slot takes i's place in the list. */
+    size_t j = a->live_pos[i] - 1, last = a->live_list[--a->live_count];
+    a->live_list[j] = last;
+    a->live_pos[last] = j + 1;
+    a->live_pos[i] = 0;
 }
 
 /* ---- the buffer ---------------------------------------------------------------------------- */
@@ -265,11 +268,13 @@ static int arena_new(const lshm_plan_options *opts, unsigned flags, int recordin
 static void arena_free(lshm_arena *a) {
     buffer_free(a);
     free(a->slab);
-    free(a->live);
+    free(a->live_pos);
     free(a->live_list);
     free(a->sizes);
     free(a->offsets);
     free(a->records);
+    free(a->firsts);
+    free(a->lasts);
     free(a);
 }
 
@@ -484,8 +489,9 @@ static int check_recording(const lshm_arena *a, const char *what) {
     return 0;
 }
 
-/* Does slot k's slice overlap the slice of a slot that is still live? (The plan guarantees it
- * does not when the events come in the recorded order; this keeps any other order safe.) */
+/* Does slot k's slice overlap the slice of a slot that is still live? The plan guarantees it
+ * does not while the events come at their planned ticks (a->in_order), so only other orders
+ * pay for this scan. */
 static int overlaps_live(const lshm_arena *a, size_t k) {
     uint64_t lo = a->offsets[k], hi = lo + a->sizes[k];
     if (a->sizes[k] == 0)
@@ -516,8 +522,10 @@ int lshm_arena_alloc(lshm_arena *a, size_t nbytes, lshm_storage **out) {
     size_t k = a->nrecords;
     lshm_storage *s = NULL;
     int in_slot = 0;
+    if (k >= a->count || a->firsts[k] != a->tick)
+        a->in_order = 0;
     if (a->have_plan && a->have_buffer && k < a->count && nbytes <= a->sizes[k] &&
-        !overlaps_live(a, k)) {
+        (a->in_order || !overlaps_live(a, k))) {
         if ((rc = slot_init(a, k, nbytes)) != 0)
             return rc;
         s = slot_storage(a, k);
@@ -570,6 +578,8 @@ int lshm_arena_free(lshm_arena *a, lshm_storage *s) {
         slot_fini(a, k);
     else
         lshm_storage_release(s);
+    if (k >= a->count || a->lasts[k] != a->tick)
+        a->in_order = 0;
     a->records[k].storage = NULL;
     a->records[k].last = a->tick++;
     a->outstanding--;
@@ -590,6 +600,7 @@ int lshm_arena_end_iteration(lshm_arena *a) {
     a->nrecords = 0;
     a->tick = 0;
     a->misfit = 0;
+    a->in_order = 1;
     if (!replan)
         return 0;
     uint64_t *sizes = malloc(n * sizeof *sizes);
@@ -612,12 +623,16 @@ int lshm_arena_end_iteration(lshm_arena *a) {
         lasts[k] = a->records[k].last;
     }
     rc = install_plan(a, n, sizes, firsts, lasts, &a->opts); /* takes sizes */
-    free(firsts);
-    free(lasts);
     if (rc != 0) {
+        free(firsts);
+        free(lasts);
         a->misfit = 1;
         return rc;
     }
+    free(a->firsts);
+    free(a->lasts);
+    a->firsts = firsts;
+    a->lasts = lasts;
     if (had_plan)
         a->stats.replans++;
     int reused = 0;
