@@ -116,7 +116,6 @@ struct lshm_storage {
     size_t capacity;          /* PAGES / WHOLE_PAGES allocator: nbytes rounded up to a page
                                  (the range owned, and shared in place); else nbytes */
     unsigned char origin;     /* enum lshm__origin */
-    unsigned char heap;       /* the struct was malloced by lshm_storage_create* */
     lshm_allocator allocator; /* ORIGIN_ALLOCATOR: copy of the caller's allocator */
     lshm_release_fn release;  /* ORIGIN_FOREIGN: may be NULL (borrowed memory) */
     void *release_ctx;
@@ -126,7 +125,8 @@ struct lshm_storage {
     uint64_t fd_offset;       /* offset of data within fd (or within the segment's fd) */
     lshm_segment *segment;    /* ORIGIN_VIEW: retained segment */
     _Atomic unsigned char exported; /* its fd was handed out or sealed read-only: never pooled */
-    unsigned long fork_epoch; /* lshm__fork_epoch when the share began (see lshm__pool_put) */
+    unsigned long fork_epoch; /* share.c's fork epoch when the share began, 0 if never shared
+                                 (see lshm__pool_put) */
     pthread_mutex_t lock;     /* serialises share and resize of this storage */
 };
 
@@ -135,6 +135,7 @@ struct lshm_segment {
     _Atomic int fd;           /* memfd O_CLOEXEC, -1 after lshm_segment_close_fd */
     void *data;               /* mapping of the whole fd; NULL when size == 0 */
     size_t size;              /* bytes of the fd (and of the mapping) */
+    size_t map_len;           /* bytes mapped: size rounded up to whole pages */
     unsigned flags;           /* LSHM_STORAGE_READONLY or 0 */
 };
 
@@ -178,8 +179,8 @@ extern _Atomic unsigned long lshm__share_restores;
 /* The pool of recycled memfds (share.c). lshm__pool_put is called by free_bytes after the
  * storage's own range was unmapped: it keeps s->fd (and clears it) when the memfd can be
  * reused safely (shared in place by lshm_storage_share, never exported, no fork since) and
- * the pool has room; returns 1 if it took the fd, 0 if the caller must close it. */
-int lshm__pool_put(lshm_storage *s);
+ * the pool has room; otherwise s->fd is left for the caller to close. ORIGIN_PAGES only. */
+void lshm__pool_put(lshm_storage *s);
 /* The pool's byte bound, set at the first share from LSHM_POOL_BYTES (tests change it). */
 extern size_t lshm__pool_limit;
 

@@ -129,18 +129,21 @@ int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {
     return 0;
 }
 
+/* Allocate [offset, offset + len) of fd's pages now; a file system without fallocate is not an
+ * error (its pages then arrive on first touch). No fault point: the callers have theirs. */
+static int fallocate_range(int fd, uint64_t offset, uint64_t len) {
+    if (len == 0 || fallocate(fd, 0, (off_t)offset, (off_t)len) == 0)
+        return 0;
+    int e = errno;
+    if (e == EOPNOTSUPP)
+        return 0;
+    return LSHM_FAIL(-e, "fallocate(fd %d, %llu bytes at %llu): %s", fd, (unsigned long long)len,
+                     (unsigned long long)offset, strerror(e));
+}
+
 int lshm__os_reserve(int fd, uint64_t size) {
     LSHM_OS_FAULT("fallocate");
-    if (size == 0)
-        return 0;
-    if (fallocate(fd, 0, 0, (off_t)size) != 0) {
-        int e = errno;
-        if (e == EOPNOTSUPP)
-            return 0; /* no reservation possible; pages arrive on first touch */
-        return LSHM_FAIL(-e, "fallocate(fd %d, %llu bytes): %s", fd, (unsigned long long)size,
-                         strerror(e));
-    }
-    return 0;
+    return fallocate_range(fd, 0, size);
 }
 
 int lshm__os_populate_write(int fd, uint64_t offset, void *addr, size_t len) {
@@ -154,21 +157,13 @@ int lshm__os_populate_write(int fd, uint64_t offset, void *addr, size_t len) {
         if (e == EINTR)
             continue;
         if (e == EINVAL) /* kernel older than 5.14: reserve the range instead */
-            break;
+            return fallocate_range(fd, offset, len);
         /* EFAULT is what populating reports where a plain write would have raised SIGBUS. */
         if (e == EFAULT)
             e = ENOMEM;
         return LSHM_FAIL(-e, "madvise(%p, %zu bytes, MADV_POPULATE_WRITE): %s", addr, len,
                          strerror(e));
     }
-    if (fallocate(fd, 0, (off_t)offset, (off_t)len) != 0) {
-        int e = errno;
-        if (e == EOPNOTSUPP)
-            return 0;
-        return LSHM_FAIL(-e, "fallocate(fd %d, %zu bytes at %llu): %s", fd, len,
-                         (unsigned long long)offset, strerror(e));
-    }
-    return 0;
 }
 
 int lshm__os_fault_point(const char *site) {

@@ -16,7 +16,6 @@
  */
 #include "internal.h"
 
-#include <assert.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +34,7 @@ static int segment_new(int fd, void *data, size_t size, size_t map_len, unsigned
     atomic_init(&seg->fd, fd);
     seg->data = data;
     seg->size = size;
+    seg->map_len = map_len;
     seg->flags = flags;
     *out = seg;
     return 0;
@@ -139,13 +139,8 @@ lshm_segment *lshm_segment_retain(lshm_segment *seg) {
 void lshm_segment_release(lshm_segment *seg) {
     if (seg == NULL || !lshm__ref_release(&seg->refcount))
         return;
-    if (seg->size > 0) {
-        size_t map_len;
-        int rc = lshm__round_pages(seg->size, &map_len);
-        assert(rc == 0); /* it was rounded once already at creation */
-        (void)rc;
-        lshm__os_unmap(seg->data, map_len);
-    }
+    if (seg->size > 0)
+        lshm__os_unmap(seg->data, seg->map_len);
     lshm__os_close(atomic_load(&seg->fd));
     free(seg);
 }

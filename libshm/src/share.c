@@ -73,7 +73,7 @@ typedef struct copy_half {
     const char *src; /* the bytes for [offset, offset + len) */
     int injected;    /* a fault the calling thread took on the helper's behalf (tests) */
     int rc;
-    char msg[400];
+    char msg[400];   /* the helper's error message (or the injected fault's) */
 } copy_half;
 
 static void *copy_half_thread(void *arg) {
@@ -97,7 +97,7 @@ static void *copy_half_thread(void *arg) {
 /* Fill [0, size) of fd (already `size` bytes long) from data with two threads: this one
  * pwrites the first half while a helper populates and memcpys the second half through a
  * mapping (DESIGN section 8: two pwrites into one memfd do not scale; this mix does).
- * Returns 1 (without error) when no thread could be started: the caller copies alone. */
+ * When no thread can be started, one pwrite does it all. */
 static int split_fill(int fd, const void *data, size_t size) {
     size_t page = lshm__os_page_size();
     size_t first = (size / 2) & ~(page - 1);
@@ -105,19 +105,16 @@ static int split_fill(int fd, const void *data, size_t size) {
     /* The helper's fault point is taken here: fault injection is per thread. */
     h.injected = lshm__os_fault_point("copy_thread");
     if (h.injected != 0)
-        h.msg[0] = '\0';
+        snprintf(h.msg, sizeof h.msg, "%s", lshm_last_error());
     pthread_t t;
     if (pthread_create(&t, NULL, copy_half_thread, &h) != 0)
-        return 1;
+        return lshm__os_pwrite_all(fd, data, size, 0);
     int rc = lshm__os_pwrite_all(fd, data, first, 0);
     pthread_join(t, NULL);
     if (rc != 0)
         return rc;
-    if (h.rc != 0) {
-        if (h.injected != 0)
-            return LSHM_FAIL(h.rc, "copy thread: injected fault (%s)", lshm_strerror(h.rc));
+    if (h.rc != 0)
         return LSHM_FAIL(h.rc, "copy thread: %s", h.msg);
-    }
     atomic_fetch_add_explicit(&lshm__share_splits, 1, memory_order_relaxed);
     return 0;
 }
@@ -143,10 +140,7 @@ static int make_filled_memfd(const void *data, size_t size, int *out) {
             goto fail;
         if ((rc = lshm__os_seal_size(fd)) != 0)
             goto fail;
-        rc = split_fill(fd, data, size);
-        if (rc == 1) /* no helper thread: one pwrite, as below */
-            rc = lshm__os_pwrite_all(fd, data, size, 0);
-        if (rc != 0)
+        if ((rc = split_fill(fd, data, size)) != 0)
             goto fail;
     } else {
         if (size > 0 && (rc = lshm__os_pwrite_all(fd, data, size, 0)) != 0)
@@ -243,7 +237,7 @@ typedef struct pool_entry {
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pool_entry pool[POOL_MAX_ENTRIES];
-static int pool_count;
+static _Atomic int pool_count; /* changed under pool_lock; read without it to skip an empty pool */
 static size_t pool_bytes;
 size_t lshm__pool_limit; /* bytes; 0 disables the pool (tests may change it) */
 static _Atomic unsigned long fork_epoch = 1;
@@ -288,6 +282,8 @@ static unsigned long current_epoch(void) {
 
 /* Take a pooled memfd of exactly `capacity` bytes (the newest one), or -1. */
 static int pool_get(size_t capacity) {
+    if (atomic_load_explicit(&pool_count, memory_order_relaxed) == 0)
+        return -1; /* the common case, without the lock */
     int fd = -1;
     pthread_mutex_lock(&pool_lock);
     for (int i = pool_count - 1; i >= 0; i--) {
@@ -316,12 +312,13 @@ static int pool_pays(size_t capacity, int sharing) {
                                                       memory_order_relaxed);
 }
 
-int lshm__pool_put(lshm_storage *s) {
-    if (s->origin != LSHM__ORIGIN_PAGES || s->capacity == 0 || s->fork_epoch == 0 ||
-        !pool_pays(s->capacity, 0) ||
+void lshm__pool_put(lshm_storage *s) {
+    assert(s->origin == LSHM__ORIGIN_PAGES);
+    /* A storage never shared by lshm_storage_share has fork_epoch 0, never the current one. */
+    if (s->capacity == 0 || !pool_pays(s->capacity, 0) ||
         atomic_load_explicit(&s->exported, memory_order_relaxed) ||
         s->fork_epoch != current_epoch())
-        return 0;
+        return;
     int taken = 0;
     pthread_mutex_lock(&pool_lock);
     /* Check the epoch again under the lock: a fork empties the pool while holding it. */
@@ -335,7 +332,6 @@ int lshm__pool_put(lshm_storage *s) {
     pthread_mutex_unlock(&pool_lock);
     if (taken)
         s->fd = -1;
-    return taken;
 }
 
 int lshm_pool_trim(void) {
@@ -353,9 +349,8 @@ int lshm_pool_trim(void) {
 
 /* Overwrite every byte of a pooled memfd of `size` bytes; closes it on failure. */
 static int refill_memfd(int fd, const void *data, size_t size) {
-    int rc = want_split(size) ? split_fill(fd, data, size) : 1;
-    if (rc == 1)
-        rc = lshm__os_pwrite_all(fd, data, size, 0);
+    int rc = want_split(size) ? split_fill(fd, data, size)
+                              : lshm__os_pwrite_all(fd, data, size, 0);
     if (rc != 0)
         lshm__os_close(fd);
     return rc;

@@ -86,8 +86,7 @@ int lshm__storage_heap_done(lshm_storage *s, int rc) {
         free(s);
         return rc;
     }
-    s->heap = 1;
-    atomic_fetch_and(&s->flags, ~LSHM_STORAGE_INPLACE);
+    atomic_fetch_and(&s->flags, ~LSHM_STORAGE_INPLACE); /* the struct is ours to free */
     return 0;
 }
 
@@ -214,20 +213,25 @@ int lshm_storage_init_foreign(void *mem, void *data, size_t nbytes, lshm_release
     return 0;
 }
 
+/* Was the struct malloced by lshm_storage_create* (not initialised in caller memory)? */
+static int on_heap(const lshm_storage *s) {
+    return (atomic_load_explicit(&s->flags, memory_order_relaxed) & LSHM_STORAGE_INPLACE) == 0;
+}
+
 /* The last reference is gone: free the bytes, and the struct when it is ours. */
 static void destroy(lshm_storage *s) {
     free_bytes(s);
     int r = pthread_mutex_destroy(&s->lock);
     assert(r == 0); /* EBUSY would mean a share is running on a dead storage: our bug */
     (void)r;
-    if (s->heap)
+    if (on_heap(s))
         free(s);
 }
 
 int lshm_storage_fini(lshm_storage *s) {
     if (s == NULL)
         return 0;
-    if (s->heap)
+    if (on_heap(s))
         return LSHM_FAIL(-EINVAL, "storage %p was created on the heap: use lshm_storage_release",
                          (void *)s);
     size_t expected = 1;
