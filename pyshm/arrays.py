@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _ffi
 from ._ffi import lib
-from .storage import Storage, _check_nbytes
+from .storage import Storage, _create
 
 __all__ = [
     "ArrayOwner",
@@ -135,11 +135,11 @@ def empty(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) ->
         from .reduction import slab_empty
 
         return slab_empty(shape, dtype, nbytes)
-    storage = Storage(nbytes, shared=shared)
+    handle = _create(nbytes, shared)  # no Storage object: the array's owner holds it
     try:
-        return _wrap(storage._as_parameter_, shape, dtype)
+        return _wrap(handle, shape, dtype)
     finally:
-        storage.close()
+        lib.lshm_storage_release(handle)
 
 
 def zeros(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) -> np.ndarray:

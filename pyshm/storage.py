@@ -16,6 +16,20 @@ def _release(handle: int) -> None:
     lib.lshm_storage_release(handle)
 
 
+def _create(nbytes: int, shared: bool, resizable: bool = False) -> int:
+    """A new C storage of ``nbytes``; the caller owns the returned reference."""
+    nbytes = _check_nbytes(nbytes)
+    out = ctypes.c_void_p()
+    if shared:
+        if resizable:
+            raise ValueError("a shared storage cannot be resizable")
+        lib.lshm_storage_create_shared(nbytes, 0, ctypes.byref(out))
+    else:
+        flags = _ffi.STORAGE_RESIZABLE if resizable else 0
+        lib.lshm_storage_create(nbytes, None, flags, ctypes.byref(out))
+    return out.value
+
+
 class Storage:
     """A refcounted byte buffer owned by libshm, usable from Python and numpy.
 
@@ -37,16 +51,7 @@ class Storage:
     __slots__ = ("_handle", "_key", "_finalizer", "__weakref__")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
-        nbytes = _check_nbytes(nbytes)
-        out = ctypes.c_void_p()
-        if shared:
-            if resizable:
-                raise ValueError("a shared storage cannot be resizable")
-            lib.lshm_storage_create_shared(nbytes, 0, ctypes.byref(out))
-        else:
-            flags = _ffi.STORAGE_RESIZABLE if resizable else 0
-            lib.lshm_storage_create(nbytes, None, flags, ctypes.byref(out))
-        self._adopt(out.value)
+        self._adopt(_create(nbytes, shared, resizable))
 
     def _adopt(self, handle: int) -> None:
         self._handle = handle
