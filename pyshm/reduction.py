@@ -319,19 +319,13 @@ def _key_of(fd: int) -> tuple:
 
 
 def _handle_of(holder: Any) -> int:
-    if isinstance(holder, _Mapping):
-        return 0
+    """The C storage of an export's holder (an ArrayOwner or a Storage, see _export)."""
     if isinstance(holder, ArrayOwner):
         return holder._handle
     return holder._as_parameter_
 
 
 def _fd_of_holder(holder: Any) -> int:
-    if isinstance(holder, _Mapping):
-        fd = lib.lshm_segment_fd(holder.segment)
-        if fd < 0:
-            raise OSError(errno.EBADF, "fd closed")
-        return fd
     fd = c_int(-1)
     offset = c_uint64(0)
     lib.lshm_storage_fd(_handle_of(holder), byref(fd), byref(offset))
@@ -397,7 +391,7 @@ def _export(
         if key not in _state.live:
             _state.live[key] = holder
         server = _state.server
-        if server is None or server.pid != os.getpid():
+        if server is None:  # (a forked child starts without one: _after_fork_in_child)
             server = _state.server = _Server()
         stream = getattr(_state.local, "stream", 0)
         log = _state.streams.get(stream)
@@ -655,7 +649,7 @@ def _resolve(token: Any) -> tuple:
         mapping = _state.mappings.get(key)
         if mapping is None:
             holder = _lookup_export(key)
-            if holder is not None and not isinstance(holder, _Mapping):
+            if holder is not None:
                 # our own memory coming back: the very same storage, same address
                 handle = _handle_of(holder)
                 if lib.lshm_storage_nbytes(handle) == nbytes:
