@@ -337,6 +337,3 @@ _TABLE = [
 
 for _name, _restype, _argtypes, _status in _TABLE:
     _declare(_name, _restype, _argtypes, _status)
-
-# The callback type of lshm_storage_create_foreign's release function.
-RELEASE_FN = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_size_t)

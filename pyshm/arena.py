@@ -11,15 +11,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import _ffi
-from ._ffi import lib
+from ._ffi import _i64_p, _u64_p, lib
 from .arrays import ArrayOwner, ShapeLike, _nbytes_of, _normalize_shape, _owner_of
 from .planner import Plan, _inputs, _options, _p, _plan_from_result
 from .storage import Storage
 
 __all__ = ["Arena", "ArenaStats"]
 
-_u64_p = ctypes.POINTER(ctypes.c_uint64)
-_i64_p = ctypes.POINTER(ctypes.c_int64)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import _ffi
-from ._ffi import lib
+from ._ffi import _i64_p, _u64_p, lib
 
 __all__ = ["Plan", "plan", "lower_bound", "validate", "read_trace", "write_trace"]
 
-_u64_p = ctypes.POINTER(ctypes.c_uint64)
-_i64_p = ctypes.POINTER(ctypes.c_int64)
 
 
 @dataclass(frozen=True)
