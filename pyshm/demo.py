@@ -42,13 +42,24 @@ def _pattern(index: int) -> np.ndarray:
     return rng.integers(0, 256, size=FRAME_SHAPE[1:], dtype=np.uint8)
 
 
+def frame_corner(index: int) -> np.ndarray:
+    """The counter written down one corner of frame ``index`` (one byte per plane)."""
+    return ((np.arange(FRAME_SHAPE[0]) + index) % 256).astype(np.uint8)
+
+
+def fill_frame(view: np.ndarray, pattern: np.ndarray, index: int) -> None:
+    """Frame ``index``'s bytes: ``pattern`` (``_pattern(index)``) on every plane, a counter in
+    one corner (the benchmark fills its frames the same way)."""
+    view[:] = pattern
+    view[:, 0, 0] = frame_corner(index)
+
+
 def build(count: int) -> list:
     """The seed workload: ``count`` pyshm arrays, each with its own recognisable bytes."""
     frames = []
     for index in range(count):
         frame = arrays.empty(FRAME_SHAPE, np.uint8)
-        frame[:] = _pattern(index)
-        frame[:, 0, 0] = np.arange(FRAME_SHAPE[0], dtype=np.uint8) + index
+        fill_frame(frame, _pattern(index), index)
         frames.append(frame)
     return frames
 
@@ -57,10 +68,8 @@ def verify(frames: list) -> None:
     for index, frame in enumerate(frames):
         if not arrays.is_shared(frame):
             raise AssertionError(f"array {index} is not shared")
-        expected = np.empty(FRAME_SHAPE[1:], np.uint8)
-        expected[:] = _pattern(index)
-        corner = np.arange(FRAME_SHAPE[0], dtype=np.uint8) + index
-        if not np.array_equal(frame[:, 0, 0], corner):
+        expected = _pattern(index)
+        if not np.array_equal(frame[:, 0, 0], frame_corner(index)):
             raise AssertionError(f"array {index}: wrong bytes after sharing")
         frame[:, 0, 0] = expected[0, 0]
         if not (frame == expected).all():
