@@ -12,7 +12,14 @@ import numpy as np
 
 from . import _ffi
 from ._ffi import _i64_p, _u64_p, lib
-from .arrays import ArrayOwner, ShapeLike, _nbytes_of, _normalize_shape, _owner_of
+from .arrays import (
+    ArrayOwner,
+    ShapeLike,
+    _array_from_storage,
+    _nbytes_of,
+    _normalize_shape,
+    _owner_of,
+)
 from .planner import Plan, _inputs, _options, _p, _plan_from_result
 from .storage import Storage
 
@@ -37,12 +44,6 @@ class ArenaStats:
     fallback_count: int
     iterations: int
     replans: int
-
-
-class _ArenaArrayOwner(ArrayOwner):
-    """An ArrayOwner that also keeps its arena alive (the buffer must outlive the array)."""
-
-    __slots__ = ("_arena",)
 
 
 def _unless_no_data(func, *args) -> bool:
@@ -151,7 +152,8 @@ class Arena:
         self._inclusive = inclusive
         # Recording arenas: storages handed out and not freed yet -> the reference we hold.
         self._live: dict = {}
-        self._owners: "weakref.WeakSet[_ArenaArrayOwner]" = weakref.WeakSet()
+        # the owners of the arrays handed out (each keeps the arena alive: its _keep)
+        self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _destroy, handle, self._live)
         self._finalizer.atexit = False
 
@@ -249,7 +251,7 @@ class Arena:
         """Recording arenas: tensor ``array`` (from :meth:`empty`) is dead from now on."""
         owner = _owner_of(array)
         handle = getattr(owner, "_handle", None)
-        if not isinstance(owner, _ArenaArrayOwner) or owner._arena is not self or (
+        if owner is None or owner._keep is not self or (
             handle not in self._live
         ):
             raise ValueError("free expects a live array made by this arena's empty()")
@@ -322,21 +324,6 @@ class Arena:
     # ---- helpers --------------------------------------------------------------------------
 
     def _wrap(self, handle: int, shape: Optional[ShapeLike], dtype: Any) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        nbytes = lib.lshm_storage_nbytes(handle)
-        if shape is None:
-            if dtype.itemsize == 0 or nbytes % dtype.itemsize:
-                raise ValueError(f"{nbytes} bytes are not a whole number of {dtype} items")
-            shape = (nbytes // dtype.itemsize,)
-        dims = _normalize_shape(shape)
-        need = _nbytes_of(dims, dtype)
-        if need > nbytes:
-            raise ValueError(f"array of {need} bytes does not fit a tensor of {nbytes} bytes")
-        readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
-        owner = _ArenaArrayOwner(handle, dims, dtype, 0, readonly)
-        owner._arena = self
-        self._owners.add(owner)
-        array = np.asarray(owner)
-        if array.dtype != dtype:  # structured dtypes: make the view exact
-            array = array.view(dtype)
+        array = _array_from_storage(handle, shape, dtype, 0, keep=self)
+        self._owners.add(_owner_of(array))
         return array

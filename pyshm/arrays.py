@@ -39,14 +39,18 @@ class ArrayOwner:
     """The ``base`` of every pyshm array: one reference to a C storage, plus the array layout.
 
     It exists so that numpy builds arrays from an owner, never from a bare address, and so that
-    the memory outlives every view. Not meant to be created by users.
+    the memory outlives every view. ``_keep`` is what that memory itself depends on, kept alive
+    as long as the array (a mapping received from another process, an arena), or None. Not meant
+    to be created by users.
     """
 
-    __slots__ = ("_handle", "__array_interface__", "_finalizer", "__weakref__")
+    __slots__ = ("_handle", "_keep", "__array_interface__", "_finalizer", "__weakref__")
 
-    def __init__(self, handle: int, shape: tuple, dtype: np.dtype, offset: int, readonly: bool):
+    def __init__(self, handle: int, shape: tuple, dtype: np.dtype, offset: int, readonly: bool,
+                 keep: Any = None):
         # Take our own reference first, so the storage cannot vanish under the array.
         self._handle = lib.lshm_storage_retain(handle)
+        self._keep = keep
         self._finalizer = weakref.finalize(self, lib.lshm_storage_release, self._handle)
         self._finalizer.atexit = False
         data = lib.lshm_storage_data(self._handle) or 0
@@ -61,7 +65,9 @@ class ArrayOwner:
 
     def storage(self) -> Storage:
         """A new :class:`Storage` handle (its own reference) on the same C storage."""
-        return Storage._from_handle(lib.lshm_storage_retain(self._handle))
+        storage = Storage._from_handle(lib.lshm_storage_retain(self._handle))
+        storage._keep = self._keep
+        return storage
 
 
 def _normalize_shape(shape: ShapeLike) -> tuple:
@@ -86,9 +92,11 @@ def _nbytes_of(shape: tuple, dtype: np.dtype) -> int:
     return nbytes
 
 
-def _wrap(handle: int, shape: tuple, dtype: np.dtype, offset: int = 0) -> np.ndarray:
+def _wrap(handle: int, shape: tuple, dtype: np.dtype, offset: int = 0,
+          keep: Any = None) -> np.ndarray:
+    """An array over C storage `handle` at byte `offset` (its owner takes its own reference)."""
     readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
-    owner = ArrayOwner(handle, shape, dtype, offset, readonly)
+    owner = ArrayOwner(handle, shape, dtype, offset, readonly, keep)
     array = np.asarray(owner)
     if array.dtype != dtype:  # structured dtypes: make the view exact
         array = array.view(dtype)
@@ -96,10 +104,10 @@ def _wrap(handle: int, shape: tuple, dtype: np.dtype, offset: int = 0) -> np.nda
 
 
 def _array_from_storage(
-    storage: Storage, shape: Optional[ShapeLike], dtype: Any, offset: int
+    handle: int, shape: Optional[ShapeLike], dtype: Any, offset: int, keep: Any = None
 ) -> np.ndarray:
+    """An array over C storage `handle`, checked to fit; shape None: as many items as fit."""
     dtype = np.dtype(dtype)
-    handle = storage._as_parameter_
     nbytes = lib.lshm_storage_nbytes(handle)
     if offset < 0 or offset > nbytes:
         raise ValueError(f"offset {offset} outside a storage of {nbytes} bytes")
@@ -115,7 +123,7 @@ def _array_from_storage(
         raise ValueError(
             f"array of {need} bytes at offset {offset} does not fit a storage of {nbytes} bytes"
         )
-    return _wrap(handle, shape, dtype, offset)
+    return _wrap(handle, shape, dtype, offset, keep)
 
 
 def empty(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) -> np.ndarray:

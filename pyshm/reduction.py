@@ -105,7 +105,7 @@ import numpy as np
 
 from . import _ffi
 from ._ffi import lib
-from .arrays import _SLAB_MAX, ArrayOwner, _owner_of
+from .arrays import _SLAB_MAX, ArrayOwner, _owner_of, _wrap
 from .storage import Storage
 
 __all__ = [
@@ -238,37 +238,11 @@ def segment_count() -> int:
     return len(_state.mappings)
 
 
-class _SegmentOwner(ArrayOwner):
-    """An ArrayOwner that also keeps its segment's cache entry alive."""
-
-    __slots__ = ("_mapping",)
-
-
-class _SegmentStorage(Storage):
-    """A Storage received from another process (keeps its segment's cache entry alive)."""
-
-    __slots__ = ("_mapping",)
-
-
 def _new_view(mapping: _Mapping, offset: int, nbytes: int, readonly: bool) -> int:
     out = c_void_p()
     flags = _ffi.STORAGE_READONLY if readonly else 0
     lib.lshm_storage_create_view(mapping.segment, offset, nbytes, flags, byref(out))
     return out.value
-
-
-def _array_on(mapping: Optional[_Mapping], handle: int, shape, dtype, offset: int) -> np.ndarray:
-    """An ndarray over `handle` (a reference the caller keeps) at byte `offset`."""
-    readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
-    if mapping is None:
-        owner = ArrayOwner(handle, shape, dtype, offset, readonly)
-    else:
-        owner = _SegmentOwner(handle, shape, dtype, offset, readonly)
-        owner._mapping = mapping
-    array = np.asarray(owner)
-    if array.dtype != dtype:
-        array = array.view(dtype)
-    return array
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,7 +277,7 @@ def slab_empty(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
     """A zero-filled shared array packed in a slab (used by pyshm.empty for small arrays)."""
     handle, slab = _slab_view(nbytes)
     try:
-        return _array_on(slab, handle, shape, dtype, 0)
+        return _wrap(handle, shape, dtype, 0, keep=slab)
     finally:
         lib.lshm_storage_release(handle)
 
@@ -759,7 +733,7 @@ def _rebuild_ndarray(token, shape, dtype, strides, start, writeable) -> np.ndarr
     mapping, handle = _resolve(token)
     try:
         nbytes = lib.lshm_storage_nbytes(handle)
-        flat = _array_on(mapping, handle, (nbytes,), np.dtype(np.uint8), 0)
+        flat = _wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
     finally:
         lib.lshm_storage_release(handle)
     try:
@@ -773,8 +747,8 @@ def _rebuild_ndarray(token, shape, dtype, strides, start, writeable) -> np.ndarr
 
 def _rebuild_storage(token) -> Storage:
     mapping, handle = _resolve(token)
-    storage = _SegmentStorage._from_handle(handle)
-    storage._mapping = mapping
+    storage = Storage._from_handle(handle)
+    storage._keep = mapping
     return storage
 
 
@@ -788,7 +762,7 @@ def _reduce_ndarray(array: np.ndarray):
     if owner is None or array.size == 0:
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
     handle = owner._handle
-    mapping = owner._mapping if isinstance(owner, _SegmentOwner) else None
+    mapping = owner._keep if isinstance(owner._keep, _Mapping) else None
     token = _export(handle, owner, hold=mapping is None or mapping.own, mapping=mapping)
     data = lib.lshm_storage_data(handle) or 0
     start = array.__array_interface__["data"][0] - data
@@ -806,8 +780,9 @@ def _reduce_storage(storage: Storage):
     handle = storage._as_parameter_
     if lib.lshm_storage_nbytes(handle) == 0:
         return reduce_storage_by_value(storage, 4)
-    if isinstance(storage, _SegmentStorage) and not storage._mapping.own:
-        return _rebuild_storage, (_export(handle, storage, hold=False, mapping=storage._mapping),)
+    mapping = storage._keep
+    if isinstance(mapping, _Mapping) and not mapping.own:
+        return _rebuild_storage, (_export(handle, storage, hold=False, mapping=mapping),)
     holder = Storage._from_handle(lib.lshm_storage_retain(handle))
     return _rebuild_storage, (_export(handle, holder),)
 
@@ -831,7 +806,6 @@ def register() -> None:
     """Register the reducers with multiprocessing (done when pyshm is imported)."""
     ForkingPickler.register(np.ndarray, _reduce_ndarray)
     ForkingPickler.register(Storage, _reduce_storage)
-    ForkingPickler.register(_SegmentStorage, _reduce_storage)
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,13 +48,15 @@ class Storage:
     * At interpreter exit nothing is freed explicitly; the operating system reclaims it.
     """
 
-    __slots__ = ("_handle", "_key", "_finalizer", "__weakref__")
+    # _keep: what the memory depends on (a mapping received from another process), or None
+    __slots__ = ("_handle", "_key", "_keep", "_finalizer", "__weakref__")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
         self._adopt(_create(nbytes, shared, resizable))
 
     def _adopt(self, handle: int) -> None:
         self._handle = handle
+        self._keep = None
         self._key = handle  # the address, kept after close for a stable hash
         self._finalizer = weakref.finalize(self, _release, handle)
         self._finalizer.atexit = False
@@ -212,7 +214,7 @@ class Storage:
         """A numpy array over this storage's bytes (it keeps the memory alive)."""
         from .arrays import _array_from_storage
 
-        return _array_from_storage(self, shape, dtype, offset)
+        return _array_from_storage(self._as_parameter_, shape, dtype, offset, self._keep)
 
 
 def _check_nbytes(nbytes) -> int:

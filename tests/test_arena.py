@@ -264,3 +264,24 @@ def test_garbage_collection_frees_everything(no_fd_leak):
     del recording, y
     gc.collect()
 
+
+
+def test_storage_and_arrays_keep_the_arena_alive(no_fd_leak):
+    import weakref
+
+    arena = pyshm.Arena([4096], [0], [1])
+    arena.allocate()
+    a = arena.array(0)
+    a[:] = 7
+    storage = pyshm.storage_of(a)
+    ref = weakref.ref(arena)
+    del arena, a
+    gc.collect()
+    assert ref() is not None  # the Storage keeps the arena (and its buffer) alive
+    b = storage.asarray()
+    del storage
+    gc.collect()
+    assert ref() is not None and (b == 7).all()  # and so does an array made from it
+    del b
+    gc.collect()
+    assert ref() is None
