@@ -802,31 +802,54 @@ def _size_text(nbytes: int) -> str:
 BASELINES = ("torch", "shm", "ceiling")
 
 
+def row_stats(seconds: list, loads: list, count: int, nbytes: int, per_share: bool) -> dict:
+    """The measured fields of a result row (also used by :mod:`pyshm.bench_processes`): the
+    runs' seconds and other-CPU loads, how many were quiet, min and median, GB/s and whether
+    the best run was quiet, and microseconds per item when ``per_share``."""
+    stats = {
+        "seconds": seconds,
+        "other_cpu_load": loads,
+        "quiet_runs": sum(1 for load in loads if load is not None and load < QUIET_LOAD),
+        "min_s": min(seconds) if seconds else None,
+        "median_s": statistics.median(seconds) if seconds else None,
+    }
+    if seconds:
+        stats["gbps"] = nbytes / stats["min_s"] / 1e9
+        best_load = loads[seconds.index(stats["min_s"])]
+        stats["best_run_quiet"] = None if best_load is None else best_load < QUIET_LOAD
+        if per_share:
+            stats["min_us_per_share"] = stats["min_s"] / count * 1e6
+            stats["median_us_per_share"] = stats["median_s"] / count * 1e6
+    return stats
+
+
+def target_notes(median_text: str, met: bool, met_on_median: bool, rows: tuple,
+                 extra: list) -> str:
+    """A target's note: its median (and whether that disagrees with the verdict), the rows
+    whose best run other processes disturbed, then ``extra``."""
+    notes = [f"median {median_text}"
+             + ("" if met_on_median == met else
+                ", met on the median only" if met_on_median else ", not met on the median")]
+    disturbed = [r["label"] for r in rows if r is not None and r.get("best_run_quiet") is False]
+    if disturbed:
+        notes.append(f"best run of {' and '.join(disturbed)} disturbed by other processes")
+    return "; ".join(notes + extra)
+
+
 def _case_result(workload: Workload, rows: list) -> dict:
     out_rows = []
     for row in rows:
-        entry = {
+        nbytes = row.count * workload.item_bytes
+        out_rows.append({
             "method": row.method.key,
             "label": row.method.label,
             "threads": row.threads,
             "count": row.count,
-            "bytes": row.count * workload.item_bytes,
-            "seconds": row.seconds,
-            "other_cpu_load": row.loads,
-            "quiet_runs": sum(1 for load in row.loads if load is not None and load < QUIET_LOAD),
-            "min_s": min(row.seconds) if row.seconds else None,
-            "median_s": statistics.median(row.seconds) if row.seconds else None,
+            "bytes": nbytes,
+            **row_stats(row.seconds, row.loads, row.count, nbytes, workload.per_share),
             "error": row.error or None,
             "note": row.note or None,
-        }
-        if row.seconds:
-            entry["gbps"] = entry["bytes"] / entry["min_s"] / 1e9
-            best_load = row.loads[row.seconds.index(entry["min_s"])]
-            entry["best_run_quiet"] = None if best_load is None else best_load < QUIET_LOAD
-            if workload.per_share:
-                entry["min_us_per_share"] = entry["min_s"] / row.count * 1e6
-                entry["median_us_per_share"] = entry["median_s"] / row.count * 1e6
-        out_rows.append(entry)
+        })
     # Ratios: this row's time over the baseline's time at the same thread count (per share
     # for the small case, where counts may differ), from the min and from the median times.
     for entry in out_rows:
@@ -903,18 +926,13 @@ def _targets(result: dict) -> list:
         value, median = value_of(row, base, "min"), value_of(row, base, "median")
         target.update(value=value, median_value=median, met=passes(value),
                       text=form.format(value))
-        notes = [f"median {form.format(median)}"
-                 + ("" if passes(median) == passes(value) else
-                    ", met on the median only" if passes(median) else ", not met on the median")]
-        disturbed = [r["label"] for r in (row, base)
-                     if r is not None and r["best_run_quiet"] is False]
-        if disturbed:
-            notes.append(f"best run of {' and '.join(disturbed)} disturbed by other processes")
+        extra = []
         if case == "big" and result["config"]["big_bytes"] != 1 << 30:
-            notes.append("measured on a smaller array")
+            extra.append("measured on a smaller array")
         if result["config"]["quick"]:
-            notes.append("quick run")
-        target["note"] = "; ".join(notes)
+            extra.append("quick run")
+        target["note"] = target_notes(form.format(median), passes(value), passes(median),
+                                      (row, base), extra)
     return targets
 
 

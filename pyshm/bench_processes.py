@@ -34,7 +34,6 @@ import argparse
 import gc
 import json
 import multiprocessing as mp
-import statistics
 import sys
 import time
 from multiprocessing import resource_tracker, shared_memory
@@ -43,7 +42,14 @@ from typing import Optional
 import numpy as np
 
 import pyshm
-from pyshm.bench import QUIET_LOAD, _cpu_snapshot, _other_load, quiet_text, target_text
+from pyshm.bench import (
+    _cpu_snapshot,
+    _other_load,
+    quiet_text,
+    row_stats,
+    target_notes,
+    target_text,
+)
 
 __all__ = ["add_arguments", "run_case", "targets", "format_case", "main"]
 
@@ -245,29 +251,18 @@ def run_case(count: int, single: int, start_method: str = "fork", repeats: int =
             n = counts[traffic]
             seconds = [s for s, _ in measured]
             loads = [load for _, load in measured]
-            row = {
+            rows.append({
                 "method": method.key,
                 "label": f"{method.label}, {_SHORT[traffic]}",
                 "traffic": traffic,
                 "threads": 1,
                 "count": n,
                 "bytes": n * ARRAY_BYTES,
-                "seconds": seconds,
-                "other_cpu_load": loads,
-                "quiet_runs": sum(1 for x in loads if x is not None and x < QUIET_LOAD),
-                "min_s": min(seconds) if seconds else None,
-                "median_s": statistics.median(seconds) if seconds else None,
+                **row_stats(seconds, loads, n, n * ARRAY_BYTES, per_share=True),
                 "error": errors.get((method.label, traffic)),
                 "note": None,
                 "ratios": {},
-            }
-            if seconds:
-                best_load = loads[seconds.index(row["min_s"])]
-                row["best_run_quiet"] = None if best_load is None else best_load < QUIET_LOAD
-                row["gbps"] = row["bytes"] / row["min_s"] / 1e9
-                row["min_us_per_share"] = row["min_s"] / n * 1e6
-                row["median_us_per_share"] = row["median_s"] / n * 1e6
-            rows.append(row)
+            })
     for row in rows:
         for base in ("torch", "shm"):
             other = next((o for o in rows if o["method"] == base
@@ -310,17 +305,11 @@ def targets(case: dict, quick: bool = False) -> list:
         value, median = ratio["min"], ratio["median"]
         target.update(value=value, median_value=median, met=value <= TARGET_VS_TORCH,
                       text=f"{value:.3f}")
-        notes = [f"median {median:.3f}"]
-        if (median <= TARGET_VS_TORCH) != target["met"]:
-            notes[0] += ", not met on the median" if target["met"] else ", met on the median only"
         torch_row = next(r for r in case["rows"]
                          if r["method"] == "torch" and r["traffic"] == "batched")
-        disturbed = [r["label"] for r in (row, torch_row) if r.get("best_run_quiet") is False]
-        if disturbed:
-            notes.append(f"best run of {' and '.join(disturbed)} disturbed by other processes")
-        if quick:
-            notes.append("quick run")
-        target["note"] = "; ".join(notes)
+        target["note"] = target_notes(f"{median:.3f}", target["met"],
+                                      median <= TARGET_VS_TORCH, (row, torch_row),
+                                      ["quick run"] if quick else [])
     return out
 
 
