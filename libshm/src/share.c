@@ -457,10 +457,8 @@ int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out
         return rc;
     lshm_segment *seg = NULL;
     rc = lshm_segment_create(nbytes, 0, &seg);
-    if (rc != 0) {
-        free(s);
-        return rc;
-    }
+    if (rc != 0)
+        return lshm__storage_heap_done(s, rc); /* frees the struct */
     rc = lshm_storage_init_view(s, seg, 0, nbytes, 0, out);
     assert(rc == 0); /* the whole of a fresh segment is always a valid view */
     lshm_segment_release(seg); /* the storage holds the segment now (or nothing does) */
