@@ -29,6 +29,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* An ordinary storage of the current iteration and its record (see ordinary_find). */
+typedef struct ordinary_entry {
+    const lshm_storage *storage; /* NULL: empty */
+    size_t k;
+} ordinary_entry;
+
 /* One allocation of the current iteration of a recording arena. */
 typedef struct arena_record {
     uint64_t size;        /* bytes asked for */
@@ -72,6 +78,10 @@ struct lshm_arena {
     /* The current iteration of a recording arena. */
     arena_record *records;    /* one per alloc of this iteration */
     size_t nrecords, records_cap;
+    ordinary_entry *ordinary; /* records served ordinarily, by storage address: open addressing,
+                                 a power of two of entries, at most half full; never deleted
+                                 from within an iteration (a reused address overwrites) */
+    size_t ordinary_cap, ordinary_used;
     size_t outstanding;       /* allocs not freed yet */
     int64_t tick;             /* next event's tick */
     int misfit;               /* a request did not fit this iteration: re-plan at its end */
@@ -273,6 +283,7 @@ static void arena_free(lshm_arena *a) {
     free(a->sizes);
     free(a->offsets);
     free(a->records);
+    free(a->ordinary);
     free(a->firsts);
     free(a->lasts);
     free(a);
@@ -505,6 +516,38 @@ static int overlaps_live(const lshm_arena *a, size_t k) {
     return 0;
 }
 
+static size_t ordinary_slot(const ordinary_entry *table, size_t cap, const lshm_storage *s) {
+    size_t h = (size_t)(((uint64_t)(uintptr_t)s >> 4) * 0x9e3779b97f4a7c15ull) & (cap - 1);
+    while (table[h].storage != NULL && table[h].storage != s)
+        h = (h + 1) & (cap - 1);
+    return h;
+}
+
+/* Room for one more entry (a failure changes nothing). */
+static int ordinary_reserve(lshm_arena *a) {
+    if (2 * (a->ordinary_used + 1) <= a->ordinary_cap)
+        return 0;
+    size_t cap = a->ordinary_cap ? 2 * a->ordinary_cap : 64;
+    ordinary_entry *table = calloc(cap, sizeof *table);
+    if (table == NULL)
+        return LSHM_FAIL(-ENOMEM, "malloc of a table of %zu storages failed", cap);
+    for (size_t i = 0; i < a->ordinary_cap; i++)
+        if (a->ordinary[i].storage != NULL)
+            table[ordinary_slot(table, cap, a->ordinary[i].storage)] = a->ordinary[i];
+    free(a->ordinary);
+    a->ordinary = table;
+    a->ordinary_cap = cap;
+    return 0;
+}
+
+/* The record of ordinary storage s in this iteration, or a->nrecords. */
+static size_t ordinary_find(const lshm_arena *a, const lshm_storage *s) {
+    if (a->ordinary_cap == 0)
+        return a->nrecords;
+    const ordinary_entry *e = &a->ordinary[ordinary_slot(a->ordinary, a->ordinary_cap, s)];
+    return e->storage == s && a->records[e->k].storage == s ? e->k : a->nrecords;
+}
+
 int lshm_arena_alloc(lshm_arena *a, size_t nbytes, lshm_storage **out) {
     int rc = check_recording(a, "alloc");
     if (rc != 0)
@@ -532,10 +575,15 @@ int lshm_arena_alloc(lshm_arena *a, size_t nbytes, lshm_storage **out) {
         in_slot = 1;
         a->stats.reuse_count++;
     } else {
+        if ((rc = ordinary_reserve(a)) != 0)
+            return rc;
         rc = (a->flags & LSHM_ARENA_SHARED) != 0 ? lshm_storage_create_shared(nbytes, 0, &s)
                                                  : lshm_storage_create(nbytes, NULL, 0, &s);
         if (rc != 0)
             return rc;
+        ordinary_entry *e = &a->ordinary[ordinary_slot(a->ordinary, a->ordinary_cap, s)];
+        a->ordinary_used += e->storage == NULL;
+        *e = (ordinary_entry){s, k};
         if (a->have_plan)
             a->misfit = 1;
         a->stats.fallback_count++;
@@ -554,16 +602,10 @@ int lshm_arena_free(lshm_arena *a, lshm_storage *s) {
         return rc;
     if (s == NULL)
         return LSHM_FAIL(-EINVAL, "free: NULL storage");
-    size_t k = a->nrecords;
     ptrdiff_t slot = slot_index(a, s);
-    if (slot >= 0 && (size_t)slot < a->nrecords && a->records[slot].storage == s)
-        k = (size_t)slot;
-    else
-        for (size_t j = a->nrecords; j-- > 0;)
-            if (a->records[j].storage == s) {
-                k = j;
-                break;
-            }
+    size_t k = slot >= 0 && (size_t)slot < a->nrecords && a->records[slot].storage == s
+                   ? (size_t)slot
+                   : ordinary_find(a, s);
     if (k == a->nrecords)
         return LSHM_FAIL(-EINVAL, "free: storage %p was not allocated by arena %p in this "
                          "iteration, or was freed already", (void *)s, (void *)a);
@@ -601,6 +643,10 @@ int lshm_arena_end_iteration(lshm_arena *a) {
     a->tick = 0;
     a->misfit = 0;
     a->in_order = 1;
+    if (a->ordinary_used > 0) {
+        memset(a->ordinary, 0, a->ordinary_cap * sizeof *a->ordinary);
+        a->ordinary_used = 0;
+    }
     if (!replan)
         return 0;
     uint64_t *sizes = malloc(n * sizeof *sizes);

@@ -461,6 +461,34 @@ static void test_tensor_never_live(void) {
     }
 }
 
+/* Ordinary (unplanned) storages of a recording arena are found again by address: freed in
+ * any order, an address reused by a later alloc of the same iteration frees the new storage,
+ * and a second free of the same storage is refused. */
+static void test_ordinary_frees_any_order(void) {
+    enum { M = 3000 };
+    lshm_arena *a = NULL;
+    ASSERT_OK(lshm_arena_create_recording(NULL, 0, &a));
+    static lshm_storage *v[M];
+    for (int i = 0; i < M; i++)
+        ASSERT_OK(lshm_arena_alloc(a, 64 + (size_t)i % 7, &v[i]));
+    for (int i = 0; i < M; i++) { /* a fixed permutation: 7 is prime to M */
+        int j = (int)((7u * (unsigned)i + 11u) % M);
+        ASSERT_OK(lshm_arena_free(a, v[j]));
+        ASSERT_ERR(lshm_arena_free(a, v[j]), -EINVAL);
+    }
+    lshm_storage *x, *y;
+    ASSERT_OK(lshm_arena_alloc(a, 100, &x));
+    ASSERT_OK(lshm_arena_free(a, x));
+    ASSERT_OK(lshm_arena_alloc(a, 100, &y)); /* very likely x's address again */
+    ASSERT_OK(lshm_arena_free(a, y));
+    ASSERT_ERR(lshm_arena_free(a, y), -EINVAL);
+    ASSERT_OK(lshm_arena_end_iteration(a));
+    lshm_arena_counters st;
+    ASSERT_OK(lshm_arena_stats(a, &st));
+    ASSERT_UINT_EQ(st.fallback_count, M + 2);
+    ASSERT_OK(lshm_arena_destroy(a));
+}
+
 int main(void) {
     RUN_TEST(test_slab_in_place);
     RUN_TEST(test_cycles_reuse_and_trim);
@@ -470,5 +498,6 @@ int main(void) {
     RUN_TEST(test_replay_out_of_order_never_aliases);
     RUN_TEST(test_tensor_never_live);
     RUN_TEST(test_bad_input);
+    RUN_TEST(test_ordinary_frees_any_order);
     return 0;
 }
