@@ -10,9 +10,12 @@
  * fallocate at creation, so running out of memory is an error code here rather than a SIGBUS
  * on some later first write.
  *
- * A received fd is checked before it is mapped (lshm__attach_fd): it must be a memfd, long
- * enough, sealed (or sealable) against size changes, and its write permission must agree with
- * the flags asked for. It is duplicated, so the caller keeps its own.
+ * A received fd is checked before it is mapped (lshm__attach_fd): it must be a memfd, sealed
+ * (or sealable) against size changes, long enough once sealed (the size is read after the seal
+ * is in place, so a sender resizing it meanwhile cannot make us map past its end), and its
+ * write permission must agree with the flags asked for. It is duplicated, so the caller keeps
+ * its own. An fd is handed out with F_SEAL_SEAL (lshm_segment_fd), so its holders cannot add
+ * seals; received fds without it (older senders) are still accepted.
  */
 #include "internal.h"
 
@@ -80,6 +83,22 @@ int lshm__attach_fd(int fd, uint64_t offset, size_t nbytes, unsigned flags, int 
     int rc = lshm__os_fd_info(fd, &info);
     if (rc != 0)
         return rc;
+    if (!info.size_sealed) {
+        /* An unsealed memfd could be truncated under our mapping by its other holders: seal
+         * it now (needs a writable fd and no F_SEAL_SEAL), or refuse. The size read above may
+         * already be stale (a sender may resize until the seal is in place), so everything
+         * below uses what the fd says once sealed. */
+        if (!info.sealable || !info.writable)
+            return LSHM_FAIL(-EPERM, "fd %d is not sealed against shrink/grow and cannot be", fd);
+        rc = lshm__os_seal_size(fd);
+        if (rc != 0)
+            return rc == -EPERM ? rc : LSHM_FAIL(rc, "fd %d: cannot seal against shrink/grow", fd);
+        if ((rc = lshm__os_fd_info(fd, &info)) != 0)
+            return rc;
+        if (!info.size_sealed) /* cannot happen: seals are never removed */
+            return LSHM_FAIL(-EPERM, "fd %d is still not sealed against shrink/grow", fd);
+    }
+    /* From here on the size cannot change: what we check is what we map. */
     if (offset > info.size || nbytes > info.size - offset)
         return LSHM_FAIL(-EINVAL,
                          "fd %d smaller than claimed: %llu bytes, asked for %zu at offset %llu",
@@ -89,15 +108,6 @@ int lshm__attach_fd(int fd, uint64_t offset, size_t nbytes, unsigned flags, int 
         return LSHM_FAIL(-EPERM, "fd %d is sealed against writes: attach it read-only", fd);
     if (!info.writable && !readonly)
         return LSHM_FAIL(-EACCES, "fd %d was opened read-only: attach it read-only", fd);
-    if (!info.size_sealed) {
-        /* An unsealed memfd could be truncated under our mapping by its other holders: seal
-         * it now (needs a writable fd and no F_SEAL_SEAL), or refuse. */
-        if (!info.sealable || !info.writable)
-            return LSHM_FAIL(-EPERM, "fd %d is not sealed against shrink/grow and cannot be", fd);
-        rc = lshm__os_seal_size(fd);
-        if (rc != 0)
-            return rc == -EPERM ? rc : LSHM_FAIL(rc, "fd %d: cannot seal against shrink/grow", fd);
-    }
     rc = lshm__os_dup_cloexec(fd, dup_out);
     if (rc != 0)
         return rc;

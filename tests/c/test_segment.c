@@ -11,10 +11,12 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 static size_t page;
@@ -384,6 +386,106 @@ static void test_rlimit_fsize(void) {
     lshm_storage_release(s);
 }
 
+/* ---- attach against a sender that resizes the fd ----------------------------------------- */
+
+/* A hostile sender shrinks and grows an unsealed memfd while we attach it. Attach seals the
+ * size and must map the size it sealed: every successful attach maps no more than the file
+ * holds, so touching every page never raises SIGBUS (no handler: a SIGBUS kills the test). */
+enum { RACE_SMALL = 4096, RACE_BIG = 1 << 20 };
+static _Atomic int race_fd = -1;
+static _Atomic int race_stop;
+static _Atomic unsigned race_gen; /* bumped with each new fd: fd numbers are reused */
+static _Atomic unsigned long race_truncates;
+
+static void *truncate_thread(void *arg) {
+    (void)arg;
+    unsigned last = 0;
+    while (!atomic_load(&race_stop)) {
+        unsigned gen = atomic_load(&race_gen);
+        int fd = atomic_load(&race_fd);
+        if (fd < 0 || gen == last)
+            continue;
+        /* toggle until the attach seals the size (ftruncate then fails with EPERM) or the
+         * main thread moves on */
+        for (int i = 0; atomic_load(&race_fd) == fd; i++) {
+            if (ftruncate(fd, (i & 1) ? RACE_BIG : RACE_SMALL) != 0)
+                break;
+            atomic_fetch_add(&race_truncates, 1);
+        }
+        last = gen;
+    }
+    return NULL;
+}
+
+static void touch_pages(const void *p, size_t n) {
+    const volatile unsigned char *b = p;
+    unsigned sum = 0;
+    for (size_t i = 0; i < n; i += page)
+        sum += b[i];
+    if (n > 0)
+        sum += b[n - 1];
+    ASSERT_EQ(sum, 0); /* nobody wrote: all zero */
+}
+
+static void test_attach_race(void) {
+    int fds = fd_count();
+    pthread_t t;
+    atomic_store(&race_stop, 0);
+    ASSERT_OK(pthread_create(&t, NULL, truncate_thread, NULL));
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int attached = 0, refused = 0, iterations = 0;
+    for (; iterations < 20000; iterations++) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (iterations >= 2000 &&
+            (double)(now.tv_sec - t0.tv_sec) + (double)(now.tv_nsec - t0.tv_nsec) * 1e-9 > 3.0)
+            break;
+        int fd = memfd_create("race", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        ASSERT_GE(fd, 0);
+        ASSERT_OK(ftruncate(fd, RACE_BIG));
+        atomic_fetch_add(&race_gen, 1);
+        atomic_store(&race_fd, fd);
+        for (volatile int spin = 0; spin < (iterations % 64) * 16; spin++) {
+        }
+        int rc;
+        struct stat st;
+        if (iterations % 2 == 0) {
+            lshm_segment *seg = NULL;
+            rc = lshm_segment_attach(fd, 0, &seg);
+            if (rc == 0) {
+                ASSERT_OK(fstat(fd, &st));
+                ASSERT_UINT_EQ(lshm_segment_size(seg), st.st_size); /* the sealed size */
+                ASSERT((fcntl(fd, F_GET_SEALS) & (F_SEAL_SHRINK | F_SEAL_GROW)) ==
+                       (F_SEAL_SHRINK | F_SEAL_GROW));
+                touch_pages(lshm_segment_data(seg), lshm_segment_size(seg));
+                lshm_segment_release(seg);
+            }
+        } else {
+            lshm_storage *s = NULL;
+            rc = lshm_storage_attach(fd, 0, RACE_BIG, 0, &s);
+            if (rc == 0) {
+                ASSERT_OK(fstat(fd, &st));
+                ASSERT_UINT_EQ(st.st_size, RACE_BIG); /* sealed at a size that holds it */
+                touch_pages(lshm_storage_data(s), RACE_BIG);
+                lshm_storage_release(s);
+            } else {
+                ASSERT_ERR(rc, -EINVAL); /* sealed too small: refused, nothing mapped */
+                ASSERT(strstr(lshm_last_error(), "smaller than claimed") != NULL);
+            }
+        }
+        attached += rc == 0;
+        refused += rc != 0;
+        atomic_store(&race_fd, -1); /* the thread stops touching fd before we close it... */
+        close(fd); /* ...at worst its ftruncate on a closed or reused number fails: harmless */
+    }
+    atomic_store(&race_stop, 1);
+    ASSERT_OK(pthread_join(t, NULL));
+    fprintf(stderr, "   %d attaches, %d refused, %lu truncates\n", attached, refused,
+            (unsigned long)race_truncates);
+    ASSERT_GT(attached, 0);
+    ASSERT_EQ(fd_count(), fds);
+}
+
 int main(void) {
     page = lshm_page_size();
     RUN_TEST(test_create);
@@ -395,5 +497,6 @@ int main(void) {
     RUN_TEST(test_zero_length);
     RUN_TEST(test_faults);
     RUN_TEST(test_rlimit_fsize);
+    RUN_TEST(test_attach_race);
     return 0;
 }
