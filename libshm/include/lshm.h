@@ -154,8 +154,13 @@ LSHM_API unsigned lshm_storage_flags(const lshm_storage *s);
 
 /* The fd behind a shared storage (borrowed: valid while the storage lives; dup it to keep it)
  * and the byte offset of the storage's data within that fd.
+ * Handing the fd out closes its seals: the first call adds F_SEAL_SEAL to the memfd (unless
+ * the fd is open read-only), so no holder of the fd can add seals afterwards (e.g.
+ * F_SEAL_FUTURE_WRITE, which would make every later receiver's memory read-only). From then on
+ * lshm_storage_seal_readonly refuses: seal first, then hand out. Marks the memfd exported
+ * (never pooled, see lshm_pool_trim).
  * Errors: -EINVAL (NULL arguments), -ENODATA (not shared), -EBADF (the segment's fd was
- * closed with lshm_segment_close_fd). */
+ * closed with lshm_segment_close_fd), other -errno from fcntl (F_SEAL_SEAL). */
 LSHM_API int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset);
 
 /* Change the size of a resizable, unshared storage (bytes kept up to the smaller size, new
@@ -218,10 +223,16 @@ LSHM_API int lshm_storage_share(lshm_storage *s);
 LSHM_API int lshm_pool_trim(void);
 
 /* Make a shared storage read-only for everyone it is sent to from now on (F_SEAL_FUTURE_WRITE
- * on its memfd): later mappings of the fd can only be read, and writes through the fd fail.
- * This process's own mapping keeps writing. A storage viewing a segment seals the whole
- * segment (every storage on it). Irreversible; idempotent.
- * Errors: -EINVAL (NULL), -ENODATA (not shared), -EBADF (fd closed), -EPERM (sealing refused). */
+ * and F_SEAL_SEAL on its memfd): later mappings of the fd can only be read, writes through the
+ * fd fail, and nobody can change the seals again. This process's own mapping keeps writing.
+ * Works for any storage that owns its memfd (shared in place, whatever its size, or attached);
+ * a storage viewing a segment seals the whole segment (every storage on it). Irreversible;
+ * idempotent. Must come before the fd is handed out: once lshm_storage_fd (or lshm_segment_fd,
+ * lshm_arena_fd) gave it out writable, holders may have mapped it writable, so this refuses
+ * with -EPERM ("already handed out writable; make a copy to share read-only"). On any failure
+ * nothing changes (no seal, the memfd is not marked exported).
+ * Errors: -EINVAL (NULL), -ENODATA (not shared), -EBADF (fd closed), -EPERM (handed out
+ * writable already, or sealing refused). */
 LSHM_API int lshm_storage_seal_readonly(lshm_storage *s);
 
 /* Build a storage that views nbytes at `offset` of a shared-memory fd received from elsewhere.
@@ -257,7 +268,9 @@ LSHM_API lshm_segment *lshm_segment_retain(lshm_segment *seg);
 LSHM_API void lshm_segment_release(lshm_segment *seg);
 LSHM_API void *lshm_segment_data(const lshm_segment *seg);
 LSHM_API size_t lshm_segment_size(const lshm_segment *seg);
-/* The segment's fd (borrowed), or -EBADF after lshm_segment_close_fd. */
+/* The segment's fd (borrowed), or -EBADF after lshm_segment_close_fd. The first call adds
+ * F_SEAL_SEAL (as lshm_storage_fd does): from then on nobody can add seals and
+ * lshm_segment_seal_readonly refuses with -EPERM. Other -errno from fcntl. */
 LSHM_API int lshm_segment_fd(const lshm_segment *seg);
 LSHM_API unsigned lshm_segment_flags(const lshm_segment *seg); /* LSHM_STORAGE_READONLY or 0 */
 
@@ -267,9 +280,11 @@ LSHM_API unsigned lshm_segment_flags(const lshm_segment *seg); /* LSHM_STORAGE_R
  * concurrent lshm_segment_fd on the same segment. */
 LSHM_API int lshm_segment_close_fd(lshm_segment *seg);
 
-/* Forbid new writable mappings and writes through the fd (F_SEAL_FUTURE_WRITE): every process
- * that attaches afterwards gets read-only memory. Mappings that exist already, including this
- * process's, keep their permissions. Irreversible. Errors: -EBADF (fd closed), -EPERM. */
+/* Forbid new writable mappings and writes through the fd (F_SEAL_FUTURE_WRITE, with
+ * F_SEAL_SEAL): every process that attaches afterwards gets read-only memory. Mappings that
+ * exist already, including this process's, keep their permissions. Irreversible; idempotent.
+ * Errors: -EBADF (fd closed), -EPERM (the fd was already handed out writable by
+ * lshm_segment_fd: make a copy to share read-only; or sealing refused). */
 LSHM_API int lshm_segment_seal_readonly(lshm_segment *seg);
 
 /* Initialise in place / create a storage viewing [offset, offset + nbytes) of a segment. The
@@ -469,7 +484,8 @@ LSHM_API uint64_t lshm_arena_size(const lshm_arena *arena);
 
 /* The memfd of a shared arena's buffer (borrowed: dup it to keep it; valid until the buffer
  * is trimmed, replaced by a re-plan, or the arena destroyed). Another process maps it with
- * lshm_segment_attach and finds tensor i at lshm_arena_offset(i).
+ * lshm_segment_attach and finds tensor i at lshm_arena_offset(i). Adds F_SEAL_SEAL to it as
+ * lshm_segment_fd does.
  * Errors: -EINVAL (NULL), -ENODATA (private arena, or no buffer yet). */
 LSHM_API int lshm_arena_fd(const lshm_arena *arena, int *fd);
 

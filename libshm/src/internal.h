@@ -49,8 +49,15 @@ int lshm__os_memfd_create(size_t nbytes, int *fd);
 int lshm__os_ftruncate(int fd, uint64_t size);
 /* Add F_SEAL_SHRINK | F_SEAL_GROW (the size can never change again, so no SIGBUS from a peer). */
 int lshm__os_seal_size(int fd);
-/* Add F_SEAL_FUTURE_WRITE (no new writable mappings, no write(2)). */
-int lshm__os_seal_future_write(int fd);
+/* Make fd read-only for everyone who maps it from now on: add F_SEAL_FUTURE_WRITE (no new
+ * writable mappings, no write(2)) and F_SEAL_SEAL (no holder can change the seals again).
+ * Idempotent: 0 when a write seal is there already. -EPERM (with a message that says to make a
+ * copy) when F_SEAL_SEAL is set without a write seal: the fd was handed out writable. */
+int lshm__os_seal_readonly(int fd);
+/* Add F_SEAL_SEAL, so no holder of fd can add seals (e.g. F_SEAL_FUTURE_WRITE, which would
+ * turn every later receiver's mapping read-only) once it is handed out writable. 0 when it is
+ * set already or fd is open read-only (whose holders cannot add seals anyway). */
+int lshm__os_seal_seal(int fd);
 /* pwrite all n bytes, looping on short writes and EINTR. */
 int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset);
 /* Reserve the pages of [0, size) (fallocate), so exhaustion is an error here and not a SIGBUS
@@ -137,6 +144,7 @@ struct lshm_segment {
     size_t size;              /* bytes of the fd (and of the mapping) */
     size_t map_len;           /* bytes mapped: size rounded up to whole pages */
     unsigned flags;           /* LSHM_STORAGE_READONLY or 0 */
+    _Atomic unsigned char fd_sealed; /* lshm_segment_fd added F_SEAL_SEAL (fd handed out) */
 };
 
 /* Atomic reference counts of storages and segments: a retain needs a live object, and

@@ -102,9 +102,55 @@ int lshm__os_seal_size(int fd) {
     return add_seals(fd, F_SEAL_SHRINK | F_SEAL_GROW, "F_SEAL_SHRINK|F_SEAL_GROW");
 }
 
-int lshm__os_seal_future_write(int fd) {
+static int get_seals(int fd, int *seals) {
+    int r = fcntl(fd, F_GET_SEALS);
+    if (r < 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "fcntl(fd %d, F_GET_SEALS): %s", fd, strerror(e));
+    }
+    *seals = r;
+    return 0;
+}
+
+/* Add F_SEAL_SEAL to fd, which lacks it. */
+static int add_seal_seal(int fd) {
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "fcntl(fd %d, F_GETFL): %s", fd, strerror(e));
+    }
+    /* The kernel lets only a writable open file add seals: holders of a read-only fd never can,
+     * and we cannot either (nor need to). */
+    if ((fl & O_ACCMODE) == O_RDONLY)
+        return 0;
+    return add_seals(fd, F_SEAL_SEAL, "F_SEAL_SEAL");
+}
+
+int lshm__os_seal_seal(int fd) {
+    LSHM_OS_FAULT("seal_seal");
+    int seals = 0;
+    int rc = get_seals(fd, &seals);
+    if (rc != 0)
+        return rc;
+    return (seals & F_SEAL_SEAL) != 0 ? 0 : add_seal_seal(fd);
+}
+
+int lshm__os_seal_readonly(int fd) {
     LSHM_OS_FAULT("seal_future_write");
-    return add_seals(fd, F_SEAL_FUTURE_WRITE, "F_SEAL_FUTURE_WRITE");
+    int seals = 0;
+    int rc = get_seals(fd, &seals);
+    if (rc != 0)
+        return rc;
+    if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
+        /* Already read-only for new mappings (idempotent); close it for good if not yet. */
+        return (seals & F_SEAL_SEAL) != 0 ? 0 : add_seal_seal(fd);
+    }
+    if ((seals & F_SEAL_SEAL) != 0)
+        return LSHM_FAIL(-EPERM,
+                         "fd %d was already handed out writable (F_SEAL_SEAL is set, so it can "
+                         "never be sealed read-only); make a copy to share read-only",
+                         fd);
+    return add_seals(fd, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL, "F_SEAL_FUTURE_WRITE|F_SEAL_SEAL");
 }
 
 int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {

@@ -35,6 +35,7 @@ static int segment_new(int fd, void *data, size_t size, size_t map_len, unsigned
     }
     atomic_init(&seg->refcount, 1);
     atomic_init(&seg->fd, fd);
+    atomic_init(&seg->fd_sealed, 0);
     seg->data = data;
     seg->size = size;
     seg->map_len = map_len;
@@ -167,7 +168,18 @@ int lshm_segment_fd(const lshm_segment *seg) {
     if (seg == NULL)
         return LSHM_FAIL(-EINVAL, "NULL segment");
     int fd = atomic_load(&seg->fd);
-    return fd >= 0 ? fd : LSHM_FAIL(-EBADF, "the segment's fd was closed");
+    if (fd < 0)
+        return LSHM_FAIL(-EBADF, "the segment's fd was closed");
+    /* Whoever gets the fd from now on must not be able to add seals (F_SEAL_FUTURE_WRITE
+     * would make every later receiver's mapping read-only): F_SEAL_SEAL, once. The flag is
+     * only a shortcut; two racing first calls both add it, which is harmless. */
+    if (!atomic_load_explicit(&seg->fd_sealed, memory_order_acquire)) {
+        int rc = lshm__os_seal_seal(fd);
+        if (rc != 0)
+            return rc;
+        atomic_store_explicit(&((lshm_segment *)seg)->fd_sealed, 1, memory_order_release);
+    }
+    return fd;
 }
 
 unsigned lshm_segment_flags(const lshm_segment *seg) {
@@ -188,7 +200,7 @@ int lshm_segment_seal_readonly(lshm_segment *seg) {
     int fd = atomic_load(&seg->fd);
     if (fd < 0)
         return LSHM_FAIL(-EBADF, "the segment's fd was closed");
-    return lshm__os_seal_future_write(fd);
+    return lshm__os_seal_readonly(fd);
 }
 
 /* ---- storages viewing a segment ------------------------------------------------------------ */

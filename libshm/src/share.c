@@ -475,7 +475,17 @@ int lshm_storage_seal_readonly(lshm_storage *s) {
         return lshm_segment_seal_readonly(s->segment);
     if (s->fd < 0)
         return LSHM_FAIL(-EBADF, "the storage has no fd to seal");
-    /* A write-sealed memfd can never be refilled: keep it out of the pool. */
-    atomic_store_explicit(&s->exported, 1, memory_order_relaxed);
-    return lshm__os_seal_future_write(s->fd);
+    /* The storage owns this memfd alone (shared in place, or attached), whatever its size. */
+    int rc = lshm__os_seal_readonly(s->fd);
+    if (rc != 0)
+        return rc == -EPERM ? LSHM_FAIL(-EPERM,
+                                        "storage %p: its fd was already handed out writable "
+                                        "(lshm_storage_fd); make a copy to share read-only",
+                                        (void *)s)
+                            : rc;
+    /* A write-sealed memfd can never be refilled: keep it out of the pool. Marked only once
+     * sealed, so a refusal changes nothing. The caller's reference keeps the storage alive
+     * meanwhile, so no release can pool the memfd in between. */
+    atomic_store_explicit(&s->exported, 1, memory_order_release);
+    return 0;
 }

@@ -296,11 +296,27 @@ int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset) {
         return LSHM_FAIL(-EINVAL, "NULL argument");
     if ((lshm_storage_flags(s) & LSHM_STORAGE_SHARED) == 0)
         return LSHM_FAIL(-ENODATA, "storage %p is not shared", (const void *)s);
-    int f = s->segment != NULL ? lshm_segment_fd(s->segment) : s->fd;
-    if (f < 0)
-        return LSHM_FAIL(-EBADF, "the fd of storage %p's segment was closed", (const void *)s);
+    int f;
+    if (s->segment != NULL) {
+        f = lshm_segment_fd(s->segment); /* adds F_SEAL_SEAL to the segment's fd */
+        if (f < 0)
+            return f == -EBADF ? LSHM_FAIL(-EBADF, "the fd of storage %p's segment was closed",
+                                           (const void *)s)
+                               : f;
+    } else {
+        f = s->fd;
+        if (f < 0) /* cannot happen: a shared storage that is no view has its own memfd */
+            return LSHM_FAIL(-EBADF, "storage %p has no fd", (const void *)s);
+        /* Whoever gets the fd from now on must not be able to add seals: F_SEAL_SEAL first
+         * (the exported mark says it is there already). */
+        if (!atomic_load_explicit(&s->exported, memory_order_acquire)) {
+            int rc = lshm__os_seal_seal(f);
+            if (rc != 0)
+                return rc;
+        }
+    }
     /* Someone else may hold this fd from now on: its memfd must never be recycled. */
-    atomic_store_explicit(&((lshm_storage *)s)->exported, 1, memory_order_relaxed);
+    atomic_store_explicit(&((lshm_storage *)s)->exported, 1, memory_order_release);
     *fd = f;
     *offset = s->fd_offset;
     return 0;

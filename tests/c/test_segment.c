@@ -120,9 +120,12 @@ static void test_close_fd(void) {
 static void test_seal_readonly(void) {
     lshm_segment *seg;
     ASSERT_OK(lshm_segment_create(2 * page, 0, &seg));
-    int fd = lshm_segment_fd(seg);
+    /* Sealed before its fd is handed out (issue 9: once handed out writable it cannot be). */
     ASSERT_OK(lshm_segment_seal_readonly(seg));
     ASSERT_OK(lshm_segment_seal_readonly(seg)); /* adding the same seal again is fine */
+    int fd = lshm_segment_fd(seg);
+    ASSERT_EQ(fcntl(fd, F_GET_SEALS) & (F_SEAL_FUTURE_WRITE | F_SEAL_SEAL),
+              F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
     lshm_segment *ro = NULL;
     lshm_storage *s = NULL;
     ASSERT_ERR(lshm_segment_attach(fd, 0, &ro), -EPERM);

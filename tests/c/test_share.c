@@ -597,6 +597,136 @@ static void test_seal_readonly(void) {
     lshm_segment_release(seg);
 }
 
+/* ---- seals (issue 9) ------------------------------------------------------------------------ */
+
+static int seals_of(int fd) {
+    int seals = fcntl(fd, F_GET_SEALS);
+    ASSERT_GE(seals, 0);
+    return seals;
+}
+
+/* A holder of a dup of fd cannot add F_SEAL_FUTURE_WRITE (nor any seal). */
+static void assert_seals_closed(int fd) {
+    ASSERT(seals_of(fd) & F_SEAL_SEAL);
+    int d = dup(fd);
+    ASSERT_GE(d, 0);
+    ASSERT_EQ(fcntl(d, F_ADD_SEALS, F_SEAL_FUTURE_WRITE), -1);
+    ASSERT_EQ(errno, EPERM);
+    ASSERT_EQ(seals_of(d) & F_SEAL_FUTURE_WRITE, 0);
+    close(d);
+}
+
+/* Once an fd was handed out writable, its holders cannot add seals, and seal_readonly refuses
+ * with -EPERM changing nothing. */
+static void test_fd_handed_out_writable(void) {
+    int fds = fd_count();
+    int fd;
+    uint64_t off;
+    /* shared in place */
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(2 * page, NULL, 0, &s));
+    fill(lshm_storage_data(s), 2 * page, 41);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_EQ(seals_of(s->fd) & F_SEAL_SEAL, 0); /* not handed out yet */
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    assert_seals_closed(fd);
+    unsigned flags = lshm_storage_flags(s);
+    ASSERT_ERR(lshm_storage_seal_readonly(s), -EPERM);
+    ASSERT(strstr(lshm_last_error(), "already handed out writable") != NULL);
+    ASSERT(strstr(lshm_last_error(), "make a copy to share read-only") != NULL);
+    ASSERT_EQ(lshm_storage_flags(s), flags);
+    ASSERT_EQ(seals_of(fd) & F_SEAL_FUTURE_WRITE, 0);
+    lshm_storage *t; /* receivers still get writable memory */
+    ASSERT_OK(lshm_storage_attach(fd, 0, 2 * page, 0, &t));
+    ((unsigned char *)lshm_storage_data(t))[0] = 0x99;
+    ASSERT_EQ(((unsigned char *)lshm_storage_data(s))[0], 0x99);
+    /* the attached storage hands out the same (already closed) fd again */
+    int tfd;
+    ASSERT_OK(lshm_storage_fd(t, &tfd, &off));
+    assert_seals_closed(tfd);
+    ASSERT_ERR(lshm_storage_seal_readonly(t), -EPERM);
+    lshm_storage_release(t);
+    lshm_storage_release(s);
+
+    /* an fd received from an older sender, without F_SEAL_SEAL: still accepted, and closed
+     * when this process hands it out */
+    int raw = memfd_create("old-sender", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    ASSERT_GE(raw, 0);
+    ASSERT_OK(ftruncate(raw, page));
+    ASSERT_OK(fcntl(raw, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW));
+    ASSERT_OK(lshm_storage_attach(raw, 0, page, 0, &t));
+    ASSERT_EQ(seals_of(raw) & F_SEAL_SEAL, 0);
+    ASSERT_OK(lshm_storage_fd(t, &tfd, &off));
+    assert_seals_closed(raw);
+    lshm_storage_release(t);
+    close(raw);
+
+    /* a segment view (lshm_storage_create_shared) and the segment itself */
+    ASSERT_OK(lshm_storage_create_shared(page, 0, &s));
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    assert_seals_closed(fd);
+    ASSERT_ERR(lshm_storage_seal_readonly(s), -EPERM);
+    ASSERT(strstr(lshm_last_error(), "already handed out writable") != NULL);
+    ASSERT_ERR(lshm_segment_seal_readonly(lshm_storage_segment(s)), -EPERM);
+    ASSERT_EQ(seals_of(fd) & F_SEAL_FUTURE_WRITE, 0);
+    lshm_storage_release(s);
+
+    /* a shared arena's fd */
+    uint64_t sizes[] = {page};
+    int64_t firsts[] = {0}, lasts[] = {1};
+    lshm_arena *ar;
+    ASSERT_OK(lshm_arena_create(1, sizes, firsts, lasts, NULL, LSHM_ARENA_SHARED, &ar));
+    ASSERT_OK(lshm_arena_allocate(ar));
+    ASSERT_OK(lshm_arena_fd(ar, &fd));
+    assert_seals_closed(fd);
+    ASSERT_OK(lshm_arena_destroy(ar));
+    ASSERT_EQ(fd_count(), fds);
+}
+
+/* seal_readonly before any export works for storages of any size that own their memfd, adds
+ * F_SEAL_FUTURE_WRITE and F_SEAL_SEAL together, and receivers can then only attach read-only.
+ * A refused seal_readonly marks nothing exported (the memfd may still be pooled). */
+static void test_seal_readonly_sizes(void) {
+    lshm_pool_trim();
+    int fds = fd_count();
+    size_t sizes[] = {1000, 100000, 3 * page, 2 << 20};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        size_t n = sizes[i];
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+        fill(lshm_storage_data(s), n, (unsigned)i);
+        ASSERT_OK(lshm_storage_share(s));
+        ASSERT_OK(lshm_storage_seal_readonly(s));
+        ASSERT_OK(lshm_storage_seal_readonly(s)); /* idempotent */
+        int fd;
+        uint64_t off;
+        ASSERT_OK(lshm_storage_fd(s, &fd, &off)); /* handing it out after sealing is fine */
+        ASSERT_EQ(seals_of(fd) & (F_SEAL_FUTURE_WRITE | F_SEAL_SEAL),
+                  F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+        lshm_storage *t = NULL;
+        ASSERT_ERR(lshm_storage_attach(fd, 0, n, 0, &t), -EPERM);
+        ASSERT(t == NULL);
+        ASSERT_OK(lshm_storage_attach(fd, 0, n, LSHM_STORAGE_READONLY, &t));
+        ASSERT(check(lshm_storage_data(t), n, (unsigned)i));
+        lshm_storage_release(t);
+        lshm_storage_release(s);
+        ASSERT_EQ(lshm_pool_trim(), 0); /* sealed: never pooled */
+    }
+    /* a refused seal (here an injected failure) changes nothing: no seal, not exported */
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(1000, NULL, 0, &s));
+    ASSERT_OK(lshm_storage_share(s));
+    lshm__fault_arm(1, -EPERM);
+    int rc = lshm_storage_seal_readonly(s);
+    lshm__fault_arm(0, 0);
+    ASSERT_ERR(rc, -EPERM);
+    ASSERT_EQ(atomic_load(&s->exported), 0);
+    ASSERT_EQ(seals_of(s->fd) & (F_SEAL_FUTURE_WRITE | F_SEAL_SEAL), 0);
+    lshm_storage_release(s);
+    ASSERT_EQ(lshm_pool_trim(), lshm__pool_limit > 0 ? 1 : 0); /* it was pooled */
+    ASSERT_EQ(fd_count(), fds);
+}
+
 /* ---- the pool of recycled memfds ---------------------------------------------------------- */
 
 static int is_zero(const unsigned char *p, size_t n) {
@@ -784,6 +914,8 @@ int main(void) {
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
     RUN_TEST(test_seal_readonly);
+    RUN_TEST(test_fd_handed_out_writable);
+    RUN_TEST(test_seal_readonly_sizes);
     RUN_TEST(test_pool);
     RUN_TEST(test_pool_sizes);
     RUN_TEST(test_pool_refill_faults);
