@@ -164,8 +164,15 @@ LSHM_API unsigned lshm_storage_flags(const lshm_storage *s);
 LSHM_API int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset);
 
 /* Change the size of a resizable, unshared storage (bytes kept up to the smaller size, new
- * bytes zero). The data pointer may change. Not thread-safe against other users of the bytes.
- * Errors: -EINVAL, -EPERM (not resizable, shared, or foreign), -ENOMEM, -EOVERFLOW. */
+ * bytes zero). The data pointer may change, and the old range may be unmapped or freed.
+ * Resize never frees memory under a live user: it refuses with -EBUSY, changing nothing, while
+ * other references exist (every array or view over the bytes retains the storage; retain the
+ * storage to pin its memory). Raw pointers into the old range that were not backed by a
+ * reference are invalid after a successful resize. A fork() waits for a resize in flight.
+ * The caller allocator's alloc runs during the call; its free runs after the storage's lock is
+ * released (neither may fork()).
+ * Errors: -EINVAL, -EPERM (not resizable, shared, or foreign), -EBUSY (other references
+ * exist), -ENOMEM, -EOVERFLOW. */
 LSHM_API int lshm_storage_resize(lshm_storage *s, size_t nbytes);
 
 /* Copy all bytes of src into dst. Errors: -EINVAL (NULL, different nbytes), -EPERM (dst is
@@ -185,9 +192,13 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * - Storage owning whole pages (default or WHOLE_PAGES allocator): the memfd is mapped over the
  *   storage's own pages (MAP_FIXED), so the data pointer and every raw pointer into it now see
  *   the shared memory.
- * - Other storages (foreign memory): the data pointer is swapped to a new mapping and the old
- *   memory is released through its release callback. The caller must ensure no views of the
- *   old memory remain (pyshm refuses for memory it does not own).
+ * - Other storages (foreign memory, plain caller allocators, slots of private arenas): the
+ *   data pointer is swapped to a new mapping and the old memory is released through its
+ *   release callback (or the allocator's free), after the call's locks are released. Since the
+ *   memory moves, this is refused with -EBUSY, changing nothing, while the storage has other
+ *   references (an array over the old memory would silently stop aliasing it): copy the bytes
+ *   into a shared storage instead. With the caller's reference only it proceeds. Raw pointers
+ *   into the old memory that hold no reference must not be used afterwards.
  * Idempotent: an already shared storage returns 0 at once. Thread-safe: concurrent calls on one
  * storage serialise and copy once; all return 0. Atomic: on failure the bytes, data pointer,
  * flags and reference count are exactly as before. (Non-resizable storages of the default
@@ -198,7 +209,12 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * Clears LSHM_STORAGE_RESIZABLE. A zero-byte storage becomes shared with a zero-length memfd
  * (data stays NULL, the fd can be sent).
  * The bytes must not be written by other threads during the call (their writes may be lost).
- * Errors: -EINVAL (NULL), -ENOMEM, -ENOSPC, -EMFILE, -ENFILE, other -errno from the kernel. */
+ * fork() waits for shares (and resizes) in flight, and no share starts while a fork runs (a
+ * pthread_atfork handler), so a child sees every storage shared completely or not at all, and
+ * no storage lock held. A fork() from inside a callback the library calls during a share or
+ * resize (an allocator's alloc) does not wait.
+ * Errors: -EINVAL (NULL), -EBUSY (memory that would move, with other references), -ENOMEM,
+ * -ENOSPC, -EMFILE, -ENFILE, other -errno from the kernel. */
 LSHM_API int lshm_storage_share(lshm_storage *s);
 
 /* The pool of recycled memfds. When a storage that lshm_storage_share shared in place (default

@@ -184,6 +184,14 @@ extern _Atomic size_t lshm__share_chunk_bytes;
 extern _Atomic size_t lshm__share_chunk_busy_bytes;
 extern _Atomic unsigned long lshm__share_restores;
 
+/* share.c: fork() waits for shares and resizes in flight. A share or resize calls enter before
+ * it takes the storage's lock and leave after releasing it (a process-wide read lock, which a
+ * pthread_atfork prepare handler takes for writing); nested calls in one thread take it once.
+ * No callback that may block on another thread's progress (a Python callback wanting the
+ * GIL) may run in between. */
+void lshm__fork_guard_enter(void);
+void lshm__fork_guard_leave(void);
+
 /* The pool of recycled memfds (share.c). lshm__pool_put is called by free_bytes after the
  * storage's own range was unmapped: it keeps s->fd (and clears it) when the memfd can be
  * reused safely (shared in place by lshm_storage_share, never exported, no fork since) and

@@ -30,11 +30,18 @@
  * fd stays in this process (and this call) until it is sealed.
  *
  * Storages that do not own whole pages (foreign memory, plain caller allocators) get a new
- * mapping at a new address; the old memory goes back through its release callback/free.
+ * mapping at a new address; the old memory goes back through its release callback/free once
+ * the locks are released. Because the memory moves, that is refused (-EBUSY) while the storage
+ * has other references: an array over the old memory would silently stop aliasing it.
  *
  * Concurrency: one mutex per storage serialises shares (PyTorch #95606/#96664), so threads
  * sharing one storage at once copy it once and all return 0. A storage already shared returns
- * at once, without the lock.
+ * at once, without the lock. fork() waits for the shares in flight (fork_lock below).
+ *
+ * Seals: our memfds carry F_SEAL_SHRINK|F_SEAL_GROW from the start; F_SEAL_SEAL is added when
+ * the fd is first handed out (lshm_storage_fd, lshm_segment_fd), or with F_SEAL_FUTURE_WRITE by
+ * seal_readonly. A pooled memfd was never handed out or sealed (both mark it exported), so it
+ * has neither and can be refilled.
  */
 #include "internal.h"
 
@@ -243,12 +250,8 @@ size_t lshm__pool_limit; /* bytes; 0 disables the pool (tests may change it) */
 static _Atomic unsigned long fork_epoch = 1;
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
-static void pool_prepare_fork(void) {
-    pthread_mutex_lock(&pool_lock);
-}
-
 /* After a fork, in both processes: the pooled memfds are reachable from the other process
- * too, so none may be reused; forget them all. */
+ * too, so none may be reused; forget them all. Called with pool_lock held (prepare_fork). */
 static void pool_after_fork(void) {
     atomic_fetch_add_explicit(&fork_epoch, 1, memory_order_relaxed);
     for (int i = 0; i < pool_count; i++)
@@ -256,6 +259,85 @@ static void pool_after_fork(void) {
     pool_count = 0;
     pool_bytes = 0;
     pthread_mutex_unlock(&pool_lock);
+}
+
+/* ---- fork() waits for shares and resizes in flight ----------------------------------------- */
+
+/* A fork() while another thread is inside a share (or resize) would give the child that
+ * storage's mutex held by a thread it does not have (its own share would block forever) and,
+ * for a chunked share, the chunks swapped so far mapped shared with the parent while the
+ * storage says it is private. So shares and resizes hold fork_lock for reading around their
+ * locked section, and an atfork prepare handler takes it for writing: fork() waits until none
+ * is in flight, and none starts until the fork is done. The child therefore finds every
+ * storage either shared completely (mapped shared, as before) or not at all.
+ * Writer-preferring, so a fork is not starved by a thread pool that shares continuously; that
+ * is also why a thread never takes the read lock twice (fork_depth counts its nesting, e.g. an
+ * allocator callback that shares another storage): a second read lock behind a waiting writer
+ * would deadlock.
+ * Handlers, in one registration so their order is fixed: prepare takes fork_lock, then
+ * pool_lock (the order of a share, which takes pool_lock inside its read section); parent and
+ * child empty the pool and release pool_lock, then fork_lock. glibc's rwlock tells a write
+ * unlock from a read unlock by the writer's thread id, which the child's only thread no longer
+ * has, so the child re-initialises fork_lock instead (nothing else runs there to hold it). */
+#ifdef PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
+#define FORK_LOCK_INITIALIZER PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
+#else
+#define FORK_LOCK_INITIALIZER PTHREAD_RWLOCK_INITIALIZER
+#endif
+static pthread_rwlock_t fork_lock = FORK_LOCK_INITIALIZER;
+static const pthread_rwlock_t fork_lock_fresh = FORK_LOCK_INITIALIZER;
+static _Thread_local int fork_depth; /* this thread's nesting of fork_guard_enter */
+static _Thread_local int fork_writer; /* this thread's prepare handler holds fork_lock */
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static int atfork_ok; /* the handlers are registered (written once, under atfork_once) */
+
+static void prepare_fork(void) {
+    /* A fork from inside a share or resize of this very thread (an allocator callback) cannot
+     * wait for itself: it goes ahead, and the child carries on with this thread's call. */
+    if (fork_depth == 0) {
+        pthread_rwlock_wrlock(&fork_lock);
+        fork_writer = 1;
+    }
+    pthread_mutex_lock(&pool_lock);
+}
+
+static void parent_after_fork(void) {
+    pool_after_fork();
+    if (fork_writer) {
+        fork_writer = 0;
+        pthread_rwlock_unlock(&fork_lock);
+    }
+}
+
+static void child_after_fork(void) {
+    pool_after_fork();
+    fork_writer = 0;
+    fork_lock = fork_lock_fresh;
+    if (fork_depth > 0) /* this thread is inside a share: it will unlock when it leaves */
+        pthread_rwlock_rdlock(&fork_lock);
+}
+
+static void register_atfork(void) {
+    /* Fails only with ENOMEM: then fork() does not wait, and nothing is pooled. */
+    atfork_ok = pthread_atfork(prepare_fork, parent_after_fork, child_after_fork) == 0;
+}
+
+/* At load time, so that no fork can start its handler list before they are in it while the
+ * first share of the process runs; the once in fork_guard_enter covers a build without it. */
+__attribute__((constructor)) static void register_atfork_at_load(void) {
+    pthread_once(&atfork_once, register_atfork);
+}
+
+void lshm__fork_guard_enter(void) {
+    pthread_once(&atfork_once, register_atfork);
+    if (fork_depth++ == 0)
+        pthread_rwlock_rdlock(&fork_lock);
+}
+
+void lshm__fork_guard_leave(void) {
+    assert(fork_depth > 0);
+    if (--fork_depth == 0)
+        pthread_rwlock_unlock(&fork_lock);
 }
 
 static void pool_init(void) {
@@ -270,8 +352,9 @@ static void pool_init(void) {
             limit = v;
     }
     lshm__pool_limit = limit > SIZE_MAX ? SIZE_MAX : (size_t)limit;
-    /* Cannot fail in a way we could act on (ENOMEM only): without handlers, pool nothing. */
-    if (pthread_atfork(pool_prepare_fork, pool_after_fork, pool_after_fork) != 0)
+    /* Without the fork handlers a child would reuse pooled memfds: pool nothing. */
+    pthread_once(&atfork_once, register_atfork);
+    if (!atfork_ok)
         lshm__pool_limit = 0;
 }
 
@@ -356,8 +439,28 @@ static int refill_memfd(int fd, const void *data, size_t size) {
     return rc;
 }
 
-/* Called with s->lock held on a storage that is not shared. */
-static int share_locked(lshm_storage *s) {
+/* Memory a share swapped out, given back once the locks are released (its callbacks may take
+ * their time, or take locks of their own, e.g. a Python callback the GIL, which a thread that
+ * forks holds while it waits for the shares in flight). */
+typedef struct old_memory {
+    enum lshm__origin origin; /* ALLOCATOR or FOREIGN; PAGES: nothing to give back */
+    void *data;
+    size_t nbytes;
+    lshm_allocator allocator;
+    lshm_release_fn release;
+    void *release_ctx;
+} old_memory;
+
+static void give_back(const old_memory *old) {
+    if (old->origin == LSHM__ORIGIN_ALLOCATOR && old->data != NULL)
+        old->allocator.free(old->allocator.ctx, old->data, old->nbytes);
+    else if (old->origin == LSHM__ORIGIN_FOREIGN && old->release != NULL)
+        old->release(old->release_ctx, old->data, old->nbytes);
+}
+
+/* Called with s->lock held on a storage that is not shared. Memory to give back after the
+ * locks go is left in *old. */
+static int share_locked(lshm_storage *s, old_memory *old) {
     void *data = atomic_load_explicit(&s->data, memory_order_relaxed);
     int fd = -1;
     void *mapped = NULL;
@@ -392,6 +495,16 @@ static int share_locked(lshm_storage *s) {
         s->fd = fd;
         s->fd_offset = 0;
     } else {
+        /* The memory moves to a new address: whoever holds a pointer into the old memory
+         * (every reference beyond the caller's may be an array over it) would silently stop
+         * aliasing the storage, and the old memory is given back. Refuse while they exist. */
+        size_t refs = atomic_load_explicit(&s->refcount, memory_order_acquire);
+        if (refs > 1)
+            return LSHM_FAIL(-EBUSY,
+                             "storage %p's memory is not whole pages it owns: sharing would move "
+                             "it under its %zu other references; copy it into a shared storage "
+                             "instead",
+                             (void *)s, refs - 1);
         size_t map_len;
         rc = lshm__round_pages(s->nbytes, &map_len);
         assert(rc == 0); /* nbytes of existing memory always rounds */
@@ -405,9 +518,10 @@ static int share_locked(lshm_storage *s) {
                 return rc;
             }
         }
-        /* Swap first, then give the old memory back: nothing can fail from here on. */
-        enum lshm__origin old_origin = (enum lshm__origin)s->origin;
-        lshm_release_fn release = s->release;
+        /* Swap first; the caller gives the old memory back: nothing can fail from here on. */
+        *old = (old_memory){(enum lshm__origin)s->origin, data, s->nbytes, s->allocator,
+                            s->release, s->release_ctx};
+        assert(old->origin == LSHM__ORIGIN_ALLOCATOR || old->origin == LSHM__ORIGIN_FOREIGN);
         s->origin = LSHM__ORIGIN_MAPPED;
         s->map_base = mapped;
         s->map_len = s->nbytes > 0 ? map_len : 0;
@@ -415,12 +529,6 @@ static int share_locked(lshm_storage *s) {
         s->fd_offset = 0;
         s->release = NULL;
         atomic_store_explicit(&s->data, mapped, memory_order_release);
-        if (old_origin == LSHM__ORIGIN_ALLOCATOR && data != NULL)
-            s->allocator.free(s->allocator.ctx, data, s->nbytes);
-        else if (old_origin == LSHM__ORIGIN_FOREIGN && release != NULL)
-            release(s->release_ctx, data, s->nbytes);
-        else
-            assert(old_origin == LSHM__ORIGIN_ALLOCATOR || old_origin == LSHM__ORIGIN_FOREIGN);
     }
     /* Publish last: a thread that sees SHARED without the lock also sees fd and data. */
     unsigned flags = atomic_load_explicit(&s->flags, memory_order_relaxed);
@@ -434,15 +542,19 @@ int lshm_storage_share(lshm_storage *s) {
         return LSHM_FAIL(-EINVAL, "NULL storage");
     if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) != 0)
         return 0;
+    old_memory old = {LSHM__ORIGIN_PAGES, NULL, 0, {0}, NULL, NULL};
+    lshm__fork_guard_enter(); /* fork() waits until we are done */
     pthread_mutex_lock(&s->lock);
     int rc = 0;
     /* Another thread may have shared it while we waited for the lock. */
     if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) == 0) {
         atomic_fetch_add_explicit(&active_shares, 1, memory_order_relaxed);
-        rc = share_locked(s);
+        rc = share_locked(s, &old);
         atomic_fetch_sub_explicit(&active_shares, 1, memory_order_relaxed);
     }
     pthread_mutex_unlock(&s->lock);
+    lshm__fork_guard_leave();
+    give_back(&old);
     return rc;
 }
 

@@ -354,8 +354,9 @@ static int resize_pages(lshm_storage *s, void *data, size_t nbytes, size_t cap) 
     return 0;
 }
 
-/* Caller allocator: a new block, copy, zero the tail, free the old one. */
-static int resize_allocator(lshm_storage *s, void *data, size_t nbytes) {
+/* Caller allocator: a new block, copy, zero the tail; the old one goes to *old_block for the
+ * caller to free once the locks are released. */
+static int resize_allocator(lshm_storage *s, void *data, size_t nbytes, void **old_block) {
     void *p = NULL;
     size_t cap = 0;
     int rc = alloc_bytes(&s->allocator, nbytes, &p, &cap);
@@ -366,8 +367,7 @@ static int resize_allocator(lshm_storage *s, void *data, size_t nbytes) {
         memcpy(p, data, keep);
     if (nbytes > keep)
         memset((char *)p + keep, 0, nbytes - keep);
-    if (data != NULL)
-        s->allocator.free(s->allocator.ctx, data, s->nbytes);
+    *old_block = data;
     atomic_store_explicit(&s->data, p, memory_order_release);
     s->capacity = cap;
     return 0;
@@ -380,22 +380,40 @@ int lshm_storage_resize(lshm_storage *s, size_t nbytes) {
     int rc = lshm__round_pages(nbytes, &cap);
     if (rc != 0)
         return rc;
+    void *old_block = NULL;
+    size_t old_nbytes = 0;
+    lshm__fork_guard_enter(); /* fork() waits until we are done */
     pthread_mutex_lock(&s->lock);
     unsigned flags = atomic_load(&s->flags);
     void *data = atomic_load(&s->data);
+    size_t refs = atomic_load_explicit(&s->refcount, memory_order_acquire);
     if ((flags & LSHM_STORAGE_RESIZABLE) == 0)
         rc = LSHM_FAIL(-EPERM, "storage %p is not resizable", (void *)s);
     else if ((flags & LSHM_STORAGE_SHARED) != 0)
         rc = LSHM_FAIL(-EPERM, "storage %p is shared", (void *)s);
+    else if (s->origin != LSHM__ORIGIN_PAGES && s->origin != LSHM__ORIGIN_ALLOCATOR)
+        rc = LSHM_FAIL(-EPERM, "storage %p wraps foreign memory", (void *)s);
+    else if (refs > 1)
+        /* Every other reference may be an array or view over the bytes: moving or unmapping
+         * them would leave it on freed memory (or someone else's). */
+        rc = LSHM_FAIL(-EBUSY,
+                       "storage %p has %zu other references (arrays or views of its memory): "
+                       "resizing would free or move the memory under them; release them first",
+                       (void *)s, refs - 1);
     else if (s->origin == LSHM__ORIGIN_PAGES)
         rc = resize_pages(s, data, nbytes, cap);
-    else if (s->origin == LSHM__ORIGIN_ALLOCATOR)
-        rc = resize_allocator(s, data, nbytes);
-    else
-        rc = LSHM_FAIL(-EPERM, "storage %p wraps foreign memory", (void *)s);
+    else {
+        old_nbytes = s->nbytes;
+        rc = resize_allocator(s, data, nbytes, &old_block);
+    }
     if (rc == 0)
         s->nbytes = nbytes;
     pthread_mutex_unlock(&s->lock);
+    lshm__fork_guard_leave();
+    /* The allocator and its ctx never change (only a share changes a storage's origin, and a
+     * shared storage is not resizable), so reading them after the unlock is fine. */
+    if (old_block != NULL)
+        s->allocator.free(s->allocator.ctx, old_block, old_nbytes);
     return rc;
 }
 

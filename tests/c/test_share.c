@@ -597,6 +597,90 @@ static void test_seal_readonly(void) {
     lshm_segment_release(seg);
 }
 
+/* ---- sharing never silently stops aliasing (issue 9) ---------------------------------------- */
+
+/* A storage that does not own whole pages moves when shared: with other references (an array
+ * over the old memory) that would leave them on memory the storage no longer uses (and that
+ * was given back), so the share is refused with -EBUSY and nothing changes. With the caller's
+ * reference only it moves as before. Storages that own whole pages share in place whatever
+ * their references. */
+static void test_share_refused_while_moving(void) {
+    int fds = fd_count();
+    release_calls = 0;
+    char *buf = malloc(5000);
+    fill(buf, 5000, 21);
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create_foreign(buf, 5000, count_release, &release_calls, 0, &s));
+    lshm_storage_retain(s);
+    ASSERT_ERR(lshm_storage_share(s), -EBUSY);
+    const char *msg = lshm_last_error();
+    ASSERT(strstr(msg, "not whole pages it owns") != NULL);
+    ASSERT(strstr(msg, "its 1 other references") != NULL);
+    ASSERT(strstr(msg, "copy it into a shared storage instead") != NULL);
+    ASSERT_PTR_EQ(lshm_storage_data(s), buf);
+    ASSERT_EQ(lshm_storage_flags(s), 0);
+    ASSERT_EQ(lshm_storage_refcount(s), 2);
+    ASSERT_EQ(release_calls, 0);
+    ASSERT(check(buf, 5000, 21));
+    ASSERT_EQ(fd_count(), fds);
+    int fd;
+    uint64_t off;
+    ASSERT_ERR(lshm_storage_fd(s, &fd, &off), -ENODATA);
+    lshm_storage_retain(s); /* three references: still refused */
+    ASSERT_ERR(lshm_storage_share(s), -EBUSY);
+    ASSERT(strstr(lshm_last_error(), "its 2 other references") != NULL);
+    lshm_storage_release(s);
+    lshm_storage_release(s);
+    ASSERT_OK(lshm_storage_share(s)); /* the caller's reference alone: moves as before */
+    ASSERT_EQ(release_calls, 1);
+    ASSERT(check(lshm_storage_data(s), 5000, 21));
+    lshm_storage_release(s);
+
+    /* a plain caller allocator: the same */
+    heap_ctx c = {0};
+    lshm_allocator a = {heap_alloc, heap_free, &c, 0};
+    ASSERT_OK(lshm_storage_create(1000, &a, 0, &s));
+    void *old = lshm_storage_data(s);
+    fill(old, 1000, 22);
+    lshm_storage_retain(s);
+    ASSERT_ERR(lshm_storage_share(s), -EBUSY);
+    ASSERT_EQ(c.frees, 0);
+    ASSERT_PTR_EQ(lshm_storage_data(s), old);
+    ASSERT_EQ(lshm_storage_flags(s), 0);
+    lshm_storage_release(s);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_EQ(c.frees, 1);
+    lshm_storage_release(s);
+
+    /* default pages: in place, so other references keep aliasing */
+    ASSERT_OK(lshm_storage_create(3000, NULL, 0, &s));
+    unsigned char *raw = lshm_storage_data(s);
+    lshm_storage_retain(s);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+    lshm_storage_release(s);
+    lshm_storage_release(s);
+
+    /* a slot of a private arena wraps the arena's buffer: with an array alive (a second
+     * reference) its share is refused instead of leaving the array on the arena buffer */
+    uint64_t sizes[] = {page, page};
+    int64_t firsts[] = {0, 0}, lasts[] = {1, 1};
+    lshm_arena *ar;
+    ASSERT_OK(lshm_arena_create(2, sizes, firsts, lasts, NULL, 0, &ar));
+    ASSERT_OK(lshm_arena_allocate(ar));
+    lshm_storage *slot;
+    ASSERT_OK(lshm_arena_storage(ar, 0, &slot));
+    void *slot_data = lshm_storage_data(slot);
+    lshm_storage_retain(slot);
+    ASSERT_ERR(lshm_storage_share(slot), -EBUSY);
+    ASSERT_PTR_EQ(lshm_storage_data(slot), slot_data);
+    ASSERT_EQ(lshm_storage_flags(slot) & LSHM_STORAGE_SHARED, 0);
+    lshm_storage_release(slot);
+    ASSERT_OK(lshm_arena_destroy(ar));
+    lshm_pool_trim(); /* the default-pages storage's memfd went to the pool */
+    ASSERT_EQ(fd_count(), fds);
+}
+
 /* ---- seals (issue 9) ------------------------------------------------------------------------ */
 
 static int seals_of(int fd) {
@@ -914,6 +998,7 @@ int main(void) {
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
     RUN_TEST(test_seal_readonly);
+    RUN_TEST(test_share_refused_while_moving);
     RUN_TEST(test_fd_handed_out_writable);
     RUN_TEST(test_seal_readonly_sizes);
     RUN_TEST(test_pool);

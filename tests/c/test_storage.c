@@ -317,6 +317,52 @@ static void test_resize(void) {
     ASSERT_ERR(lshm_storage_resize(NULL, 20), -EINVAL);
 }
 
+/* Resize never frees or moves memory under another reference (issue 9): while the storage is
+ * retained (an array over it holds a reference) resize refuses with -EBUSY and changes
+ * nothing, for growth past the mapping (mremap would move it), shrinking (would unmap) and
+ * caller allocators (a new block); once released, resize works. */
+static void test_resize_busy(void) {
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(3 * page, NULL, LSHM_STORAGE_RESIZABLE, &s));
+    unsigned char *p = lshm_storage_data(s);
+    memset(p, 0x6b, 3 * page);
+    lshm_storage_retain(s); /* e.g. a numpy array over it */
+    size_t sizes[] = {64 * page, page, 0, 3 * page, 3 * page - 1};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        ASSERT_ERR(lshm_storage_resize(s, sizes[i]), -EBUSY);
+        ASSERT(strstr(lshm_last_error(), "1 other references") != NULL);
+        ASSERT(strstr(lshm_last_error(), "release them first") != NULL);
+        ASSERT_PTR_EQ(lshm_storage_data(s), p);
+        ASSERT_UINT_EQ(lshm_storage_nbytes(s), 3 * page);
+        ASSERT_EQ(lshm_storage_flags(s), LSHM_STORAGE_RESIZABLE);
+        ASSERT(all_bytes(p, 3 * page, 0x6b)); /* still mapped, still the same bytes */
+    }
+    ASSERT_EQ(lshm_storage_refcount(s), 2);
+    lshm_storage_release(s);
+    ASSERT_OK(lshm_storage_resize(s, 64 * page));
+    p = lshm_storage_data(s);
+    ASSERT(all_bytes(p, 3 * page, 0x6b));
+    ASSERT(all_bytes(p + 3 * page, 61 * page, 0));
+    lshm_storage_release(s);
+
+    counts c = {0};
+    lshm_allocator a = {count_alloc, count_free, &c, 0};
+    ASSERT_OK(lshm_storage_create(10, &a, LSHM_STORAGE_RESIZABLE, &s));
+    memset(lshm_storage_data(s), 3, 10);
+    void *old = lshm_storage_data(s);
+    lshm_storage_retain(s);
+    ASSERT_ERR(lshm_storage_resize(s, 20), -EBUSY);
+    ASSERT_EQ(c.allocs, 1); /* nothing allocated, nothing freed */
+    ASSERT_EQ(c.frees, 0);
+    ASSERT_PTR_EQ(lshm_storage_data(s), old);
+    ASSERT_UINT_EQ(lshm_storage_nbytes(s), 10);
+    lshm_storage_release(s);
+    ASSERT_OK(lshm_storage_resize(s, 20));
+    ASSERT_EQ(c.frees, 1);
+    ASSERT(all_bytes(lshm_storage_data(s), 10, 3));
+    lshm_storage_release(s);
+}
+
 static void test_copy(void) {
     lshm_storage *a, *b, *c;
     ASSERT_OK(lshm_storage_create(1000, NULL, 0, &a));
@@ -346,6 +392,7 @@ int main(void) {
     RUN_TEST(test_foreign);
     RUN_TEST(test_bad_input);
     RUN_TEST(test_resize);
+    RUN_TEST(test_resize_busy);
     RUN_TEST(test_copy);
     return 0;
 }
