@@ -57,6 +57,26 @@ def _unless_no_data(func, *args) -> bool:
     return True
 
 
+class _ArenaKeep:
+    """What an arena array's owner keeps alive (its ``_keep``): the arena, and one C reference
+    to the buffer the array's bytes lie in (``buffer``, an lshm_arena_buffer address, or None
+    for ordinary memory), released when the last array over that buffer is gone. So a re-plan
+    or :meth:`Arena.trim` never unmaps bytes a live array points at, even after ``free()``.
+    One object per buffer is shared by all the arena's arrays on it."""
+
+    __slots__ = ("arena", "buffer", "_finalizer", "__weakref__")
+
+    def __init__(self, arena: "Arena", buffer: Optional[int]) -> None:
+        self.arena = arena
+        self.buffer = buffer
+        if buffer is not None:
+            lib.lshm_arena_buffer_retain(buffer)
+            self._finalizer = weakref.finalize(self, lib.lshm_arena_buffer_release, buffer)
+            self._finalizer.atexit = False
+        else:
+            self._finalizer = None
+
+
 def _destroy(handle: int, live: dict) -> None:
     # Finalizer: no arrays are alive (each one keeps the Arena object alive), so only the
     # references the Arena itself holds remain; give them back, then the arena.
@@ -93,15 +113,17 @@ class Arena:
       block) frees them; it raises :class:`BufferError` and changes nothing while any array
       made by the arena is alive. Without close, the memory goes when the arena object and
       every array made from it are gone.
-    * Every array holds a reference to its storage and to the arena, so the bytes it sees stay
-      mapped as long as it lives. :meth:`deallocate` raises :class:`BufferError` (changing
+    * Every array holds a reference to its storage, to the arena and to the arena's buffer its
+      bytes lie in (``lshm_arena_current_buffer``), so the bytes it sees stay mapped as long as
+      it lives, even when the arena replaces the buffer (a re-plan) or frees it (:meth:`trim`):
+      the old buffer is unmapped once the last array over it is gone. :meth:`deallocate` raises :class:`BufferError` (changing
       nothing) while an array from :meth:`array` is alive: delete the arrays first.
     * The buffer is kept between :meth:`allocate` calls (no new mmap); :meth:`trim` frees it.
       Bytes are zero in a new buffer and left as they were in a reused one.
     * Recording arenas: :meth:`free` says a tensor is dead, and its slice may be handed to the
       next :meth:`empty` of the iteration. Using a freed array afterwards is a logic error like
       a use-after-free in C, except that it never touches unmapped memory (it may see another
-      tensor's bytes). :meth:`free` raises :class:`BufferError` while another
+      tensor's bytes, or the bytes of a buffer the arena no longer uses). :meth:`free` raises :class:`BufferError` while another
       :class:`~pyshm.Storage` handle on a buffer slice exists.
     * An arena is not thread-safe: use it from one thread at a time. Its arrays are ordinary
       arrays and may be used from any thread.
@@ -154,6 +176,10 @@ class Arena:
         self._live: dict = {}
         # the owners of the arrays handed out (each keeps the arena alive: its _keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
+        # buffer address (None: ordinary memory) -> the _ArenaKeep its arrays share
+        self._keeps: "weakref.WeakValueDictionary[Optional[int], _ArenaKeep]" = (
+            weakref.WeakValueDictionary()
+        )
         self._finalizer = weakref.finalize(self, _destroy, handle, self._live)
         self._finalizer.atexit = False
 
@@ -251,7 +277,8 @@ class Arena:
         """Recording arenas: tensor ``array`` (from :meth:`empty`) is dead from now on."""
         owner = _owner_of(array)
         handle = getattr(owner, "_handle", None)
-        if owner is None or owner._keep is not self or (
+        keep = getattr(owner, "_keep", None)
+        if owner is None or getattr(keep, "arena", None) is not self or (
             handle not in self._live
         ):
             raise ValueError("free expects a live array made by this arena's empty()")
@@ -264,7 +291,7 @@ class Arena:
                     errno.EBUSY, f"pyshm.Arena.free: {refs - 2} other reference(s) to the storage"
                 )
             # The slice goes to later allocs: the owner gives up its reference (the bytes stay
-            # mapped, since the owner keeps the arena alive) and forgets the storage.
+            # mapped: the owner keeps a reference to the buffer) and forgets the storage.
             owner._finalizer()
             owner._handle = None
         lib.lshm_arena_free(self._as_parameter_, handle)
@@ -323,7 +350,20 @@ class Arena:
 
     # ---- helpers --------------------------------------------------------------------------
 
+    def _keep_for(self, handle: int) -> _ArenaKeep:
+        """The _ArenaKeep for an array over storage `handle` (made by this arena)."""
+        buffer = None
+        if lib.lshm_storage_flags(handle) & _ffi.STORAGE_INPLACE:
+            # a slot: its bytes lie in the current buffer
+            out = ctypes.c_void_p()
+            lib.lshm_arena_current_buffer(self._as_parameter_, ctypes.byref(out))
+            buffer = out.value
+        keep = self._keeps.get(buffer)
+        if keep is None:
+            keep = self._keeps[buffer] = _ArenaKeep(self, buffer)
+        return keep
+
     def _wrap(self, handle: int, shape: Optional[ShapeLike], dtype: Any) -> np.ndarray:
-        array = _array_from_storage(handle, shape, dtype, 0, keep=self)
+        array = _array_from_storage(handle, shape, dtype, 0, keep=self._keep_for(handle))
         self._owners.add(_owner_of(array))
         return array

@@ -285,3 +285,78 @@ def test_storage_and_arrays_keep_the_arena_alive(no_fd_leak):
     del b
     gc.collect()
     assert ref() is None
+
+
+# ---- issue 9, point 2: a freed array never points at unmapped memory ------------------------
+
+_FREED_ARRAY_SCRIPT = r"""
+import gc, os, sys
+import numpy as np
+import pyshm
+
+shared, mode = sys.argv[1] == "shared", sys.argv[2]
+
+def mapped(address, n):
+    # mappings of /proc/self/maps overlapping [address, address + n)
+    count = 0
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        count += lo < address + n and hi > address
+    return count
+
+def memfd_maps(inode):
+    return sum(1 for line in open("/proc/self/maps") if line.split()[4] == str(inode))
+
+ar = pyshm.Arena.recording(shared=shared)
+t = ar.empty(4096, np.uint8); ar.free(t); ar.end_iteration()
+t = ar.empty(4096, np.uint8)
+t[:] = 7
+address = t.ctypes.data
+assert address == ar.data_ptr  # on the buffer
+inode = os.fstat(ar.fd).st_ino if shared else None
+ar.free(t)
+u = ar.empty(1 << 24, np.uint8); ar.free(u); ar.end_iteration()  # a re-plan
+assert ar.data_ptr != address  # a new buffer
+if mode == "trim":
+    ar.trim()
+    assert ar.data_ptr == 0
+assert mapped(address, 4096) >= 1
+assert int(t[0]) == 7 and int(t[-1]) == 7 and (t == 7).all()  # old bytes, still mapped
+t[0] = 1  # and writable
+view = t[10:]
+del t, u
+gc.collect()
+assert int(view[-1]) == 7  # a view keeps the old buffer too
+del view
+gc.collect()
+assert mapped(address, 4096) == 0, "the old buffer leaked"
+if shared:
+    assert memfd_maps(inode) == 0
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("shared", ["private", "shared"])
+@pytest.mark.parametrize("mode", ["replan", "trim"])
+def test_freed_recording_array_survives_replan_and_trim(shared, mode):
+    # In a subprocess: on the old code this is a SIGSEGV, which must fail the test, not pytest.
+    result = subprocess.run(
+        [sys.executable, "-c", _FREED_ARRAY_SCRIPT, shared, mode],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.strip() == "ok"
+
+
+def test_planned_arena_arrays_keep_their_buffer_reference():
+    arena = pyshm.Arena([4096, 4096], [0, 1], [1, 2]).allocate()
+    a = arena.array(0)
+    b = arena.array(1)
+    owner_a = pyshm.arrays._owner_of(a)
+    owner_b = pyshm.arrays._owner_of(b)
+    assert owner_a._keep is owner_b._keep  # one buffer reference for all arrays on it
+    assert owner_a._keep.arena is arena and owner_a._keep.buffer is not None
+    del a, b, owner_a, owner_b
+    gc.collect()
+    arena.deallocate()
+    arena.close()
