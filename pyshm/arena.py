@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import _ffi
+from . import _checks, _ffi
 from ._ffi import _i64_p, _u64_p, lib
 from .arrays import (
     ArrayOwner,
@@ -44,6 +44,11 @@ class ArenaStats:
     fallback_count: int
     iterations: int
     replans: int
+
+
+def _index(i: Any) -> int:
+    """A tensor index for C (a size_t): never wrapped; the library checks it against n."""
+    return _checks.size_t(i, "tensor index")
 
 
 def _unless_no_data(func, *args) -> bool:
@@ -253,13 +258,13 @@ class Arena:
         storage and the arena alive, and makes :meth:`deallocate` refuse until it is gone.
         """
         out = ctypes.c_void_p()
-        lib.lshm_arena_storage(self._as_parameter_, int(i), ctypes.byref(out))
+        lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
         return self._wrap(out.value, shape, dtype)
 
     def storage(self, i: int) -> Storage:
         """A :class:`Storage` handle (its own reference) on planned tensor ``i``."""
         out = ctypes.c_void_p()
-        lib.lshm_arena_storage(self._as_parameter_, int(i), ctypes.byref(out))
+        lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
         return Storage._from_handle(lib.lshm_storage_retain(out.value))
 
     # ---- recording arenas -----------------------------------------------------------------
@@ -311,7 +316,7 @@ class Arena:
     def offset(self, i: int) -> int:
         """Offset of tensor ``i`` in the buffer (and in ``.fd``)."""
         value = ctypes.c_uint64()
-        lib.lshm_arena_offset(self._as_parameter_, int(i), ctypes.byref(value))
+        lib.lshm_arena_offset(self._as_parameter_, _index(i), ctypes.byref(value))
         return int(value.value)
 
     @property

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _ffi
+from . import _checks, _ffi
 from ._ffi import lib
 from .storage import Storage, _create
 
@@ -109,7 +109,8 @@ def _array_from_storage(
     """An array over C storage `handle`, checked to fit; shape None: as many items as fit."""
     dtype = np.dtype(dtype)
     nbytes = lib.lshm_storage_nbytes(handle)
-    if offset < 0 or offset > nbytes:
+    offset = _checks.integer(offset, "offset", 0, _checks.SIZE_MAX, "size_t")
+    if offset > nbytes:
         raise ValueError(f"offset {offset} outside a storage of {nbytes} bytes")
     if shape is None:
         if dtype.itemsize == 0 or (nbytes - offset) % dtype.itemsize:

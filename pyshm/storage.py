@@ -6,7 +6,7 @@ import ctypes
 import weakref
 from typing import Optional
 
-from . import _ffi
+from . import _checks, _ffi
 from ._ffi import lib
 
 __all__ = ["Storage", "trim_pool"]
@@ -77,9 +77,9 @@ class Storage:
         The fd is validated (a memfd, long enough, sealed against shrink and grow) and
         duplicated; the caller keeps ownership of ``fd``.
         """
+        fd = _checks.fd(fd)
         nbytes = _check_nbytes(nbytes)
-        if offset < 0:
-            raise ValueError(f"offset must be >= 0, got {offset}")
+        offset = _checks.uint64(offset, "offset")
         out = ctypes.c_void_p()
         flags = _ffi.STORAGE_READONLY if readonly else 0
         lib.lshm_storage_attach(fd, offset, nbytes, flags, ctypes.byref(out))
@@ -218,17 +218,8 @@ class Storage:
 
 
 def _check_nbytes(nbytes) -> int:
-    try:
-        value = int(nbytes)
-    except TypeError:
-        raise TypeError(f"nbytes must be an integer, got {type(nbytes).__name__}") from None
-    if value != nbytes:
-        raise TypeError(f"nbytes must be an integer, got {nbytes!r}")
-    if value < 0:
-        raise ValueError(f"nbytes must be >= 0, got {value}")
-    if value >= 1 << 63:
-        raise OverflowError(f"nbytes {value} does not fit in a C size_t")
-    return value
+    """A byte count for C: an int (not a float, even 3.0) in [0, 2**63)."""
+    return _checks.integer(nbytes, "nbytes", 0, _checks.INT64_MAX, "size_t below 2**63")
 
 
 def trim_pool() -> int:

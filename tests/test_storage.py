@@ -243,3 +243,58 @@ def test_trim_pool_gives_back_recycled_memfds():
     del c
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+# ---- issue 9, point 7: every number that crosses into C is checked -------------------------
+
+
+def _arena():
+    return pyshm.Arena([4096, 4096], [0, 0], [1, 1]).allocate()
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda: pyshm.Storage(3.0), TypeError),
+        (lambda: pyshm.Storage(np.float64(3)), TypeError),
+        (lambda: pyshm.Storage(True), TypeError),
+        (lambda: pyshm.Storage(-1), ValueError),
+        (lambda: pyshm.Storage(2**64 + 10), OverflowError),
+        (lambda: pyshm.Storage(10, resizable=True).resize_(2**64 + 10), OverflowError),
+        (lambda: pyshm.Storage(10, resizable=True).resize_(20.0), TypeError),
+        # ctypes used to truncate: 2**32 + 3 attached fd 3
+        (lambda: pyshm.Storage.attach(2**32 + 3, 16), OverflowError),
+        (lambda: pyshm.Storage.attach(-1, 16), ValueError),
+        (lambda: pyshm.Storage.attach(3.0, 16), TypeError),
+        (lambda: pyshm.Storage.attach(0, 16.0), TypeError),
+        (lambda: pyshm.Storage.attach(0, 16, offset=2**64), OverflowError),
+        (lambda: pyshm.Storage.attach(0, 16, offset=-1), ValueError),
+        (lambda: pyshm.Storage(4096).asarray(offset=1.0), TypeError),
+        (lambda: pyshm.Storage(4096).asarray(offset=-1), ValueError),
+        (lambda: pyshm.Storage(4096).asarray(offset=2**64), OverflowError),
+        (lambda: pyshm.empty((2.0,)), TypeError),
+        (lambda: pyshm.empty((-1,)), ValueError),
+        (lambda: pyshm.empty((2**64,)), OverflowError),
+        # arena tensor indices: never wrapped to another tensor
+        (lambda: _arena().array(-1), ValueError),
+        (lambda: _arena().array(2**64), OverflowError),
+        (lambda: _arena().array(2**64 + 1), OverflowError),
+        (lambda: _arena().array(1.0), TypeError),
+        (lambda: _arena().array(2), ValueError),
+        (lambda: _arena().storage(2**64), OverflowError),
+        (lambda: _arena().offset(-1), ValueError),
+        (lambda: _arena().offset(2**64), OverflowError),
+    ],
+)
+def test_numbers_into_c_are_checked(call, error):
+    with pytest.raises(error):
+        call()
+
+
+def test_attach_with_a_wrapping_fd_does_not_attach_the_small_fd(no_fd_leak):
+    with pyshm.Storage(4096, shared=True) as storage:
+        fd = storage.fd
+        with pytest.raises(OverflowError):
+            pyshm.Storage.attach(fd + 2**32, 16)
+        with pyshm.Storage.attach(fd, 16) as same:  # the fd itself still works
+            assert same.nbytes == 16
