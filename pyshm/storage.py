@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import weakref
 from typing import Optional
 
@@ -45,6 +46,8 @@ class Storage:
       and therefore every existing array and raw pointer, keeps working and now sees shared
       memory, which other processes can map (``fd``). There is no name to unlink: the kernel
       frees the memory when the last mapping and fd are gone, even after a crash.
+    * ``resize_()`` (resizable storages only) never frees memory under a live array: it raises
+      :class:`BufferError` while any array, view, export or other handle holds the storage.
     * At interpreter exit nothing is freed explicitly; the operating system reclaims it.
     """
 
@@ -206,8 +209,29 @@ class Storage:
         return self
 
     def resize_(self, nbytes: int) -> "Storage":
-        """Resize a resizable, unshared storage (the data pointer may change)."""
-        lib.lshm_storage_resize(self._as_parameter_, _check_nbytes(nbytes))
+        """Resize a resizable, unshared storage (the data pointer may change); returns self.
+
+        Like ``bytearray``, a storage cannot be resized while its memory is in use: while any
+        array or view made from it (:meth:`asarray`, :func:`pyshm.storage_of`), any export of
+        such an array (a ``memoryview``, a buffer held by another library) or another
+        :class:`Storage` handle on it exists, this raises :class:`BufferError`
+        (``pyshm.ShmBufferError``, errno ``EBUSY``) and changes nothing. In other words it
+        works only while this handle holds the storage's one reference (``refcount == 1``),
+        which is the same rule ``lshm_storage_resize`` applies in C. Delete the arrays first.
+        :class:`PermissionError` when the storage is not resizable or is shared.
+        """
+        handle = self._as_parameter_
+        nbytes = _check_nbytes(nbytes)
+        refs = lib.lshm_storage_refcount(handle)
+        if refs > 1:
+            # Growing may move the pages (mremap) and shrinking unmaps the tail: either would
+            # leave a live array pointing at freed memory.
+            raise _ffi.ShmBufferError(
+                errno.EBUSY,
+                f"resize_: the storage is in use ({refs - 1} other reference(s): arrays, views, "
+                "exports or other handles); delete them before resizing",
+            )
+        lib.lshm_storage_resize(handle, nbytes)
         return self
 
     def asarray(self, shape=None, dtype="uint8", offset: int = 0):
