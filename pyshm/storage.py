@@ -197,8 +197,13 @@ class Storage:
 
         Runs in one C call without the GIL. Raises :class:`MemoryError` (an ``OSError`` too)
         when memory runs out, in which case the storage is exactly as before.
+        :class:`BufferError` (changing nothing) for a tensor of a private
+        :class:`pyshm.Arena`: its bytes are a slice of the arena's buffer, which cannot be
+        shared in place (create the arena with ``shared=True``).
         """
-        lib.lshm_storage_share(self._as_parameter_)
+        handle = self._as_parameter_
+        _check_shareable_in_place(handle, "share_memory_")
+        lib.lshm_storage_share(handle)
         return self
 
     def copy_(self, other: "Storage") -> "Storage":
@@ -239,6 +244,31 @@ class Storage:
         from .arrays import _array_from_storage
 
         return _array_from_storage(self._as_parameter_, shape, dtype, offset, self._keep)
+
+
+def _check_shareable_in_place(handle: int, what: str, error: Optional[type] = None) -> None:
+    """Raise unless lshm_storage_share of `handle` keeps every array over it aliased.
+
+    A storage that owns whole pages is shared in place at the same address. One that does not
+    (in pyshm: a slot of a private arena, flag STORAGE_INPLACE, whose bytes are a slice of the
+    arena's buffer) would get its data pointer swapped to a new mapping while the arrays over
+    it stay on the old bytes: refused while anything besides the arena holds it, which is
+    always the case when a user can reach it (libshm refuses the same with EBUSY). `error`:
+    the exception class to raise (default ShmBufferError, errno EBUSY).
+    """
+    flags = lib.lshm_storage_flags(handle)
+    if flags & _ffi.STORAGE_SHARED or not flags & _ffi.STORAGE_INPLACE:
+        return
+    if lib.lshm_storage_refcount(handle) <= 1:
+        return
+    message = (
+        f"{what}: this memory is a slice of a private pyshm.Arena's buffer, which cannot be "
+        "shared in place (arrays over it would stop aliasing it); create the arena with "
+        "shared=True, or share a copy: pyshm.copy(array, shared=True)"
+    )
+    if error is None:
+        raise _ffi.ShmBufferError(errno.EBUSY, message)
+    raise error(message)
 
 
 def _check_nbytes(nbytes) -> int:

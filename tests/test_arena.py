@@ -360,3 +360,90 @@ def test_planned_arena_arrays_keep_their_buffer_reference():
     gc.collect()
     arena.deallocate()
     arena.close()
+
+
+# ---- issue 9, point 3: arena arrays are shared in place or refused, never un-aliased --------
+
+
+def add_one_and_return(array):  # a Pool worker (fork: no import needed)
+    array += 1
+    return array
+
+
+def _assert_aliased(a, storage):
+    # writes through either one are seen by the other
+    a[:4] = [1, 2, 3, 4]
+    assert bytes(storage.asarray()[:4]) == b"\x01\x02\x03\x04"
+    storage.asarray()[:4] = 9
+    assert (a[:4] == 9).all()
+
+
+@pytest.mark.parametrize("recording", [False, True], ids=["planned", "recording"])
+def test_private_arena_array_share_is_refused_and_changes_nothing(recording):
+    from multiprocessing.reduction import ForkingPickler
+    import pickle
+
+    if recording:
+        arena = pyshm.Arena.recording()
+        t, u = arena.empty(4096, np.uint8), arena.empty(4096, np.uint8)
+        arena.free(t)
+        arena.free(u)
+        arena.end_iteration()
+        a, b = arena.empty(4096, np.uint8), arena.empty(4096, np.uint8)
+        for x in (a, b):  # both on the buffer
+            assert pyshm.storage_of(x).flags & pyshm._ffi.STORAGE_INPLACE
+    else:
+        arena = pyshm.Arena([4096, 4096], [0, 0], [1, 1]).allocate()
+        a, b = arena.array(0), arena.array(1)
+    storage = pyshm.storage_of(a)
+    address = storage.data_ptr
+    assert a.ctypes.data == address
+    for attempt in (
+        lambda: pyshm.share_memory_(a),
+        lambda: pyshm.share_memory_(a[10:]),
+        storage.share_memory_,
+        lambda: pyshm.share_readonly(a),
+    ):
+        with pytest.raises(BufferError, match="shared=True") as info:
+            attempt()
+        assert "pyshm.copy(array, shared=True)" in str(info.value)
+        assert not pyshm.is_shared(a) and not storage.is_shared
+        assert storage.data_ptr == address == a.ctypes.data
+        _assert_aliased(a, storage)
+    # Pickling for another process refuses in the sender (not an UnpicklingError later).
+    for obj in (b, a[::2], storage):
+        with pytest.raises((pickle.PicklingError, BufferError), match="shared=True"):
+            ForkingPickler.dumps(obj)
+    assert not pyshm.is_shared(b) and not pyshm.is_shared(a)
+    assert pyshm.storage_of(b).data_ptr == b.ctypes.data
+    _assert_aliased(b, pyshm.storage_of(b))
+    # The way out the message gives works.
+    copy = pyshm.copy(a, shared=True)
+    assert pyshm.is_shared(copy) and (copy == a).all()
+    if recording:
+        storage.close()
+        arena.free(a)
+        arena.free(b)
+        arena.end_iteration()
+
+
+def test_shared_arena_arrays_pickle_and_arrive_aliased():
+    import multiprocessing as mp
+
+    # tensors 0 and 1 have one size: each must come back as itself, not as the other
+    arena = pyshm.Arena([4096, 4096, 64], [0, 0, 0], [1, 1, 1], shared=True).allocate()
+    arrays = [arena.array(i) for i in range(3)]
+    for i, a in enumerate(arrays):
+        a[:] = i + 1
+    with mp.get_context("fork").Pool(1) as pool:
+        back = pool.map(add_one_and_return, [arrays[1], arrays[0][100:200], arrays[2]])
+    assert (arrays[0][100:200] == 2).all() and (arrays[0][:100] == 1).all()
+    assert (arrays[1] == 3).all() and (arrays[2] == 4).all()  # the worker's writes, same memory
+    # what comes back is the arena's memory (the same pages, written both ways)
+    for got, original in zip(back, [arrays[1], arrays[0][100:200], arrays[2]]):
+        assert (got == original).all()
+        got[:] = 42
+        assert (original == 42).all()
+    assert (arrays[0][:100] == 1).all() and (arrays[0][200:] == 1).all()
+    del back, arrays, a
+    gc.collect()
