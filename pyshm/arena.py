@@ -110,7 +110,12 @@ class Arena:
       later iterations are served from the arena's buffer (re-planning when a request grows).
 
     With ``shared=True`` the buffer is one anonymous memfd: ``.fd`` can be sent to another
-    process, which maps it (``pyshm.Storage.attach(fd, nbytes, offset=arena.offset(i))``).
+    process, which maps it (``pyshm.Storage.attach(fd, nbytes, offset=arena.offset(i))``), and
+    its arrays pickle for multiprocessing as views of it. A private arena's arrays cannot be
+    shared in place (their bytes are a slice of the arena's buffer): ``share_memory_``,
+    ``share_readonly`` and pickling them for another process raise :class:`BufferError` /
+    :class:`pickle.PicklingError` and change nothing; use ``shared=True`` or
+    ``pyshm.copy(array, shared=True)``.
 
     Lifetime contract:
 
