@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Optional, Sequence
 
@@ -24,13 +25,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from . import planner
 
-    ids, sizes, firsts, lasts = planner.read_trace(args.trace)
+    ids, sizes, firsts, lasts, lines = planner._read_trace(args.trace)
     start = time.perf_counter()
-    result = planner.plan(
-        sizes, firsts, lasts,
-        alignment=args.alignment, inclusive=args.inclusive, time_limit=args.time_limit,
-        capacity=args.capacity,
-    )
+    try:
+        result = planner.plan(
+            sizes, firsts, lasts,
+            alignment=args.alignment, inclusive=args.inclusive, time_limit=args.time_limit,
+            capacity=args.capacity,
+        )
+    except ValueError as exc:
+        # The library names tensors by index: name the file's line instead.
+        found = re.search(r"\btensor (\d+)\b", str(exc))
+        if found is None or int(found.group(1)) >= len(lines):
+            raise
+        i = int(found.group(1))
+        raise ValueError(f"{args.trace}:{lines[i]}: (id {ids[i]}) {exc}") from None
     seconds = time.perf_counter() - start
     if args.output:
         planner.write_trace(args.output, ids, sizes, firsts, lasts, result.offsets)
@@ -81,8 +90,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (OSError, ValueError) as exc:
-        print(f"pyshm: error: {exc}", file=sys.stderr)
+    except (OSError, ValueError, OverflowError) as exc:
+        message = " ".join(str(exc).split())  # one line
+        print(f"pyshm: error: {message}", file=sys.stderr)
         return 1
 
 

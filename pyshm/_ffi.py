@@ -207,6 +207,7 @@ ARENA_SHARED = 0x1
 _storage_p = c_void_p
 _segment_p = c_void_p
 _arena_p = c_void_p
+_arena_buffer_p = c_void_p
 _u64_p = POINTER(c_uint64)
 _i64_p = POINTER(c_int64)
 
@@ -326,6 +327,11 @@ _TABLE = [
     ("lshm_arena_data", c_void_p, [_arena_p], False),
     ("lshm_arena_size", c_uint64, [_arena_p], False),
     ("lshm_arena_fd", c_int, [_arena_p, POINTER(c_int)], True),
+    ("lshm_arena_current_buffer", c_int, [_arena_p, POINTER(_arena_buffer_p)], True),
+    ("lshm_arena_buffer_retain", _arena_buffer_p, [_arena_buffer_p], False),
+    ("lshm_arena_buffer_release", None, [_arena_buffer_p], False),
+    ("lshm_arena_buffer_data", c_void_p, [_arena_buffer_p], False),
+    ("lshm_arena_buffer_size", c_size_t, [_arena_buffer_p], False),
     ("lshm_arena_stats", c_int, [_arena_p, POINTER(ArenaCounters)], True),
     ("lshm_arena_plan_result", c_int, [_arena_p, POINTER(PlanResult)], True),
     ("lshm_arena_alloc", c_int, [_arena_p, c_size_t, POINTER(_storage_p)], True),

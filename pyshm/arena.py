@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import _ffi
+from . import _checks, _ffi
 from ._ffi import _i64_p, _u64_p, lib
 from .arrays import (
     ArrayOwner,
@@ -46,6 +46,11 @@ class ArenaStats:
     replans: int
 
 
+def _index(i: Any) -> int:
+    """A tensor index for C (a size_t): never wrapped; the library checks it against n."""
+    return _checks.size_t(i, "tensor index")
+
+
 def _unless_no_data(func, *args) -> bool:
     """Call ``func``; False when it reports ENODATA (nothing there yet), True on success."""
     try:
@@ -55,6 +60,26 @@ def _unless_no_data(func, *args) -> bool:
             return False
         raise
     return True
+
+
+class _ArenaKeep:
+    """What an arena array's owner keeps alive (its ``_keep``): the arena, and one C reference
+    to the buffer the array's bytes lie in (``buffer``, an lshm_arena_buffer address, or None
+    for ordinary memory), released when the last array over that buffer is gone. So a re-plan
+    or :meth:`Arena.trim` never unmaps bytes a live array points at, even after ``free()``.
+    One object per buffer is shared by all the arena's arrays on it."""
+
+    __slots__ = ("arena", "buffer", "_finalizer", "__weakref__")
+
+    def __init__(self, arena: "Arena", buffer: Optional[int]) -> None:
+        self.arena = arena
+        self.buffer = buffer
+        if buffer is not None:
+            lib.lshm_arena_buffer_retain(buffer)
+            self._finalizer = weakref.finalize(self, lib.lshm_arena_buffer_release, buffer)
+            self._finalizer.atexit = False
+        else:
+            self._finalizer = None
 
 
 def _destroy(handle: int, live: dict) -> None:
@@ -85,7 +110,12 @@ class Arena:
       later iterations are served from the arena's buffer (re-planning when a request grows).
 
     With ``shared=True`` the buffer is one anonymous memfd: ``.fd`` can be sent to another
-    process, which maps it (``pyshm.Storage.attach(fd, nbytes, offset=arena.offset(i))``).
+    process, which maps it (``pyshm.Storage.attach(fd, nbytes, offset=arena.offset(i))``), and
+    its arrays pickle for multiprocessing as views of it. A private arena's arrays cannot be
+    shared in place (their bytes are a slice of the arena's buffer): ``share_memory_``,
+    ``share_readonly`` and pickling them for another process raise :class:`BufferError` /
+    :class:`pickle.PicklingError` and change nothing; use ``shared=True`` or
+    ``pyshm.copy(array, shared=True)``.
 
     Lifetime contract:
 
@@ -93,15 +123,17 @@ class Arena:
       block) frees them; it raises :class:`BufferError` and changes nothing while any array
       made by the arena is alive. Without close, the memory goes when the arena object and
       every array made from it are gone.
-    * Every array holds a reference to its storage and to the arena, so the bytes it sees stay
-      mapped as long as it lives. :meth:`deallocate` raises :class:`BufferError` (changing
+    * Every array holds a reference to its storage, to the arena and to the arena's buffer its
+      bytes lie in (``lshm_arena_current_buffer``), so the bytes it sees stay mapped as long as
+      it lives, even when the arena replaces the buffer (a re-plan) or frees it (:meth:`trim`):
+      the old buffer is unmapped once the last array over it is gone. :meth:`deallocate` raises :class:`BufferError` (changing
       nothing) while an array from :meth:`array` is alive: delete the arrays first.
     * The buffer is kept between :meth:`allocate` calls (no new mmap); :meth:`trim` frees it.
       Bytes are zero in a new buffer and left as they were in a reused one.
     * Recording arenas: :meth:`free` says a tensor is dead, and its slice may be handed to the
       next :meth:`empty` of the iteration. Using a freed array afterwards is a logic error like
       a use-after-free in C, except that it never touches unmapped memory (it may see another
-      tensor's bytes). :meth:`free` raises :class:`BufferError` while another
+      tensor's bytes, or the bytes of a buffer the arena no longer uses). :meth:`free` raises :class:`BufferError` while another
       :class:`~pyshm.Storage` handle on a buffer slice exists.
     * An arena is not thread-safe: use it from one thread at a time. Its arrays are ordinary
       arrays and may be used from any thread.
@@ -154,6 +186,10 @@ class Arena:
         self._live: dict = {}
         # the owners of the arrays handed out (each keeps the arena alive: its _keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
+        # buffer address (None: ordinary memory) -> the _ArenaKeep its arrays share
+        self._keeps: "weakref.WeakValueDictionary[Optional[int], _ArenaKeep]" = (
+            weakref.WeakValueDictionary()
+        )
         self._finalizer = weakref.finalize(self, _destroy, handle, self._live)
         self._finalizer.atexit = False
 
@@ -227,13 +263,13 @@ class Arena:
         storage and the arena alive, and makes :meth:`deallocate` refuse until it is gone.
         """
         out = ctypes.c_void_p()
-        lib.lshm_arena_storage(self._as_parameter_, int(i), ctypes.byref(out))
+        lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
         return self._wrap(out.value, shape, dtype)
 
     def storage(self, i: int) -> Storage:
         """A :class:`Storage` handle (its own reference) on planned tensor ``i``."""
         out = ctypes.c_void_p()
-        lib.lshm_arena_storage(self._as_parameter_, int(i), ctypes.byref(out))
+        lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
         return Storage._from_handle(lib.lshm_storage_retain(out.value))
 
     # ---- recording arenas -----------------------------------------------------------------
@@ -251,7 +287,8 @@ class Arena:
         """Recording arenas: tensor ``array`` (from :meth:`empty`) is dead from now on."""
         owner = _owner_of(array)
         handle = getattr(owner, "_handle", None)
-        if owner is None or owner._keep is not self or (
+        keep = getattr(owner, "_keep", None)
+        if owner is None or getattr(keep, "arena", None) is not self or (
             handle not in self._live
         ):
             raise ValueError("free expects a live array made by this arena's empty()")
@@ -264,7 +301,7 @@ class Arena:
                     errno.EBUSY, f"pyshm.Arena.free: {refs - 2} other reference(s) to the storage"
                 )
             # The slice goes to later allocs: the owner gives up its reference (the bytes stay
-            # mapped, since the owner keeps the arena alive) and forgets the storage.
+            # mapped: the owner keeps a reference to the buffer) and forgets the storage.
             owner._finalizer()
             owner._handle = None
         lib.lshm_arena_free(self._as_parameter_, handle)
@@ -284,7 +321,7 @@ class Arena:
     def offset(self, i: int) -> int:
         """Offset of tensor ``i`` in the buffer (and in ``.fd``)."""
         value = ctypes.c_uint64()
-        lib.lshm_arena_offset(self._as_parameter_, int(i), ctypes.byref(value))
+        lib.lshm_arena_offset(self._as_parameter_, _index(i), ctypes.byref(value))
         return int(value.value)
 
     @property
@@ -323,7 +360,20 @@ class Arena:
 
     # ---- helpers --------------------------------------------------------------------------
 
+    def _keep_for(self, handle: int) -> _ArenaKeep:
+        """The _ArenaKeep for an array over storage `handle` (made by this arena)."""
+        buffer = None
+        if lib.lshm_storage_flags(handle) & _ffi.STORAGE_INPLACE:
+            # a slot: its bytes lie in the current buffer
+            out = ctypes.c_void_p()
+            lib.lshm_arena_current_buffer(self._as_parameter_, ctypes.byref(out))
+            buffer = out.value
+        keep = self._keeps.get(buffer)
+        if keep is None:
+            keep = self._keeps[buffer] = _ArenaKeep(self, buffer)
+        return keep
+
     def _wrap(self, handle: int, shape: Optional[ShapeLike], dtype: Any) -> np.ndarray:
-        array = _array_from_storage(handle, shape, dtype, 0, keep=self)
+        array = _array_from_storage(handle, shape, dtype, 0, keep=self._keep_for(handle))
         self._owners.add(_owner_of(array))
         return array

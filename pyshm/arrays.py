@@ -17,9 +17,9 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _ffi
+from . import _checks, _ffi
 from ._ffi import lib
-from .storage import Storage, _create
+from .storage import Storage, _check_shareable_in_place, _create
 
 __all__ = [
     "ArrayOwner",
@@ -109,7 +109,8 @@ def _array_from_storage(
     """An array over C storage `handle`, checked to fit; shape None: as many items as fit."""
     dtype = np.dtype(dtype)
     nbytes = lib.lshm_storage_nbytes(handle)
-    if offset < 0 or offset > nbytes:
+    offset = _checks.integer(offset, "offset", 0, _checks.SIZE_MAX, "size_t")
+    if offset > nbytes:
         raise ValueError(f"offset {offset} outside a storage of {nbytes} bytes")
     if shape is None:
         if dtype.itemsize == 0 or (nbytes - offset) % dtype.itemsize:
@@ -219,7 +220,10 @@ def share_memory_(array: Any) -> Any:
     GIL. On failure (``MemoryError``/``OSError``) the array is untouched.
 
     Raises :class:`TypeError` for memory pyshm does not own: use
-    ``pyshm.copy(array, shared=True)`` for those.
+    ``pyshm.copy(array, shared=True)`` for those. Raises :class:`BufferError` (errno EBUSY),
+    changing nothing, for an array of a private :class:`pyshm.Arena`: its bytes are a slice of
+    the arena's buffer, which cannot be shared in place without the array losing its storage;
+    create the arena with ``shared=True`` or share ``pyshm.copy(array, shared=True)``.
     """
     owner = _owner_of(array)
     if owner is None:
@@ -228,5 +232,6 @@ def share_memory_(array: Any) -> Any:
             "not backed by a pyshm storage); use pyshm.copy(array, shared=True) to get a "
             "shared copy"
         )
+    _check_shareable_in_place(owner._handle, "share_memory_")
     lib.lshm_storage_share(owner._handle)
     return array

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import csv
 import ctypes
-import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from . import _ffi
+from . import _checks, _ffi
 from ._ffi import _i64_p, _u64_p, lib
 
 __all__ = ["Plan", "plan", "lower_bound", "validate", "read_trace", "write_trace"]
@@ -44,15 +43,11 @@ class Plan:
 def _options(
     alignment: int, inclusive: bool, time_limit: float, capacity: int = 0
 ) -> _ffi.PlanOptions:
-    alignment = int(alignment)
+    alignment = _checks.uint64(alignment, "alignment")
     if alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two >= 1, got {alignment}")
-    time_limit = float(time_limit)
-    if not math.isfinite(time_limit) or time_limit < 0:
-        raise ValueError(f"time_limit must be a finite number >= 0, got {time_limit}")
-    capacity = int(capacity)
-    if capacity < 0 or capacity >= 1 << 64:
-        raise ValueError(f"capacity must be in [0, 2**64), got {capacity}")
+    time_limit = _checks.seconds(time_limit, "time_limit")
+    capacity = _checks.uint64(capacity, "capacity")
     opts = _ffi.PlanOptions()
     lib.lshm_plan_options_init(ctypes.byref(opts))
     opts.alignment = alignment
@@ -63,18 +58,7 @@ def _options(
 
 
 def _as_array(values: Any, dtype, name: str) -> np.ndarray:
-    array = np.asarray(values)
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        if not np.all(np.equal(np.mod(array, 1), 0)):
-            raise ValueError(f"{name} must hold integers")
-    if array.size and dtype == np.uint64 and np.any(array < 0):
-        raise ValueError(f"{name} must be >= 0")
-    try:
-        return np.ascontiguousarray(array, dtype=dtype)
-    except OverflowError as exc:
-        raise OverflowError(f"{name}: {exc}") from None
+    return _checks.int_array(values, dtype, name)
 
 
 def _inputs(sizes, firsts, lasts):
@@ -180,27 +164,59 @@ def validate(
     opts = _options(alignment, inclusive, 0.0)
     lib.lshm_plan_validate(
         n, _p(sizes_a, _u64_p), _p(firsts_a, _i64_p), _p(lasts_a, _i64_p),
-        _p(offsets_a, _u64_p), ctypes.byref(opts), int(arena_size),
+        _p(offsets_a, _u64_p), ctypes.byref(opts), _checks.uint64(arena_size, "arena_size"),
     )
 
 
 def read_trace(path: str):
-    """Read a trace CSV ``id,lower,upper,size[,...]`` into (ids, sizes, firsts, lasts)."""
-    ids, sizes, firsts, lasts = [], [], [], []
+    """Read a trace CSV ``id,lower,upper,size[,...]`` into (ids, sizes, firsts, lasts).
+
+    Every value is checked as it is read (``size`` in [0, 2**64), ``lower`` and ``upper`` in
+    int64, ``lower <= upper``): a bad one is a :class:`ValueError` naming the file and line.
+    """
+    ids, sizes, firsts, lasts, _ = _read_trace(path)
+    return ids, sizes, firsts, lasts
+
+
+def _read_trace(path: str):
+    """read_trace, plus the file's line number of each tensor (for error messages)."""
+    ids, sizes, firsts, lasts, lines = [], [], [], [], []
     with open(path, newline="") as handle:
         reader = csv.DictReader(handle)
         missing = {"id", "lower", "upper", "size"} - set(reader.fieldnames or ())
         if missing:
             raise ValueError(f"{path}: missing column(s) {sorted(missing)}")
-        for line, row in enumerate(reader, start=2):
+        for row in reader:
+            line = reader.line_num  # the file's line (blank lines and quoted newlines count)
+            where = f"{path}:{line}"
             try:
-                ids.append(row["id"])
-                firsts.append(int(row["lower"]))
-                lasts.append(int(row["upper"]))
-                sizes.append(int(row["size"]))
-            except (TypeError, ValueError):
-                raise ValueError(f"{path}:{line}: bad row {row}") from None
-    return ids, sizes, firsts, lasts
+                lower = _checks.int64(_cell_int(row, "lower"), "lower")
+                upper = _checks.int64(_cell_int(row, "upper"), "upper")
+                size = _checks.uint64(_cell_int(row, "size"), "size")
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"{where}: {exc} in row {_row_text(row)}") from None
+            if lower > upper:
+                raise ValueError(f"{where}: lower {lower} > upper {upper} in row {_row_text(row)}")
+            ids.append(row["id"])
+            firsts.append(lower)
+            lasts.append(upper)
+            sizes.append(size)
+            lines.append(line)
+    return ids, sizes, firsts, lasts, lines
+
+
+def _cell_int(row: dict, column: str) -> int:
+    text = row.get(column)
+    if text is None:
+        raise ValueError(f"no {column} value")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{column} {text!r} is not an integer") from None
+
+
+def _row_text(row: dict) -> str:
+    return ",".join("" if v is None else str(v) for k, v in row.items() if k is not None)
 
 
 def write_trace(path: str, ids, sizes, firsts, lasts, offsets) -> None:

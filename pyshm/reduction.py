@@ -11,7 +11,9 @@ the memfd and builds an array over the same pages: writes on either side are see
 
 * An array pyshm owns but has not shared yet is **shared in place on send**
   (:func:`pyshm.share_memory_`, the way ``torch`` does it): same address, every existing view
-  keeps aliasing it. This is never a silent copy.
+  keeps aliasing it. This is never a silent copy. Memory that cannot be shared in place (an
+  array of a private :class:`pyshm.Arena`) is refused when it is pickled, in the sender, with
+  :class:`pickle.PicklingError` saying what to do (``shared=True``, or send ``pyshm.copy``).
 * Arrays whose memory pyshm does not own (any other ndarray) are pickled by numpy as usual,
   i.e. by value.
 * Plain :func:`pickle.dumps` (no fd channel, e.g. to another host) is untouched: numpy pickles
@@ -79,7 +81,9 @@ Read-only sharing
 writing through its existing mapping, every receiver gets a read-only array, and no receiver can
 make a writable mapping of the fd or ``write`` to it (the kernel refuses, whatever the receiver
 does). It needs the array to be alone in its memfd (not in a slab: sealing would make the slab's
-other arrays read-only too; ``share_readonly(pyshm.copy(a))`` gives it its own). Receivers that
+other arrays read-only too), and its fd not to have been handed out writable yet (libshm then
+forbids further seals); ``share_readonly(pyshm.copy(a))`` gives it a memfd of its own, of any
+size (a private copy is shared in place). Receivers that
 mapped it writable before the seal keep their mappings. Every memfd is also sealed against
 shrink and grow, so no receiver can truncate it under the others (that would be SIGBUS).
 """
@@ -106,7 +110,7 @@ import numpy as np
 from . import _ffi
 from ._ffi import lib
 from .arrays import _SLAB_MAX, ArrayOwner, _owner_of, _wrap
-from .storage import Storage
+from .storage import Storage, _check_shareable_in_place
 
 __all__ = [
     "share_readonly",
@@ -329,6 +333,8 @@ def _export(
     """
     flags = lib.lshm_storage_flags(handle)
     if not flags & _ffi.STORAGE_SHARED:
+        # refused here, in the sender, for memory that cannot be shared in place
+        _check_shareable_in_place(handle, "pickling for another process", pickle.PicklingError)
         lib.lshm_storage_share(handle)  # in place, same address; atomic on failure
     fd = c_int(-1)
     offset = c_uint64(0)
@@ -626,8 +632,9 @@ def _resolve(token: Any) -> tuple:
             if holder is not None:
                 # our own memory coming back: the very same storage, same address
                 handle = _handle_of(holder)
-                if lib.lshm_storage_nbytes(handle) == nbytes:
-                    return None, lib.lshm_storage_retain(handle)
+                own = _own_storage_for(handle, offset, nbytes, size, readonly)
+                if own is not None:
+                    return None, own
             entry = _state.prefetched.pop(key, None)
             if entry is not None:  # handed to us with an earlier fetch
                 fd, _, sender = entry
@@ -670,6 +677,28 @@ def _resolve(token: Any) -> tuple:
             f"pyshm: memfd is {mapping.size} bytes, the sender said {size}"
         )
     return mapping, _new_view(mapping, offset, nbytes, readonly)
+
+
+def _own_storage_for(handle: int, offset: int, nbytes: int, size: int,
+                     readonly: bool) -> Optional[int]:
+    """A storage (a new reference) for [offset, offset + nbytes) of the memfd of `handle`, a
+    storage this process exported, or None. Several storages may live in one memfd (a shared
+    arena's tensors): the one exported first is the holder, so the range decides."""
+    segment = lib.lshm_storage_segment(handle)
+    data = lib.lshm_storage_data(handle) or 0
+    start = data - (lib.lshm_segment_data(segment) or 0) if segment else 0
+    if start == offset and lib.lshm_storage_nbytes(handle) == nbytes:
+        return lib.lshm_storage_retain(handle)  # the very same storage
+    if segment and lib.lshm_segment_size(segment) == size:
+        return _new_view_of_segment(segment, offset, nbytes, readonly)  # same pages, same address
+    return None
+
+
+def _new_view_of_segment(segment: int, offset: int, nbytes: int, readonly: bool) -> int:
+    out = c_void_p()
+    flags = _ffi.STORAGE_READONLY if readonly else 0
+    lib.lshm_storage_create_view(segment, offset, nbytes, flags, byref(out))
+    return out.value
 
 
 def _keep_extras(extras: list, address: bytes) -> None:
@@ -816,38 +845,64 @@ def register() -> None:
 def share_readonly(array: Any) -> Any:
     """Share ``array`` so that every process it is sent to gets read-only memory; returns it.
 
-    The array is shared in place first if needed (same address). Its memfd is then sealed
-    with ``F_SEAL_FUTURE_WRITE``: this process keeps writing through its existing mapping (and
-    its arrays stay writeable), while receivers get arrays that are not writeable and cannot
-    map the fd writable or ``write`` to it. Irreversible for that memory. Processes that mapped
-    it writable before the seal keep their mappings.
+    The array is shared in place first if needed (same address, a memfd of its own, whatever
+    its size). Its memfd is then sealed with ``F_SEAL_FUTURE_WRITE``: this process keeps
+    writing through its existing mapping (and its arrays stay writeable), while receivers get
+    arrays that are not writeable and cannot map the fd writable or ``write`` to it.
+    Irreversible for that memory. Processes that mapped it writable before the seal keep their
+    mappings.
 
-    Raises :class:`ValueError` when the array shares its memfd with other arrays (a slab from
-    ``pyshm.empty(..., shared=True)`` of a small size): sealing would make them read-only too;
-    ``share_readonly(pyshm.copy(array))`` gives it a memfd of its own. :class:`TypeError` for
-    memory pyshm does not own.
+    Refusals change nothing (the array is not shared as a side effect, its fd is not handed
+    out), and each says to use ``share_readonly(pyshm.copy(array))``, which gives the bytes a
+    memfd of their own:
+
+    * :class:`ValueError` when the array's bytes are a slice of a memfd other arrays use too
+      (a slab from ``pyshm.empty(..., shared=True)`` of a small size, a shared arena's buffer):
+      sealing would make them read-only too;
+    * :class:`BufferError` for an array of a private :class:`pyshm.Arena` (cannot be shared
+      in place);
+    * :class:`PermissionError` when the memfd's fd was handed out writable already (sent to
+      another process, or read through ``Storage.fd``): libshm seals such fds against further
+      seals, so that no holder can add seals behind the owner's back.
+
+    :class:`TypeError` for memory pyshm does not own.
     """
     owner = _owner_of(array)
-    if owner is None:
+    if owner is None or owner._handle is None:
         raise TypeError(
             "share_readonly needs an array whose memory pyshm owns; use "
             "pyshm.share_readonly(pyshm.copy(array))"
         )
     handle = owner._handle
-    if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
-        lib.lshm_storage_share(handle)
-    fd = c_int(-1)
-    offset = c_uint64(0)
-    lib.lshm_storage_fd(handle, byref(fd), byref(offset))
-    nbytes = lib.lshm_storage_nbytes(handle)
-    size = os.fstat(fd.value).st_size
-    if offset.value != 0 or nbytes != size:
-        raise ValueError(
-            f"this array's {nbytes} bytes share a {size}-byte memfd (a slab) with other arrays; "
-            "sealing it read-only would affect them too. Use "
-            "pyshm.share_readonly(pyshm.copy(array)) to give it a memfd of its own"
-        )
-    lib.lshm_storage_seal_readonly(handle)  # a view seals its whole segment: checked above
+    # Every check before anything changes: no share, no fd lookup (which would export it).
+    _check_shareable_in_place(handle, "share_readonly")
+    shared = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED)
+    segment = lib.lshm_storage_segment(handle) if shared else None
+    if segment:
+        # A view of a segment: alone in it only if it covers the whole of it.
+        nbytes = lib.lshm_storage_nbytes(handle)
+        size = lib.lshm_segment_size(segment)
+        offset = (lib.lshm_storage_data(handle) or 0) - (lib.lshm_segment_data(segment) or 0)
+        if offset != 0 or nbytes != size:
+            raise ValueError(
+                f"this array's {nbytes} bytes at offset {offset} share a {size}-byte memfd (a "
+                "slab, or an arena's buffer) with other arrays; sealing it read-only would "
+                "affect them too. Use pyshm.share_readonly(pyshm.copy(array)) to give it a "
+                "memfd of its own"
+            )
+    if not shared:
+        lib.lshm_storage_share(handle)  # in place: a memfd of its own, never handed out
+    try:
+        lib.lshm_storage_seal_readonly(handle)  # a whole-segment view seals its segment
+    except _ffi.ShmPermissionError as exc:
+        raise _ffi.ShmPermissionError(
+            exc.errno,
+            "share_readonly: this memory cannot be sealed read-only any more: its fd was "
+            "handed out writable before (sent to another process, or read through "
+            "Storage.fd), and libshm then forbids further seals so that no holder can add "
+            "them. Share a copy instead: pyshm.share_readonly(pyshm.copy(array)) "
+            f"({exc.strerror})",
+        ) from None
     return array
 
 

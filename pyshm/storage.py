@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import weakref
 from typing import Optional
 
-from . import _ffi
+from . import _checks, _ffi
 from ._ffi import lib
 
 __all__ = ["Storage", "trim_pool"]
@@ -45,6 +46,8 @@ class Storage:
       and therefore every existing array and raw pointer, keeps working and now sees shared
       memory, which other processes can map (``fd``). There is no name to unlink: the kernel
       frees the memory when the last mapping and fd are gone, even after a crash.
+    * ``resize_()`` (resizable storages only) never frees memory under a live array: it raises
+      :class:`BufferError` while any array, view, export or other handle holds the storage.
     * At interpreter exit nothing is freed explicitly; the operating system reclaims it.
     """
 
@@ -77,9 +80,9 @@ class Storage:
         The fd is validated (a memfd, long enough, sealed against shrink and grow) and
         duplicated; the caller keeps ownership of ``fd``.
         """
+        fd = _checks.fd(fd)
         nbytes = _check_nbytes(nbytes)
-        if offset < 0:
-            raise ValueError(f"offset must be >= 0, got {offset}")
+        offset = _checks.uint64(offset, "offset")
         out = ctypes.c_void_p()
         flags = _ffi.STORAGE_READONLY if readonly else 0
         lib.lshm_storage_attach(fd, offset, nbytes, flags, ctypes.byref(out))
@@ -194,8 +197,13 @@ class Storage:
 
         Runs in one C call without the GIL. Raises :class:`MemoryError` (an ``OSError`` too)
         when memory runs out, in which case the storage is exactly as before.
+        :class:`BufferError` (changing nothing) for a tensor of a private
+        :class:`pyshm.Arena`: its bytes are a slice of the arena's buffer, which cannot be
+        shared in place (create the arena with ``shared=True``).
         """
-        lib.lshm_storage_share(self._as_parameter_)
+        handle = self._as_parameter_
+        _check_shareable_in_place(handle, "share_memory_")
+        lib.lshm_storage_share(handle)
         return self
 
     def copy_(self, other: "Storage") -> "Storage":
@@ -206,8 +214,29 @@ class Storage:
         return self
 
     def resize_(self, nbytes: int) -> "Storage":
-        """Resize a resizable, unshared storage (the data pointer may change)."""
-        lib.lshm_storage_resize(self._as_parameter_, _check_nbytes(nbytes))
+        """Resize a resizable, unshared storage (the data pointer may change); returns self.
+
+        Like ``bytearray``, a storage cannot be resized while its memory is in use: while any
+        array or view made from it (:meth:`asarray`, :func:`pyshm.storage_of`), any export of
+        such an array (a ``memoryview``, a buffer held by another library) or another
+        :class:`Storage` handle on it exists, this raises :class:`BufferError`
+        (``pyshm.ShmBufferError``, errno ``EBUSY``) and changes nothing. In other words it
+        works only while this handle holds the storage's one reference (``refcount == 1``),
+        which is the same rule ``lshm_storage_resize`` applies in C. Delete the arrays first.
+        :class:`PermissionError` when the storage is not resizable or is shared.
+        """
+        handle = self._as_parameter_
+        nbytes = _check_nbytes(nbytes)
+        refs = lib.lshm_storage_refcount(handle)
+        if refs > 1:
+            # Growing may move the pages (mremap) and shrinking unmaps the tail: either would
+            # leave a live array pointing at freed memory.
+            raise _ffi.ShmBufferError(
+                errno.EBUSY,
+                f"resize_: the storage is in use ({refs - 1} other reference(s): arrays, views, "
+                "exports or other handles); delete them before resizing",
+            )
+        lib.lshm_storage_resize(handle, nbytes)
         return self
 
     def asarray(self, shape=None, dtype="uint8", offset: int = 0):
@@ -217,18 +246,34 @@ class Storage:
         return _array_from_storage(self._as_parameter_, shape, dtype, offset, self._keep)
 
 
+def _check_shareable_in_place(handle: int, what: str, error: Optional[type] = None) -> None:
+    """Raise unless lshm_storage_share of `handle` keeps every array over it aliased.
+
+    A storage that owns whole pages is shared in place at the same address. One that does not
+    (in pyshm: a slot of a private arena, flag STORAGE_INPLACE, whose bytes are a slice of the
+    arena's buffer) would get its data pointer swapped to a new mapping while the arrays over
+    it stay on the old bytes: refused while anything besides the arena holds it, which is
+    always the case when a user can reach it (libshm refuses the same with EBUSY). `error`:
+    the exception class to raise (default ShmBufferError, errno EBUSY).
+    """
+    flags = lib.lshm_storage_flags(handle)
+    if flags & _ffi.STORAGE_SHARED or not flags & _ffi.STORAGE_INPLACE:
+        return
+    if lib.lshm_storage_refcount(handle) <= 1:
+        return
+    message = (
+        f"{what}: this memory is a slice of a private pyshm.Arena's buffer, which cannot be "
+        "shared in place (arrays over it would stop aliasing it); create the arena with "
+        "shared=True, or share a copy: pyshm.copy(array, shared=True)"
+    )
+    if error is None:
+        raise _ffi.ShmBufferError(errno.EBUSY, message)
+    raise error(message)
+
+
 def _check_nbytes(nbytes) -> int:
-    try:
-        value = int(nbytes)
-    except TypeError:
-        raise TypeError(f"nbytes must be an integer, got {type(nbytes).__name__}") from None
-    if value != nbytes:
-        raise TypeError(f"nbytes must be an integer, got {nbytes!r}")
-    if value < 0:
-        raise ValueError(f"nbytes must be >= 0, got {value}")
-    if value >= 1 << 63:
-        raise OverflowError(f"nbytes {value} does not fit in a C size_t")
-    return value
+    """A byte count for C: an int (not a float, even 3.0) in [0, 2**63)."""
+    return _checks.integer(nbytes, "nbytes", 0, _checks.INT64_MAX, "size_t below 2**63")
 
 
 def trim_pool() -> int:

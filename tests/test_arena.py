@@ -285,3 +285,165 @@ def test_storage_and_arrays_keep_the_arena_alive(no_fd_leak):
     del b
     gc.collect()
     assert ref() is None
+
+
+# ---- issue 9, point 2: a freed array never points at unmapped memory ------------------------
+
+_FREED_ARRAY_SCRIPT = r"""
+import gc, os, sys
+import numpy as np
+import pyshm
+
+shared, mode = sys.argv[1] == "shared", sys.argv[2]
+
+def mapped(address, n):
+    # mappings of /proc/self/maps overlapping [address, address + n)
+    count = 0
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        count += lo < address + n and hi > address
+    return count
+
+def memfd_maps(inode):
+    return sum(1 for line in open("/proc/self/maps") if line.split()[4] == str(inode))
+
+ar = pyshm.Arena.recording(shared=shared)
+t = ar.empty(4096, np.uint8); ar.free(t); ar.end_iteration()
+t = ar.empty(4096, np.uint8)
+t[:] = 7
+address = t.ctypes.data
+assert address == ar.data_ptr  # on the buffer
+inode = os.fstat(ar.fd).st_ino if shared else None
+ar.free(t)
+u = ar.empty(1 << 24, np.uint8); ar.free(u); ar.end_iteration()  # a re-plan
+assert ar.data_ptr != address  # a new buffer
+if mode == "trim":
+    ar.trim()
+    assert ar.data_ptr == 0
+assert mapped(address, 4096) >= 1
+assert int(t[0]) == 7 and int(t[-1]) == 7 and (t == 7).all()  # old bytes, still mapped
+t[0] = 1  # and writable
+view = t[10:]
+del t, u
+gc.collect()
+assert int(view[-1]) == 7  # a view keeps the old buffer too
+del view
+gc.collect()
+assert mapped(address, 4096) == 0, "the old buffer leaked"
+if shared:
+    assert memfd_maps(inode) == 0
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("shared", ["private", "shared"])
+@pytest.mark.parametrize("mode", ["replan", "trim"])
+def test_freed_recording_array_survives_replan_and_trim(shared, mode):
+    # In a subprocess: on the old code this is a SIGSEGV, which must fail the test, not pytest.
+    result = subprocess.run(
+        [sys.executable, "-c", _FREED_ARRAY_SCRIPT, shared, mode],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.strip() == "ok"
+
+
+def test_planned_arena_arrays_keep_their_buffer_reference():
+    arena = pyshm.Arena([4096, 4096], [0, 1], [1, 2]).allocate()
+    a = arena.array(0)
+    b = arena.array(1)
+    owner_a = pyshm.arrays._owner_of(a)
+    owner_b = pyshm.arrays._owner_of(b)
+    assert owner_a._keep is owner_b._keep  # one buffer reference for all arrays on it
+    assert owner_a._keep.arena is arena and owner_a._keep.buffer is not None
+    del a, b, owner_a, owner_b
+    gc.collect()
+    arena.deallocate()
+    arena.close()
+
+
+# ---- issue 9, point 3: arena arrays are shared in place or refused, never un-aliased --------
+
+
+def add_one_and_return(array):  # a Pool worker (fork: no import needed)
+    array += 1
+    return array
+
+
+def _assert_aliased(a, storage):
+    # writes through either one are seen by the other
+    a[:4] = [1, 2, 3, 4]
+    assert bytes(storage.asarray()[:4]) == b"\x01\x02\x03\x04"
+    storage.asarray()[:4] = 9
+    assert (a[:4] == 9).all()
+
+
+@pytest.mark.parametrize("recording", [False, True], ids=["planned", "recording"])
+def test_private_arena_array_share_is_refused_and_changes_nothing(recording):
+    from multiprocessing.reduction import ForkingPickler
+    import pickle
+
+    if recording:
+        arena = pyshm.Arena.recording()
+        t, u = arena.empty(4096, np.uint8), arena.empty(4096, np.uint8)
+        arena.free(t)
+        arena.free(u)
+        arena.end_iteration()
+        a, b = arena.empty(4096, np.uint8), arena.empty(4096, np.uint8)
+        for x in (a, b):  # both on the buffer
+            assert pyshm.storage_of(x).flags & pyshm._ffi.STORAGE_INPLACE
+    else:
+        arena = pyshm.Arena([4096, 4096], [0, 0], [1, 1]).allocate()
+        a, b = arena.array(0), arena.array(1)
+    storage = pyshm.storage_of(a)
+    address = storage.data_ptr
+    assert a.ctypes.data == address
+    for attempt in (
+        lambda: pyshm.share_memory_(a),
+        lambda: pyshm.share_memory_(a[10:]),
+        storage.share_memory_,
+        lambda: pyshm.share_readonly(a),
+    ):
+        with pytest.raises(BufferError, match="shared=True") as info:
+            attempt()
+        assert "pyshm.copy(array, shared=True)" in str(info.value)
+        assert not pyshm.is_shared(a) and not storage.is_shared
+        assert storage.data_ptr == address == a.ctypes.data
+        _assert_aliased(a, storage)
+    # Pickling for another process refuses in the sender (not an UnpicklingError later).
+    for obj in (b, a[::2], storage):
+        with pytest.raises((pickle.PicklingError, BufferError), match="shared=True"):
+            ForkingPickler.dumps(obj)
+    assert not pyshm.is_shared(b) and not pyshm.is_shared(a)
+    assert pyshm.storage_of(b).data_ptr == b.ctypes.data
+    _assert_aliased(b, pyshm.storage_of(b))
+    # The way out the message gives works.
+    copy = pyshm.copy(a, shared=True)
+    assert pyshm.is_shared(copy) and (copy == a).all()
+    if recording:
+        storage.close()
+        arena.free(a)
+        arena.free(b)
+        arena.end_iteration()
+
+
+def test_shared_arena_arrays_pickle_and_arrive_aliased():
+    import multiprocessing as mp
+
+    # tensors 0 and 1 have one size: each must come back as itself, not as the other
+    arena = pyshm.Arena([4096, 4096, 64], [0, 0, 0], [1, 1, 1], shared=True).allocate()
+    arrays = [arena.array(i) for i in range(3)]
+    for i, a in enumerate(arrays):
+        a[:] = i + 1
+    with mp.get_context("fork").Pool(1) as pool:
+        back = pool.map(add_one_and_return, [arrays[1], arrays[0][100:200], arrays[2]])
+    assert (arrays[0][100:200] == 2).all() and (arrays[0][:100] == 1).all()
+    assert (arrays[1] == 3).all() and (arrays[2] == 4).all()  # the worker's writes, same memory
+    # what comes back is the arena's memory (the same pages, written both ways)
+    for got, original in zip(back, [arrays[1], arrays[0][100:200], arrays[2]]):
+        assert (got == original).all()
+        got[:] = 42
+        assert (original == 42).all()
+    assert (arrays[0][:100] == 1).all() and (arrays[0][200:] == 1).all()
+    del back, arrays, a
+    gc.collect()

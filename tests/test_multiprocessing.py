@@ -8,6 +8,7 @@ and arrays are small, to keep the suite fast.
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import multiprocessing as mp
 import os
@@ -527,3 +528,70 @@ def test_100k_small_arrays_under_ulimit_1024(tmp_path, method):
     child_fds, child_segments, fds, segments = map(int, done.stdout.split())
     assert 98 <= child_segments <= 110 and 98 <= segments <= 110
     assert child_fds < 300 and fds < 300
+
+
+# ---- issue 9, point 6: share_readonly for arrays of any size; refusals change nothing --------
+
+
+@pytest.mark.parametrize("nbytes", [1000, 100_000])
+def test_readonly_sharing_any_size(pool, nbytes):
+    array = pyshm.empty(nbytes, np.uint8)  # private: shared in place with a memfd of its own
+    array[:] = 3
+    assert pyshm.share_readonly(array) is array
+    assert pyshm.is_shared(array) and array.flags.writeable
+    array[0] = 11
+    probe = pool.apply(readonly_probe, (array,))
+    assert probe == {
+        "writeable": False,
+        "value": 11,
+        "mmap": errno.EPERM,
+        "write": errno.EPERM,
+        "store": "refused",
+    }
+    # the copy the refusals suggest works for a small array too
+    small = pyshm.empty(10, np.uint8, shared=True)  # in a slab
+    copy = pyshm.share_readonly(pyshm.copy(small))
+    assert pool.apply(readonly_probe, (copy,))["writeable"] is False
+
+
+def test_readonly_refusals_change_nothing():
+    small = pyshm.empty(100, np.uint8, shared=True)  # a slab view
+    storage = pyshm.storage_of(small)
+    flags, address = storage.flags, storage.data_ptr
+    seals = fcntl.fcntl(storage.fd, fcntl.F_GET_SEALS)
+    with pytest.raises(ValueError, match="slab") as info:
+        pyshm.share_readonly(small)
+    assert "pyshm.share_readonly(pyshm.copy(array))" in str(info.value)
+    assert storage.flags == flags and storage.data_ptr == address and pyshm.is_shared(small)
+    assert fcntl.fcntl(storage.fd, fcntl.F_GET_SEALS) == seals
+    # a shared arena's tensor views part of the arena's memfd: refused the same way
+    arena = pyshm.Arena([4096, 4096], [0, 0], [1, 1], shared=True).allocate()
+    tensor = arena.array(1)
+    with pytest.raises(ValueError, match="slab"):
+        pyshm.share_readonly(tensor)
+    assert fcntl.fcntl(arena.fd, fcntl.F_GET_SEALS) & reduction.F_SEAL_FUTURE_WRITE == 0
+    # a private arena's tensor cannot be shared in place: refused, and still private
+    private = pyshm.Arena([4096], [0], [1]).allocate()
+    p = private.array(0)
+    with pytest.raises(BufferError):
+        pyshm.share_readonly(p)
+    assert not pyshm.is_shared(p)
+    # a whole memfd of its own (shared=True above 64 KiB) is sealed fine
+    big = pyshm.empty(100_000, np.uint8, shared=True)
+    pyshm.share_readonly(big)
+    assert fcntl.fcntl(pyshm.storage_of(big).fd, fcntl.F_GET_SEALS) & reduction.F_SEAL_FUTURE_WRITE
+
+
+def test_readonly_after_a_writable_fd_says_to_copy():
+    array = pyshm.share_memory_(pyshm.empty(5000, np.uint8))
+    array[:] = 7
+    fd = pyshm.storage_of(array).fd  # handed out writable
+    # What libshm does to an fd handed out writable (F_SEAL_SEAL), done by hand here so the
+    # message is tested whatever the library version.
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+    with pytest.raises(PermissionError, match=r"pyshm\.share_readonly\(pyshm\.copy\(array\)\)"):
+        pyshm.share_readonly(array)
+    assert pyshm.is_shared(array) and array.flags.writeable
+    copy = pyshm.share_readonly(pyshm.copy(array))
+    assert (copy == 7).all()
+    assert fcntl.fcntl(pyshm.storage_of(copy).fd, fcntl.F_GET_SEALS) & reduction.F_SEAL_FUTURE_WRITE

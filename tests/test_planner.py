@@ -358,3 +358,113 @@ def test_cli_plan(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 1 and "error" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ---- issue 9, point 7: every number that crosses into C is checked -------------------------
+
+OK3 = ([16, 8, 8], [0, 1, 2], [2, 3, 4])  # sizes, firsts, lasts that plan fine
+
+
+def _with(index, value):
+    args = [list(a) for a in OK3]
+    args[index] = value
+    return args
+
+
+@pytest.mark.filterwarnings("error")  # no RuntimeWarning from a silent numpy cast either
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        # sizes: floats that are not integers or do not fit, negatives, >= 2**64
+        (lambda: pyshm.plan([1e30, 8.0], [0, 0], [1, 1]), OverflowError),
+        (lambda: pyshm.plan(np.array([1e30, 8.0]), [0, 0], [1, 1]), OverflowError),
+        (lambda: pyshm.plan([2.0**64, 8], [0, 0], [1, 1]), OverflowError),
+        (lambda: pyshm.plan([8.5, 8], [0, 0], [1, 1]), ValueError),
+        (lambda: pyshm.plan([float("nan")], [0], [1]), ValueError),
+        (lambda: pyshm.plan([float("inf")], [0], [1]), ValueError),
+        (lambda: pyshm.plan([2**64, 8], [0, 0], [1, 1]), OverflowError),
+        (lambda: pyshm.plan([2**64 - 1, 2**64], [0, 0], [1, 1]), OverflowError),
+        (lambda: pyshm.plan([-1, 8], [0, 0], [1, 1]), ValueError),
+        (lambda: pyshm.plan(np.array([-1, 8], np.int8), [0, 0], [1, 1]), ValueError),
+        (lambda: pyshm.plan(["8"], [0], [1]), TypeError),
+        (lambda: pyshm.plan([None], [0], [1]), TypeError),
+        # lifetimes outside int64 (2**63 used to wrap to a negative tick)
+        (lambda: pyshm.plan(*_with(2, [2, 3, 2**63])), OverflowError),
+        (lambda: pyshm.plan(*_with(2, np.array([2, 3, 2**63], np.uint64))), OverflowError),
+        (lambda: pyshm.plan(*_with(1, [0, 1, -(2**63) - 1])), OverflowError),
+        (lambda: pyshm.plan(*_with(1, [0, 1, 2.0**63])), OverflowError),
+        (lambda: pyshm.plan(*_with(1, [0, 1, 0.5])), ValueError),
+        # options
+        (lambda: pyshm.plan(*OK3, alignment=64.0), TypeError),
+        (lambda: pyshm.plan(*OK3, alignment=2**64), OverflowError),
+        (lambda: pyshm.plan(*OK3, alignment=-64), ValueError),
+        (lambda: pyshm.plan(*OK3, time_limit=float("nan")), ValueError),
+        (lambda: pyshm.plan(*OK3, time_limit=float("inf")), ValueError),
+        (lambda: pyshm.plan(*OK3, time_limit=-0.5), ValueError),
+        (lambda: pyshm.plan(*OK3, time_limit="1"), TypeError),
+        (lambda: pyshm.plan(*OK3, capacity=-1), ValueError),
+        (lambda: pyshm.plan(*OK3, capacity=2**64), OverflowError),
+        (lambda: pyshm.plan(*OK3, capacity=100.0), TypeError),
+        (lambda: pyshm.plan(*OK3, fixed_offsets=[2**63, -1, -1]), OverflowError),
+        (lambda: pyshm.plan(*OK3, fixed_offsets=[0.5, -1, -1]), ValueError),
+        (lambda: pyshm.lower_bound([1e30], [0], [1]), OverflowError),
+        (lambda: pyshm.lower_bound(*OK3, alignment=2**64 + 64), OverflowError),
+        # validate: arena_size and offsets
+        (lambda: planner.validate([10], [0], [1], [0], -1), ValueError),
+        (lambda: planner.validate([10], [0], [1], [0], 2**64), OverflowError),
+        (lambda: planner.validate([10], [0], [1], [0], 16.0), TypeError),
+        (lambda: planner.validate([10], [0], [1], [-1], 16), ValueError),
+        (lambda: planner.validate([10], [0], [1], [2**64], 16), OverflowError),
+        # arenas take the same inputs
+        (lambda: pyshm.Arena([1e30], [0], [1]), OverflowError),
+        (lambda: pyshm.Arena([8], [0], [2**63]), OverflowError),
+        (lambda: pyshm.Arena.recording(alignment=2**64), OverflowError),
+        (lambda: pyshm.Arena.recording(time_limit=float("nan")), ValueError),
+    ],
+)
+def test_numbers_into_c_are_checked(call, error):
+    with pytest.raises(error):
+        call()
+
+
+def test_in_range_extremes_still_plan():
+    # the checks refuse only what does not fit: the largest values pass to the library
+    result = pyshm.plan([2**63, 8], [-(2**63), 2**63 - 2], [2**63 - 1, 2**63 - 1], alignment=1)
+    assert result.arena_size == 2**63 + 8
+    assert pyshm.plan([8.0, 16.0], [0.0, 0], [1, 1]).arena_size == 64 + 8  # integral floats
+    planner.validate([10], [0], [1], [0], 2**64 - 1)
+
+
+@pytest.mark.parametrize(
+    "rows, line, words",
+    [
+        ([(0, 0, 2, 16), (1, 1, 3, 2**64)], 3, ["size", str(2**64)]),
+        ([(0, 0, 2, 16), (1, 1, 2**63, 8)], 3, ["upper", str(2**63)]),
+        ([(0, -(2**63) - 1, 2, 16)], 2, ["lower"]),
+        ([(0, 0, 2, 16), (1, 1, 3, -5)], 3, ["size", ">= 0"]),
+        ([(0, 0, 2, 16), (1, 1, 3, "1.5")], 3, ["size", "1.5"]),
+        ([(0, 0, 2, 16), None, (1, 3, 1, 8)], 4, ["lower 3 > upper 1"]),  # after a blank line
+        # the library names a tensor by index: the CLI names the file's line instead
+        ([(0, 0, 2, 16), None, (7, 1, 3, 2**64 - 1)], 4, ["id 7", "overflows"]),
+    ],
+)
+def test_cli_plan_bad_numbers_name_the_line(tmp_path, rows, line, words):
+    trace = tmp_path / "bad.csv"
+    with open(trace, "w", newline="") as handle:
+        handle.write("id,lower,upper,size\n")
+        for row in rows:
+            handle.write("\n" if row is None else ",".join(map(str, row)) + "\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "pyshm", "plan", str(trace), "--alignment", "64"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode in (1, 2)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"pyshm: error: {trace}:{line}: "), lines[0]
+    for word in words:
+        assert word in lines[0]
+    if "id 7" not in words:  # read_trace itself refuses the row, naming the same line
+        with pytest.raises(ValueError, match=f"bad.csv:{line}: "):
+            planner.read_trace(str(trace))

@@ -243,3 +243,137 @@ def test_trim_pool_gives_back_recycled_memfds():
     del c
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+# ---- issue 9, point 7: every number that crosses into C is checked -------------------------
+
+
+def _arena():
+    return pyshm.Arena([4096, 4096], [0, 0], [1, 1]).allocate()
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda: pyshm.Storage(3.0), TypeError),
+        (lambda: pyshm.Storage(np.float64(3)), TypeError),
+        (lambda: pyshm.Storage(True), TypeError),
+        (lambda: pyshm.Storage(-1), ValueError),
+        (lambda: pyshm.Storage(2**64 + 10), OverflowError),
+        (lambda: pyshm.Storage(10, resizable=True).resize_(2**64 + 10), OverflowError),
+        (lambda: pyshm.Storage(10, resizable=True).resize_(20.0), TypeError),
+        # ctypes used to truncate: 2**32 + 3 attached fd 3
+        (lambda: pyshm.Storage.attach(2**32 + 3, 16), OverflowError),
+        (lambda: pyshm.Storage.attach(-1, 16), ValueError),
+        (lambda: pyshm.Storage.attach(3.0, 16), TypeError),
+        (lambda: pyshm.Storage.attach(0, 16.0), TypeError),
+        (lambda: pyshm.Storage.attach(0, 16, offset=2**64), OverflowError),
+        (lambda: pyshm.Storage.attach(0, 16, offset=-1), ValueError),
+        (lambda: pyshm.Storage(4096).asarray(offset=1.0), TypeError),
+        (lambda: pyshm.Storage(4096).asarray(offset=-1), ValueError),
+        (lambda: pyshm.Storage(4096).asarray(offset=2**64), OverflowError),
+        (lambda: pyshm.empty((2.0,)), TypeError),
+        (lambda: pyshm.empty((-1,)), ValueError),
+        (lambda: pyshm.empty((2**64,)), OverflowError),
+        # arena tensor indices: never wrapped to another tensor
+        (lambda: _arena().array(-1), ValueError),
+        (lambda: _arena().array(2**64), OverflowError),
+        (lambda: _arena().array(2**64 + 1), OverflowError),
+        (lambda: _arena().array(1.0), TypeError),
+        (lambda: _arena().array(2), ValueError),
+        (lambda: _arena().storage(2**64), OverflowError),
+        (lambda: _arena().offset(-1), ValueError),
+        (lambda: _arena().offset(2**64), OverflowError),
+    ],
+)
+def test_numbers_into_c_are_checked(call, error):
+    with pytest.raises(error):
+        call()
+
+
+def test_attach_with_a_wrapping_fd_does_not_attach_the_small_fd(no_fd_leak):
+    with pyshm.Storage(4096, shared=True) as storage:
+        fd = storage.fd
+        with pytest.raises(OverflowError):
+            pyshm.Storage.attach(fd + 2**32, 16)
+        with pyshm.Storage.attach(fd, 16) as same:  # the fd itself still works
+            assert same.nbytes == 16
+
+
+# ---- issue 9, point 1: resize never frees memory under a live array --------------------------
+
+_RESIZE_SCRIPT = r"""
+import gc, sys
+import numpy as np
+import pyshm
+
+case, target = sys.argv[1], int(sys.argv[2])
+st = pyshm.Storage(1 << 20, resizable=True)
+a = st.asarray()
+a[-1] = 0x5A
+a[0] = 0x11
+address = st.data_ptr
+if case == "array":
+    holder = None
+elif case == "view":
+    holder = a[10:]
+elif case == "memoryview":
+    holder = memoryview(a)
+elif case == "handle":
+    holder = pyshm.storage_of(a)
+if holder is not None:
+    del a
+    gc.collect()
+try:
+    st.resize_(target)
+except BufferError as exc:
+    assert isinstance(exc, OSError) and exc.errno == 16, exc  # EBUSY
+    assert "in use" in str(exc)
+else:
+    raise SystemExit("resize_ was not refused")
+assert st.nbytes == 1 << 20 and st.data_ptr == address  # nothing changed
+if holder is None:
+    assert a[-1] == 0x5A and a[0] == 0x11  # the old bytes, still mapped
+    del a
+elif case == "view":
+    assert holder[-1] == 0x5A
+elif case == "memoryview":
+    assert holder[-1] == 0x5A and holder[0] == 0x11
+    holder.release()
+del holder
+gc.collect()
+st.resize_(target)  # nothing else holds it now
+assert st.nbytes == target
+b = st.asarray()
+assert b[0] == 0x11
+if target > 1 << 20:
+    assert b[(1 << 20) - 1] == 0x5A and b[-1] == 0
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("target", [64 << 20, 4096], ids=["grow", "shrink"])
+@pytest.mark.parametrize("case", ["array", "view", "memoryview", "handle"])
+def test_resize_refused_while_arrays_views_or_exports_exist(case, target):
+    # In a subprocess: on the old code the access after the resize is a SIGSEGV.
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _RESIZE_SCRIPT, case, str(target)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.strip() == "ok"
+
+
+def test_resize_error_class():
+    storage = pyshm.Storage(100, resizable=True)
+    array = storage.asarray()
+    with pytest.raises(pyshm.ShmBufferError) as info:
+        storage.resize_(200)
+    assert info.value.errno == errno.EBUSY
+    assert isinstance(info.value, BufferError) and isinstance(info.value, OSError)
+    del array
+    storage.resize_(200)
+    assert storage.nbytes == 200

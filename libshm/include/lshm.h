@@ -412,7 +412,10 @@ LSHM_API int lshm_plan_lower_bound(size_t n, const uint64_t *sizes, const int64_
  *
  * Thread safety: an arena is NOT thread-safe; one thread at a time may call lshm_arena_*
  * on a given arena. The storages it hands out are ordinary storages: retaining, releasing and
- * reading them from other threads is fine. */
+ * reading them from other threads is fine.
+ *
+ * The buffer is refcounted (lshm_arena_current_buffer, lshm_arena_buffer_retain/_release):
+ * when the arena frees or replaces it, memory someone else still references stays mapped. */
 typedef struct lshm_arena lshm_arena;
 
 /* Arena flags. */
@@ -474,8 +477,9 @@ LSHM_API int lshm_arena_allocate(lshm_arena *arena);
  * recording arena), -EBUSY. */
 LSHM_API int lshm_arena_deallocate(lshm_arena *arena);
 
-/* Free the kept buffer (the next allocate or replay makes a new one). Errors: -EINVAL (NULL),
- * -EBUSY (storages are initialised on it: deallocate, or free them, first). */
+/* Free the kept buffer (the next allocate or replay makes a new one): drops the arena's
+ * reference, the memory goes with the last one (see lshm_arena_current_buffer). Errors:
+ * -EINVAL (NULL), -EBUSY (storages are initialised on it: deallocate, or free them, first). */
 LSHM_API int lshm_arena_trim(lshm_arena *arena);
 
 /* Number of tensors of the current plan (0 for NULL). */
@@ -504,6 +508,31 @@ LSHM_API uint64_t lshm_arena_size(const lshm_arena *arena);
  * lshm_segment_fd does.
  * Errors: -EINVAL (NULL), -ENODATA (private arena, or no buffer yet). */
 LSHM_API int lshm_arena_fd(const lshm_arena *arena, int *fd);
+
+/* The arena's buffer as a refcounted object, so that memory handed out over it can outlive
+ * the arena's own use of the buffer. Trim, destroy and a re-plan that needs a larger buffer
+ * only drop the arena's reference: the bytes stay mapped (private pages) or the segment stays
+ * alive (shared arenas; its fd too) until the last reference is released, and are unmapped
+ * then. A storage on the buffer (a slot, LSHM_STORAGE_INPLACE) always lies in the arena's
+ * current buffer, so a caller that wants a pointer into a slot to stay valid after the slot is
+ * freed or deallocated retains the current buffer while the slot is live and releases it when
+ * done with the pointer (pyshm does this for every array over a slot: after lshm_arena_free
+ * such an array may see another tensor's bytes, never unmapped memory).
+ *
+ * lshm_arena_current_buffer: the current buffer (borrowed: valid until the arena replaces or
+ * frees it; retain it to keep it). Errors: -EINVAL (NULL), -ENODATA (no buffer: not allocated
+ * yet, trimmed, or a recording arena before its first plan).
+ * lshm_arena_buffer_retain returns its argument; lshm_arena_buffer_release drops a reference
+ * (the last one unmaps; NULL does nothing). Both are atomic and safe from any thread, also
+ * after the arena was destroyed.
+ * lshm_arena_buffer_data: first byte (NULL for zero bytes); lshm_arena_buffer_size: usable
+ * bytes (0 for NULL). */
+typedef struct lshm_arena_buffer lshm_arena_buffer;
+LSHM_API int lshm_arena_current_buffer(const lshm_arena *arena, lshm_arena_buffer **out);
+LSHM_API lshm_arena_buffer *lshm_arena_buffer_retain(lshm_arena_buffer *buf);
+LSHM_API void lshm_arena_buffer_release(lshm_arena_buffer *buf);
+LSHM_API void *lshm_arena_buffer_data(const lshm_arena_buffer *buf);
+LSHM_API size_t lshm_arena_buffer_size(const lshm_arena_buffer *buf);
 
 /* Copy the counters into *out. Errors: -EINVAL (NULL). */
 LSHM_API int lshm_arena_stats(const lshm_arena *arena, lshm_arena_counters *out);

@@ -19,7 +19,11 @@
  *     is i); the slab is only reallocated when no slot is live, so no initialised storage ever
  *     moves;
  *   - an initialised slot's bytes lie in [buffer, buffer + plan.arena_size) at offsets[i];
- *   - the buffer is only freed or replaced when no slot is live.
+ *   - the buffer is only freed or replaced when no slot is live;
+ *   - the buffer is refcounted (lshm_arena_buffer): "freed or replaced" drops the arena's
+ *     reference only, and its memory stays mapped while anyone else holds one (pyshm's arrays
+ *     over a slice each hold one, so an array whose tensor was freed before a re-plan or a
+ *     trim still sees mapped memory, never a hole).
  * Everything touching the OS (mmap, memfd) goes through os_linux.c or segment.c.
  */
 #include "internal.h"
@@ -70,10 +74,10 @@ struct lshm_arena {
 
     /* The buffer (have_buffer: it exists, even when it has zero bytes). */
     int have_buffer;
-    void *buffer;             /* first byte, NULL for zero bytes */
-    size_t buffer_size;       /* usable bytes (>= plan.arena_size) */
-    size_t buffer_map_len;    /* private buffers: bytes mapped (whole pages) */
-    lshm_segment *segment;    /* shared buffers: the arena's reference */
+    lshm_arena_buffer *buf;   /* the arena's reference to it (NULL without a buffer) */
+    void *buffer;             /* buf->data: first byte, NULL for zero bytes */
+    size_t buffer_size;       /* buf->size: usable bytes (>= plan.arena_size) */
+    lshm_segment *segment;    /* buf->segment (borrowed): shared buffers' memfd, else NULL */
 
     /* The current iteration of a recording arena. */
     arena_record *records;    /* one per alloc of this iteration */
@@ -89,6 +93,16 @@ struct lshm_arena {
     int in_order;             /* every event of this iteration came at its planned tick */
 
     lshm_arena_counters stats;
+};
+
+/* A buffer: private anonymous pages or one segment, refcounted so that memory handed out
+ * over it can outlive the arena's use of it. */
+struct lshm_arena_buffer {
+    _Atomic size_t refcount;
+    void *data;            /* first byte, NULL for zero bytes */
+    size_t size;           /* usable bytes */
+    size_t map_len;        /* private buffers: bytes mapped (whole pages), else 0 */
+    lshm_segment *segment; /* shared buffers: the buffer's reference to the segment */
 };
 
 /* ---- the slab ------------------------------------------------------------------------------ */
@@ -168,16 +182,38 @@ static void slot_fini(lshm_arena *a, size_t i) {
 
 /* ---- the buffer ---------------------------------------------------------------------------- */
 
+lshm_arena_buffer *lshm_arena_buffer_retain(lshm_arena_buffer *buf) {
+    if (buf != NULL)
+        lshm__ref_retain(&buf->refcount);
+    return buf;
+}
+
+void lshm_arena_buffer_release(lshm_arena_buffer *buf) {
+    if (buf == NULL || !lshm__ref_release(&buf->refcount))
+        return;
+    if (buf->segment != NULL)
+        lshm_segment_release(buf->segment);
+    else if (buf->map_len > 0)
+        lshm__os_unmap(buf->data, buf->map_len);
+    free(buf);
+}
+
+void *lshm_arena_buffer_data(const lshm_arena_buffer *buf) {
+    return buf == NULL ? NULL : buf->data;
+}
+
+size_t lshm_arena_buffer_size(const lshm_arena_buffer *buf) {
+    return buf == NULL ? 0 : buf->size;
+}
+
+/* Drop the arena's reference to its buffer (the memory goes with the last reference). */
 static void buffer_free(lshm_arena *a) {
     assert(a->live_count == 0);
-    if (a->segment != NULL)
-        lshm_segment_release(a->segment);
-    else if (a->buffer_map_len > 0)
-        lshm__os_unmap(a->buffer, a->buffer_map_len);
+    lshm_arena_buffer_release(a->buf);
+    a->buf = NULL;
     a->segment = NULL;
     a->buffer = NULL;
     a->buffer_size = 0;
-    a->buffer_map_len = 0;
     a->have_buffer = 0;
 }
 
@@ -192,26 +228,38 @@ static int buffer_ensure(lshm_arena *a, uint64_t size, int *reused) {
         return LSHM_FAIL(-EOVERFLOW, "an arena of %llu bytes does not fit in memory",
                          (unsigned long long)size);
     buffer_free(a);
+    lshm_arena_buffer *buf = calloc(1, sizeof *buf);
+    if (buf == NULL)
+        return LSHM_FAIL(-ENOMEM, "malloc of an arena buffer struct failed");
     int rc;
     if ((a->flags & LSHM_ARENA_SHARED) != 0) {
         lshm_segment *seg = NULL;
         if ((rc = lshm_segment_create((size_t)size, 0, &seg)) != 0)
-            return rc;
-        a->segment = seg;
-        a->buffer = lshm_segment_data(seg);
+            goto fail;
+        buf->segment = seg;
+        buf->data = lshm_segment_data(seg);
     } else {
         size_t len = 0;
         if ((rc = lshm__round_pages((size_t)size, &len)) != 0)
-            return rc;
+            goto fail;
         void *p = NULL;
         if (len > 0 && (rc = lshm__os_map_anon(len, &p)) != 0)
-            return rc;
-        a->buffer = p;
-        a->buffer_map_len = len;
+            goto fail;
+        buf->data = p;
+        buf->map_len = len;
     }
-    a->buffer_size = (size_t)size;
+    atomic_init(&buf->refcount, 1);
+    buf->size = (size_t)size;
+    a->buf = buf;
+    a->segment = buf->segment;
+    a->buffer = buf->data;
+    a->buffer_size = buf->size;
     a->have_buffer = 1;
     return 0;
+
+fail:
+    free(buf);
+    return rc;
 }
 
 /* ---- plans --------------------------------------------------------------------------------- */
@@ -487,6 +535,15 @@ int lshm_arena_plan_result(const lshm_arena *a, lshm_plan_result *out) {
     if (!a->have_plan)
         return LSHM_FAIL(-ENODATA, "recording arena %p has no plan yet", (const void *)a);
     *out = a->plan;
+    return 0;
+}
+
+int lshm_arena_current_buffer(const lshm_arena *a, lshm_arena_buffer **out) {
+    if (a == NULL || out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL argument");
+    if (a->buf == NULL)
+        return LSHM_FAIL(-ENODATA, "arena %p has no buffer", (const void *)a);
+    *out = a->buf;
     return 0;
 }
 

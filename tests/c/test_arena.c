@@ -489,6 +489,84 @@ static void test_ordinary_frees_any_order(void) {
     ASSERT_OK(lshm_arena_destroy(a));
 }
 
+/* A reference to the buffer keeps its bytes mapped after the arena drops it (re-plan, trim,
+ * destroy), and the last release unmaps it (and closes a shared buffer's memfd): no leak. */
+static void test_buffer_reference_outlives_replan_and_trim(void) {
+    for (unsigned flags = 0; flags <= LSHM_ARENA_SHARED; flags += LSHM_ARENA_SHARED) {
+        int fds = fd_count();
+        lshm_arena *a = NULL;
+        lshm_arena_buffer *buf = NULL;
+        lshm_storage *t = NULL, *u = NULL;
+        ASSERT_OK(lshm_arena_create_recording(NULL, flags, &a));
+        ASSERT_ERR(lshm_arena_current_buffer(a, &buf), -ENODATA);
+        ASSERT_ERR(lshm_arena_current_buffer(NULL, &buf), -EINVAL);
+        ASSERT_ERR(lshm_arena_current_buffer(a, NULL), -EINVAL);
+        ASSERT(buf == NULL);
+        ASSERT_OK(lshm_arena_alloc(a, 4096, &t));
+        ASSERT_OK(lshm_arena_free(a, t));
+        ASSERT_OK(lshm_arena_end_iteration(a)); /* first plan: a buffer of 4096 bytes */
+
+        /* The sequence: a slot, freed, then a larger request re-plans. */
+        ASSERT_OK(lshm_arena_alloc(a, 4096, &t));
+        ASSERT(lshm_storage_flags(t) & LSHM_STORAGE_INPLACE);
+        ASSERT_OK(lshm_arena_current_buffer(a, &buf));
+        ASSERT_PTR_EQ(lshm_arena_buffer_retain(buf), buf);
+        unsigned char *old = lshm_storage_data(t);
+        ASSERT_PTR_EQ(lshm_arena_buffer_data(buf), lshm_arena_data(a));
+        ASSERT(old >= (unsigned char *)lshm_arena_buffer_data(buf));
+        ASSERT_GE(lshm_arena_buffer_size(buf), 4096);
+        memset(old, 0x5A, 4096);
+        ASSERT_OK(lshm_arena_free(a, t));
+        ASSERT_OK(lshm_arena_alloc(a, (size_t)1 << 24, &u));
+        ASSERT_OK(lshm_arena_free(a, u));
+        ASSERT_OK(lshm_arena_end_iteration(a)); /* re-plan: a new, larger buffer */
+        ASSERT(lshm_arena_data(a) != lshm_arena_buffer_data(buf));
+        ASSERT_GE(count_mappings(old, 4096, 0), 1); /* still mapped, bytes intact */
+        ASSERT(all_bytes(old, 4096, 0x5A));
+        old[0] = 1; /* and writable */
+        lshm_arena_buffer_release(buf);
+        ASSERT_EQ(count_mappings(old, 4096, 0), 0); /* the last reference unmapped it */
+
+        /* The same with trim, and with destroy. */
+        ASSERT_OK(lshm_arena_alloc(a, 4096, &t));
+        ASSERT_OK(lshm_arena_current_buffer(a, &buf));
+        lshm_arena_buffer_retain(buf);
+        old = lshm_storage_data(t);
+        memset(old, 0x33, 4096);
+        ASSERT_OK(lshm_arena_free(a, t));
+        ASSERT_OK(lshm_arena_alloc(a, (size_t)1 << 24, &u));
+        ASSERT_OK(lshm_arena_free(a, u));
+        ASSERT_OK(lshm_arena_end_iteration(a));
+        ASSERT_OK(lshm_arena_trim(a));
+        ASSERT(lshm_arena_data(a) == NULL);
+        ASSERT_GE(count_mappings(old, 4096, 0), 1);
+        ASSERT(all_bytes(old, 4096, 0x33));
+        ASSERT_OK(lshm_arena_destroy(a));
+        ASSERT(all_bytes(old, 4096, 0x33));
+        lshm_arena_buffer_release(buf);
+        ASSERT_EQ(count_mappings(old, 4096, 0), 0);
+        ASSERT_EQ(fd_count(), fds); /* a shared buffer's memfd closed with it */
+        lshm_arena_buffer_release(NULL);
+        ASSERT(lshm_arena_buffer_retain(NULL) == NULL);
+        ASSERT(lshm_arena_buffer_data(NULL) == NULL);
+        ASSERT_EQ(lshm_arena_buffer_size(NULL), 0);
+    }
+    /* A planned arena: the buffer outlives deallocate, trim and destroy while referenced. */
+    lshm_arena *a = make(0);
+    lshm_arena_buffer *buf = NULL;
+    ASSERT_OK(lshm_arena_allocate(a));
+    ASSERT_OK(lshm_arena_current_buffer(a, &buf));
+    lshm_arena_buffer_retain(buf);
+    unsigned char *base = lshm_arena_data(a);
+    size_t size = lshm_arena_buffer_size(buf);
+    ASSERT_OK(lshm_arena_deallocate(a));
+    ASSERT_OK(lshm_arena_trim(a));
+    ASSERT_OK(lshm_arena_destroy(a));
+    memset(base, 7, size);
+    lshm_arena_buffer_release(buf);
+    ASSERT_EQ(count_mappings(base, size, 0), 0);
+}
+
 int main(void) {
     RUN_TEST(test_slab_in_place);
     RUN_TEST(test_cycles_reuse_and_trim);
@@ -499,5 +577,6 @@ int main(void) {
     RUN_TEST(test_tensor_never_live);
     RUN_TEST(test_bad_input);
     RUN_TEST(test_ordinary_frees_any_order);
+    RUN_TEST(test_buffer_reference_outlives_replan_and_trim);
     return 0;
 }
