@@ -38,7 +38,7 @@ CFLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-g
 # crash files move to the corpus) once the library is fixed; test_fuzz.py's known-bug test
 # fails as soon as a reproducer stops crashing, to say so.
 KNOWN_BUGS: Dict[str, List[str]] = {
-    "plan": ["FUZZ_KNOWN_VALIDATE_EOVERFLOW", "FUZZ_KNOWN_CAPACITY_MAX", "FUZZ_KNOWN_LB_PAD32"],
+    "plan": [],
     "attach": [],
     "arena": [],
     # the Python target reads them from LSHM_FUZZ_KNOWN (see tests/fuzz/fuzz_csv.py)

@@ -89,12 +89,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         opts.alignment = (uint64_t)1 << (align_sel % 23 > 20 ? 63 : align_sel % 23);
     opts.time_limit = 0;
     opts.capacity = mode & 4 ? take_u64(&in) : 0;
-#ifdef FUZZ_KNOWN_CAPACITY_MAX
-    /* Known bug (tests/fuzz/crashes/plan/capacity-max-*): with capacity UINT64_MAX no
-     * strategy runs and lshm_plan returns uninitialised offsets. Avoided in builds that ask. */
-    if (opts.capacity == UINT64_MAX)
-        opts.capacity = UINT64_MAX - 1;
-#endif
     const int use_fixed = (mode & 2) != 0;
     switch ((mode >> 3) & 3) {
     case 1:
@@ -152,26 +146,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         FUZZ_CHECK(rc_lb == 0, "lshm_plan succeeded but lower_bound failed (%d)", rc_lb);
         FUZZ_CHECK(res.lower_bound == lb, "result.lower_bound %llu != lshm_plan_lower_bound %llu",
                    (unsigned long long)res.lower_bound, (unsigned long long)lb);
-        int lb_known_wrong = 0;
-#ifdef FUZZ_KNOWN_LB_PAD32
-        /* Known bug (tests/fuzz/crashes/plan/lower-bound-pad32-*): the lower bound's heap
-         * packs (padding << 32 | end) in 64 bits, so with an alignment above 2^32 the padding
-         * loses its high bits and the bound exceeds the plan. Skipped in builds that ask. */
-        lb_known_wrong = align > ((uint64_t)1 << 32);
-#endif
-        FUZZ_CHECK(lb_known_wrong || res.arena_size >= res.lower_bound,
+        FUZZ_CHECK(res.arena_size >= res.lower_bound,
                    "arena_size %llu < lower_bound %llu",
                    (unsigned long long)res.arena_size, (unsigned long long)res.lower_bound);
         FUZZ_CHECK(memchr(res.strategy, '\0', sizeof res.strategy) != NULL,
                    "strategy not NUL-terminated");
         int vrc = lshm_plan_validate(n, sizes, firsts, lasts, offsets, &opts, res.arena_size);
-#ifdef FUZZ_KNOWN_VALIDATE_EOVERFLOW
-        /* Known bug (tests/fuzz/crashes/plan/validate-eoverflow-*): validate adds the
-         * largest end to the sum of all padded sizes and reports -EOVERFLOW for plans whose
-         * tensors total more than 2^63 bytes. Tolerated only in builds that ask for it. */
-        if (vrc == -EOVERFLOW)
-            vrc = 0;
-#endif
         FUZZ_CHECK(vrc == 0, "lshm_plan_validate refused lshm_plan's own plan (%d), n=%zu "
                    "arena_size=%llu", vrc, n, (unsigned long long)res.arena_size);
         size_t a = 0, b = 0;
