@@ -115,7 +115,8 @@ typedef struct plan_input {
     size_t n_fixed;
     uint64_t alignment;
     uint32_t times;           /* T: all ends <= T */
-    uint64_t total;           /* an upper bound of any end we may produce (checked not to wrap) */
+    uint64_t total;           /* planning: an upper bound of any end we may produce (checked not
+                               * to wrap); validation: 0 (unused) */
 } plan_input;
 
 static void input_free(plan_input *in)
@@ -148,7 +149,10 @@ static int check_options(const lshm_plan_options *opts, uint64_t *alignment, uns
 }
 
 /* Checks the caller's arrays and builds the compressed problem. `offsets` (validation) or
- * `fixed` (planning) may be given to check pinned/proposed offsets for alignment and overflow. */
+ * `fixed` (planning) may be given to check pinned/proposed offsets for alignment and overflow.
+ * Only planning needs the bound `total` (sum of the padded sizes + the highest pinned end, the
+ * most any plan we build can use), so only planning refuses inputs where it wraps; validation
+ * refuses nothing but an offset + size that really overflows 64 bits. */
 static int input_build(plan_input *in, size_t n, const uint64_t *sizes, const int64_t *firsts,
                        const int64_t *lasts, const int64_t *fixed, const uint64_t *given,
                        const lshm_plan_options *opts)
@@ -167,19 +171,24 @@ static int input_build(plan_input *in, size_t n, const uint64_t *sizes, const in
         return LSHM_FAIL(-EINVAL, "n = %zu exceeds the planner limit %zu", n, PLAN_MAX_TENSORS);
     const int inclusive = (flags & LSHM_PLAN_INCLUSIVE) != 0;
     const uint64_t a = in->alignment;
-    uint64_t total = a, fixed_top = 0;
+    const int planning = given == NULL;
+    /* total starts at 1: every arena we build is then below in->total <= UINT64_MAX, so
+     * UINT64_MAX never is one (it means "no plan" / "cut off" in lshm_plan and engine_run) */
+    uint64_t total = 1, fixed_top = 0;
     size_t m = 0;
     for (size_t i = 0; i < n; i++) {
         if (firsts[i] > lasts[i])
             return LSHM_FAIL(-EINVAL, "tensor %zu: first %lld > last %lld", i,
                              (long long)firsts[i], (long long)lasts[i]);
-        if (sizes[i] > UINT64_MAX - a)
-            return LSHM_FAIL(-EOVERFLOW, "tensor %zu: size %llu overflows when aligned", i,
-                             (unsigned long long)sizes[i]);
-        uint64_t padded = align_up(sizes[i], a);
-        if (total > UINT64_MAX - padded)
-            return LSHM_FAIL(-EOVERFLOW, "sum of tensor sizes overflows 64 bits");
-        total += padded;
+        if (planning) {
+            if (sizes[i] > UINT64_MAX - a)
+                return LSHM_FAIL(-EOVERFLOW, "tensor %zu: size %llu overflows when aligned", i,
+                                 (unsigned long long)sizes[i]);
+            uint64_t padded = align_up(sizes[i], a);
+            if (total > UINT64_MAX - padded)
+                return LSHM_FAIL(-EOVERFLOW, "sum of tensor sizes overflows 64 bits");
+            total += padded;
+        }
         uint64_t pin = UINT64_MAX;
         if (fixed && fixed[i] != -1) {
             if (fixed[i] < 0)
@@ -189,7 +198,7 @@ static int input_build(plan_input *in, size_t n, const uint64_t *sizes, const in
         }
         if (given)
             pin = given[i];
-        if (pin != UINT64_MAX || (given && given[i] == UINT64_MAX)) {
+        if (given || pin != UINT64_MAX) {
             if (pin & (a - 1))
                 return LSHM_FAIL(-EINVAL, "tensor %zu: offset %llu not aligned to %llu", i,
                                  (unsigned long long)pin, (unsigned long long)a);
@@ -201,9 +210,15 @@ static int input_build(plan_input *in, size_t n, const uint64_t *sizes, const in
         if (sizes[i] > 0 && (inclusive || firsts[i] < lasts[i]))
             m++;
     }
-    if (total > UINT64_MAX - fixed_top)
-        return LSHM_FAIL(-EOVERFLOW, "arena size could overflow 64 bits");
-    in->total = total + fixed_top;
+    if (planning) {
+        /* free tensors go above the pinned ones at worst: from align_up(fixed_top), at most
+         * a - 1 above fixed_top (whose align_up must not wrap either), each one adding at
+         * most its padded size */
+        uint64_t slack = fixed_top ? a - 1 : 0;
+        if (total > UINT64_MAX - fixed_top || total + fixed_top > UINT64_MAX - slack)
+            return LSHM_FAIL(-EOVERFLOW, "arena size could overflow 64 bits");
+        in->total = total + fixed_top + slack;
+    }
     in->m = m;
     if (m == 0)
         return 0;
@@ -264,6 +279,15 @@ static int input_build(plan_input *in, size_t n, const uint64_t *sizes, const in
 
 /* ---- lower bound --------------------------------------------------------------------------- */
 
+/* Entry of the lower bound's max-heap of live paddings: the padding (any value below the
+ * alignment, so up to 63 bits) and the compressed end, kept apart (no packing that would cut
+ * the padding's high bits). Ordered by padding alone; a dead entry is dropped when it reaches
+ * the top. */
+typedef struct pad_entry {
+    uint64_t pad;
+    uint32_t end;
+} pad_entry;
+
 /* max over t of (sum of padded sizes live at t) - (largest padding among them): all but the
  * topmost live tensor occupy at least their padded size, the topmost at least its size. */
 static int lower_bound(const plan_input *in, uint64_t *out)
@@ -277,7 +301,7 @@ static int lower_bound(const plan_input *in, uint64_t *out)
     uint64_t *diff = calloc((size_t)T + 1, sizeof *diff);
     uint32_t *by_start = malloc(m * sizeof *by_start), *tmp = malloc(m * sizeof *tmp);
     uint64_t *key = malloc(m * sizeof *key);
-    uint64_t *heap = a > 1 ? malloc(m * sizeof *heap) : NULL; /* (pad << 32 | end) max-heap */
+    pad_entry *heap = a > 1 ? malloc(m * sizeof *heap) : NULL; /* max-heap by padding */
     if (!diff || !by_start || !tmp || !key || (a > 1 && !heap)) {
         free(diff), free(by_start), free(tmp), free(key), free(heap);
         return LSHM_FAIL(-ENOMEM, "planner: out of memory");
@@ -300,23 +324,23 @@ static int lower_bound(const plan_input *in, uint64_t *out)
         if (heap) {
             while (k < m && in->start[by_start[k]] == t) {
                 uint32_t i = by_start[k++];
-                uint64_t e = ((align_up(in->size[i], a) - in->size[i]) << 32) | in->end[i];
+                pad_entry e = {align_up(in->size[i], a) - in->size[i], in->end[i]};
                 size_t c = hn++; /* sift up */
-                while (c > 0 && heap[(c - 1) / 2] < e) {
+                while (c > 0 && heap[(c - 1) / 2].pad < e.pad) {
                     heap[c] = heap[(c - 1) / 2];
                     c = (c - 1) / 2;
                 }
                 heap[c] = e;
             }
-            while (hn > 0 && (uint32_t)(heap[0] & 0xffffffffu) <= t) { /* pop dead tops */
-                uint64_t last = heap[--hn];
+            while (hn > 0 && heap[0].end <= t) { /* pop dead tops */
+                pad_entry last = heap[--hn];
                 size_t c = 0;
                 for (;;) {
                     size_t l = 2 * c + 1, r = l + 1, b = c;
-                    uint64_t vb = last;
-                    if (l < hn && heap[l] > vb)
-                        b = l, vb = heap[l];
-                    if (r < hn && heap[r] > vb)
+                    uint64_t vb = last.pad;
+                    if (l < hn && heap[l].pad > vb)
+                        b = l, vb = heap[l].pad;
+                    if (r < hn && heap[r].pad > vb)
                         b = r;
                     if (b == c)
                         break;
@@ -326,7 +350,7 @@ static int lower_bound(const plan_input *in, uint64_t *out)
                 if (hn > 0)
                     heap[c] = last;
             }
-            maxpad = hn ? heap[0] >> 32 : 0;
+            maxpad = hn ? heap[0].pad : 0;
         } else {
             while (k < m && in->start[by_start[k]] == t)
                 k++;
@@ -962,7 +986,9 @@ static int make_order(order_ctx *c, int which, uint32_t *out)
         return 0;
     case ORDER_AREA:
         for (size_t i = 0; i < m; i++) {
-            unsigned __int128 area = (unsigned __int128)in->size[i] * (duration_of(c, (uint32_t)i) + 1);
+            /* duration + 1 in 128 bits: INT64_MIN..INT64_MAX lasts UINT64_MAX units */
+            unsigned __int128 area = (unsigned __int128)in->size[i] *
+                                     ((unsigned __int128)duration_of(c, (uint32_t)i) + 1);
             key[i] = ~(area >> 64 ? UINT64_MAX : (uint64_t)area);
         }
         sort_by_key(out, count, key, c->tmp);
@@ -1094,10 +1120,8 @@ int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *firsts,
     if (n > 0 && !offsets)
         return LSHM_FAIL(-EINVAL, "offsets is NULL with n = %zu", n);
     plan_input in;
-    for (size_t i = 0; i < n && sizes; i++) {
-        if (offsets[i] == UINT64_MAX)
-            return LSHM_FAIL(-EINVAL, "tensor %zu: offset UINT64_MAX", i);
-    }
+    /* input_build refuses misaligned offsets and offset + size beyond 64 bits (UINT64_MAX
+     * itself is then only accepted for a zero-size tensor, which occupies nothing) */
     int err = input_build(&in, n, sizes, firsts, lasts, NULL, offsets, opts);
     if (err)
         return err;
@@ -1191,6 +1215,17 @@ static const strategy portfolio_large[] = {
 
 /* Exact search is tried up to this many tensors (its data is O(conflicting pairs)). */
 #define EXACT_MAX_TENSORS 2000
+
+/* `best` before any plan is found. No plan reaches it: every arena is below in.total, which
+ * input_build keeps <= UINT64_MAX (and engine_run's cutoff never fires at NO_PLAN). */
+#define NO_PLAN UINT64_MAX
+
+/* 1 when capacity mode (target > 0) has a plan (best != NO_PLAN) that fits: a capacity of
+ * UINT64_MAX is met by the first plan, not by the absence of one. */
+static inline int meets_capacity(uint64_t best, uint64_t target)
+{
+    return target && best != NO_PLAN && best <= target;
+}
 
 /* One exact decision: a plan within `cap` before `until`? On success it becomes the best plan.
  * Returns what lshm__plan_exact returns. */
@@ -1299,7 +1334,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
         have_engine = 1;
     }
 
-    uint64_t best = UINT64_MAX;
+    uint64_t best = NO_PLAN;
     int best_fit = FIT_BEST;
     char name[48] = "empty";
     int optimal = 0;
@@ -1317,7 +1352,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     const strategy *pf = m > PORTFOLIO_LARGE ? portfolio_large : portfolio;
     size_t npf = m > PORTFOLIO_LARGE ? PORTFOLIO_LARGE_SIZE : PORTFOLIO_SIZE;
     const uint64_t target = opts->capacity; /* 0: minimise */
-    for (size_t s = 0; s < npf && m && best > lb && !(target && best <= target); s++) {
+    for (size_t s = 0; s < npf && m && best > lb && !meets_capacity(best, target); s++) {
         double ts = lshm__plan_now();
         if (make_order(&oc, pf[s].order, order))
             goto nomem;
@@ -1344,7 +1379,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     double deadline = t0 + opts->time_limit;
     int exact_ok = m && in.n_fixed == 0 && m <= EXACT_MAX_TENSORS;
     /* With a capacity below the lower bound nothing fits: no search. */
-    int fits = target && best <= target;
+    int fits = meets_capacity(best, target);
     int hopeless = target && target < lb;
     int exact_phase = !optimal && opts->time_limit > 0 && exact_ok && !fits && !hopeless;
     lshm__plan_problem prob = {m, in.start, in.end, in.size, in.alignment, in.times, NULL};
@@ -1358,7 +1393,11 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
         g = 0; /* gcd of the sizes */
         for (size_t i = 0; i < m; i++) {
             uint32_t o = in.orig[i];
-            width[i] = (uint64_t)(lasts[o] - firsts[o]) + ((opts->flags & LSHM_PLAN_INCLUSIVE) ? 1 : 0);
+            /* lasts - firsts in uint64 (as int64 it overflows beyond INT64_MAX), + 1 when
+             * inclusive saturating (INT64_MIN..INT64_MAX inclusive is 2^64 units) */
+            width[i] = (uint64_t)lasts[o] - (uint64_t)firsts[o];
+            if ((opts->flags & LSHM_PLAN_INCLUSIVE) && width[i] != UINT64_MAX)
+                width[i]++;
             for (uint64_t a = in.size[i], t; a; t = g % a, g = a, a = t)
                 ;
         }
@@ -1367,7 +1406,10 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
                 ;
         /* else every offset is a sum of sizes (rounding to the alignment changes nothing) */
         prob.width = width;
-        lb_cap = (lb + g - 1) / g * g;
+        lb_cap = lb / g * g; /* rounded up without lb + g - 1 (which may wrap); no overflow:
+                              * best >= lb is a multiple of g */
+        if (lb_cap < lb)
+            lb_cap += g;
         if (best <= lb_cap)
             optimal = 1; /* OPT is a multiple of g too */
         /* Minimise mode asks for LB first, before the local search: OPT = LB on most real
@@ -1399,7 +1441,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
             goto nomem;
         }
         int improved_any = 0;
-        for (unsigned iter = 0; best > lb && !(target && best <= target); iter++) {
+        for (unsigned iter = 0; best > lb && !meets_capacity(best, target); iter++) {
             if ((iter & 7) == 0 && lshm__plan_now() > ls_deadline)
                 break;
             size_t nt = 0; /* positions in order of tensors whose block touches the top */
@@ -1461,7 +1503,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
      *    timed out is only skipped for the rest of its round. Capacities are multiples of g,
      *    the gcd of the sizes when the alignment divides it (every canonical offset is a sum
      *    of sizes then), else the gcd of that and the alignment. */
-    if (exact_phase && !optimal && !(target && best <= target)) {
+    if (exact_phase && !optimal && !meets_capacity(best, target)) {
         uint64_t hi = best;                          /* best plan found */
         uint64_t lo = lb_disproven ? lb_cap + g : lb_cap; /* below: infeasible (proven) */
         uint64_t rlo = hi;                           /* ... or timed out in this round */

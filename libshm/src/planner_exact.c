@@ -468,7 +468,8 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
                 x.ov[e++] = (uint32_t)j;
     for (size_t i = 0; i < n; i++) {
         x.kw[i] = p->width ? p->width[i] : (uint64_t)(p->end[i] - p->start[i]);
-        x.ka[i] = p->size[i] * x.kw[i];
+        unsigned __int128 area = (unsigned __int128)p->size[i] * x.kw[i]; /* saturated */
+        x.ka[i] = area >> 64 ? UINT64_MAX : (uint64_t)area;
     }
     for (size_t i = 0; i < n; i++)
         pre[i] = (uint32_t)i;

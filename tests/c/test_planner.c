@@ -10,6 +10,8 @@
  * 3. Bad input: each error returns its errno and leaves offsets and result untouched.
  * 4. Determinism, n = 0, and a short exact-search run.
  * 5. Capacity mode on a perfect packing the heuristics miss.
+ * 6. Fuzzer findings (tests/fuzz/corpus/plan): validate of plans near 2^64, capacity
+ *    UINT64_MAX, the lower bound at alignments above 2^32, lifetimes longer than INT64_MAX.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -671,6 +673,151 @@ static void test_capacity(void)
     trace_free(&t);
 }
 
+/* Fuzzer finding tests/fuzz/corpus/plan/validate-eoverflow-*: lshm_plan_validate refused valid
+ * plans with -EOVERFLOW because it also checked the planning bound (sum of padded sizes + the
+ * highest end). It now refuses only an offset + size that overflows 64 bits. */
+static void test_validate_large_plans(void)
+{
+    lshm_plan_options o;
+    lshm_plan_options_init(&o);
+    o.alignment = 1;
+    lshm_plan_result r;
+    const uint64_t half = (uint64_t)1 << 63;
+    /* one tensor of 2^63 bytes: plan [0, 2^63), and validate accepts it */
+    uint64_t s1[1] = {half}, o1[1] = {77};
+    int64_t f1[1] = {0}, l1[1] = {1};
+    ASSERT_EQ(lshm_plan(1, s1, f1, l1, NULL, &o, o1, &r), 0);
+    ASSERT_UINT_EQ(o1[0], 0);
+    ASSERT_UINT_EQ(r.arena_size, half);
+    ASSERT_EQ(lshm_plan_validate(1, s1, f1, l1, o1, &o, half), 0);
+    ASSERT_EQ(lshm_plan_validate(1, s1, f1, l1, o1, &o, half - 1), -EINVAL);
+    /* two 2^63-byte tensors one after the other share [0, 2^63) (their sum is 2^64: lshm_plan
+     * refuses to plan them, but the plan is valid) */
+    uint64_t s2[2] = {half, half}, o2[2] = {0, 0};
+    int64_t f2[2] = {0, 1}, l2[2] = {1, 2};
+    ASSERT_EQ(lshm_plan_validate(2, s2, f2, l2, o2, &o, half), 0);
+    /* the second at 2^63 ends at 2^64: real overflow */
+    o2[1] = half;
+    ASSERT_EQ(lshm_plan_validate(2, s2, f2, l2, o2, &o, UINT64_MAX), -EOVERFLOW);
+    /* a size that overflows when aligned, at offset 0, ends below 2^64 */
+    o.alignment = 64;
+    uint64_t s3[1] = {UINT64_MAX - 10}, o3[1] = {0};
+    ASSERT_EQ(lshm_plan_validate(1, s3, f1, l1, o3, &o, UINT64_MAX - 10), 0);
+    /* a zero-size tensor ends at its offset, UINT64_MAX included (alignment 1) */
+    o.alignment = 1;
+    uint64_t s4[2] = {0, 5}, o4[2] = {UINT64_MAX, 0};
+    ASSERT_EQ(lshm_plan_validate(2, s4, f2, l2, o4, &o, 5), 0);
+    o4[1] = UINT64_MAX - 4; /* ends at 2^64 */
+    ASSERT_EQ(lshm_plan_validate(2, s4, f2, l2, o4, &o, UINT64_MAX), -EOVERFLOW);
+    /* an INT64_MIN..INT64_MAX lifetime next to one at INT64_MAX, sizes near 2^62 */
+    uint64_t s5[2] = {(uint64_t)1 << 62, ((uint64_t)1 << 62) + 1}, o5[2] = {77, 77};
+    int64_t f5[2] = {INT64_MIN, INT64_MAX - 1}, l5[2] = {INT64_MAX, INT64_MAX};
+    o.flags = LSHM_PLAN_INCLUSIVE;
+    ASSERT_EQ(lshm_plan(2, s5, f5, l5, NULL, &o, o5, &r), 0);
+    ASSERT_UINT_EQ(r.arena_size, s5[0] + s5[1]);
+    ASSERT_EQ(lshm_plan_validate(2, s5, f5, l5, o5, &o, r.arena_size), 0);
+}
+
+/* Fuzzer finding tests/fuzz/corpus/plan/capacity-max-*: with capacity UINT64_MAX the
+ * portfolio's "capacity met" test was true before any plan (best started at UINT64_MAX), so no
+ * strategy ran and lshm_plan returned uninitialised offsets (strategy "empty"). */
+static void test_capacity_max(void)
+{
+    lshm_plan_options o;
+    lshm_plan_options_init(&o);
+    lshm_plan_result r, r0;
+    uint64_t size[3] = {100, 200, 300};
+    int64_t first[3] = {0, 1, 2}, last[3] = {3, 4, 5};
+    ASSERT_EQ(lshm_plan(3, size, first, last, NULL, &o, (uint64_t[3]){0}, &r0), 0);
+    const uint64_t caps[3] = {UINT64_MAX, UINT64_MAX - 1, r0.arena_size};
+    for (int c = 0; c < 3; c++) {
+        for (int tl = 0; tl < 2; tl++) {
+            o.capacity = caps[c];
+            o.time_limit = tl ? 0.05 : 0.0;
+            uint64_t off[3];
+            memset(off, 0xab, sizeof off);
+            ASSERT_EQ(lshm_plan(3, size, first, last, NULL, &o, off, &r), 0);
+            ASSERT(strcmp(r.strategy, "empty") != 0);
+            ASSERT(r.arena_size <= caps[c]);
+            ASSERT_LE(r.lower_bound, r.arena_size);
+            ASSERT_LE(r.arena_size, 128 + 256 + 320); /* the padded sizes */
+            ASSERT_EQ(lshm_plan_validate(3, size, first, last, off, &o, r.arena_size), 0);
+        }
+    }
+    /* the fuzzer's input: one tensor of 100 bytes live [0, 1), alignment 256 */
+    uint64_t z[1] = {100}, zo[1] = {0xabababababababab};
+    int64_t zf[1] = {0}, zl[1] = {1};
+    o.alignment = 256;
+    o.capacity = UINT64_MAX;
+    o.time_limit = 0;
+    ASSERT_EQ(lshm_plan(1, z, zf, zl, NULL, &o, zo, &r), 0);
+    ASSERT_UINT_EQ(zo[0], 0);
+    ASSERT_UINT_EQ(r.arena_size, 100);
+    ASSERT_EQ(r.optimal, 1);
+}
+
+/* Fuzzer finding tests/fuzz/corpus/plan/lower-bound-pad32-*: the lower bound's heap packed
+ * (padding << 32 | end) in 64 bits, so with an alignment above 2^32 the padding lost its high
+ * bits: the bound exceeded the plan (and `optimal` was wrong). */
+static void test_lower_bound_huge_alignment(void)
+{
+    lshm_plan_options o;
+    lshm_plan_options_init(&o);
+    lshm_plan_result r;
+    const uint64_t a33 = (uint64_t)1 << 33;
+    uint64_t lb = 0, off[2];
+    /* one byte at alignment 2^33 (padding 2^33 - 1) and at 2^63 (padding 2^63 - 1) */
+    uint64_t s1[1] = {1};
+    int64_t f1[1] = {0}, l1[1] = {1};
+    for (int k = 0; k < 2; k++) {
+        o.alignment = k ? (uint64_t)1 << 63 : a33;
+        ASSERT_EQ(lshm_plan_lower_bound(1, s1, f1, l1, &o, &lb), 0);
+        ASSERT_UINT_EQ(lb, 1);
+        ASSERT_EQ(lshm_plan(1, s1, f1, l1, NULL, &o, off, &r), 0);
+        ASSERT_UINT_EQ(r.arena_size, 1);
+        ASSERT_UINT_EQ(r.lower_bound, 1);
+        ASSERT_EQ(r.optimal, 1);
+    }
+    /* two live together, sizes 1 and 2^32 + 1 at 2^33: both pad to 2^33, the larger padding
+     * (2^33 - 1) goes on top: LB = 2^33 + 1, met by the larger one below */
+    o.alignment = a33;
+    uint64_t s2[2] = {1, ((uint64_t)1 << 32) + 1};
+    int64_t f2[2] = {0, 0}, l2[2] = {1, 1};
+    ASSERT_EQ(lshm_plan_lower_bound(2, s2, f2, l2, &o, &lb), 0);
+    ASSERT_UINT_EQ(lb, a33 + 1);
+    ASSERT_EQ(lshm_plan(2, s2, f2, l2, NULL, &o, off, &r), 0);
+    ASSERT_UINT_EQ(r.arena_size, a33 + 1);
+    ASSERT_UINT_EQ(r.lower_bound, a33 + 1);
+    ASSERT_EQ(r.optimal, 1);
+    ASSERT_UINT_EQ(off[0], a33);
+    ASSERT_UINT_EQ(off[1], 0);
+}
+
+/* Audit of the input path: lifetimes longer than INT64_MAX (INT64_MIN..INT64_MAX) reach the
+ * exact search's preorder keys (width = last - first was an int64 overflow; size x width
+ * wrapped) and the area order (duration + 1 wrapped to 0). The guillotine packing with its
+ * times spread over the whole int64 range is the same problem: the capacity is still met. */
+static void test_extreme_lifetimes_exact(void)
+{
+    const uint64_t C = 65536;
+    trace t = guillotine_trace(1, 100, 60, C);
+    uint64_t *off = malloc((t.n + 1) * sizeof *off);
+    ASSERT(off);
+    for (size_t i = 0; i < t.n; i++) { /* t -> INT64_MIN + t 2^58 (60 2^58 > INT64_MAX) */
+        t.first[i] = (int64_t)((uint64_t)INT64_MIN + ((uint64_t)t.first[i] << 58));
+        t.last[i] = t.last[i] == 60 ? INT64_MAX
+                                    : (int64_t)((uint64_t)INT64_MIN + ((uint64_t)t.last[i] << 58));
+    }
+    lshm_plan_result r;
+    uint64_t h = plan_trace(&t, 1, 0, 0.0, off, &r);
+    ASSERT(h > C);
+    ASSERT_UINT_EQ(plan_trace_cap(&t, 1, 0, 10.0, C, off, &r), C);
+    ASSERT(strcmp(r.strategy, "exact") == 0);
+    plan_trace(&t, 1, LSHM_PLAN_INCLUSIVE, 0.2, off, &r); /* + 1 saturates at INT64_MAX */
+    free(off);
+    trace_free(&t);
+}
+
 int main(void)
 {
     RUN_TEST(test_framework_facts);
@@ -681,5 +828,9 @@ int main(void)
     RUN_TEST(test_dense);
     RUN_TEST(test_time_budget);
     RUN_TEST(test_capacity);
+    RUN_TEST(test_validate_large_plans);
+    RUN_TEST(test_capacity_max);
+    RUN_TEST(test_lower_bound_huge_alignment);
+    RUN_TEST(test_extreme_lifetimes_exact);
     return 0;
 }
