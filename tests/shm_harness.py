@@ -1,0 +1,307 @@
+"""Helpers shared by the property tests and the stress test (not a test module).
+
+* resource counts: fds (/proc/self/fd), mappings (/proc/self/maps lines, and memfd ones);
+* `settle()`: drop what pyshm legitimately keeps for a while (the memfd recycling pool, the
+  sender's keep-alive holds) so that counts can be compared with a baseline;
+* `run_in_fork()`: run a risky sequence in a forked child so that a SIGSEGV/SIGBUS or a hang
+  fails a test instead of killing (or blocking) pytest;
+* byte patterns and the worker loop the processes run (module level: spawn and forkserver
+  import it by name).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import select
+import signal
+import time
+import traceback
+import zlib
+
+import numpy as np
+
+import pyshm
+
+
+# ---- resource counts ---------------------------------------------------------------------------
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd")) - 1  # listdir's own fd
+
+
+def maps_lines() -> list:
+    with open("/proc/self/maps") as f:
+        return f.read().splitlines()
+
+
+def memfd_maps() -> list:
+    return [line for line in maps_lines() if "/memfd:" in line]
+
+
+HEAP_MAX = 64 << 20  # glibc: a thread's malloc arena lives in a 64 MiB-aligned heap
+
+
+def outside_malloc_heaps(lines: list) -> list:
+    """The mappings that are not part of a glibc per-thread malloc heap.
+
+    Each heap is a 64 MiB-aligned anonymous reservation that glibc grows and shrinks with
+    mprotect (so it shows as several lines) and never unmaps while the process lives: a new
+    thread may create one at any time. pyshm's own mappings are never inside one.
+    """
+    heaps = set()
+    for line in lines:
+        fields = line.split()
+        start = int(fields[0].split("-")[0], 16)
+        if len(fields) == 5 and start % HEAP_MAX == 0:  # anonymous, 64 MiB-aligned
+            heaps.add(start)
+    out = []
+    for line in lines:
+        fields = line.split()
+        start = int(fields[0].split("-")[0], 16)
+        if len(fields) == 5 and start - start % HEAP_MAX in heaps:
+            continue
+        if line.endswith("[heap]"):  # the main arena (brk): split and merged by glibc alone
+            continue
+        out.append(line)
+    return out
+
+
+def describe_fds() -> list:
+    out = []
+    for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            out.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            pass
+    return out
+
+
+def drop_holds() -> None:
+    """Drop the sender's keep-alive holds (as if KEEPALIVE_SECONDS had passed): see settle()."""
+    from pyshm import reduction
+
+    with reduction._state.lock:
+        reduction._state.exports.clear()
+    gc.collect()
+
+
+def settle() -> None:
+    """Bring the process to a countable state: garbage collected, no kept memfds, no holds.
+
+    The keep-alive holds are documented behaviour (pyshm.reduction: a sender holds memory it
+    pickled for KEEPALIVE_SECONDS unless the receiver fetched it; a receiver that already has
+    the memfd mapped, e.g. one of its RECENT_SLABS, never fetches): they are dropped here,
+    like an expired keep-alive, so that a count taken now does not depend on a 60 s timer.
+    """
+    for _ in range(3):
+        gc.collect()
+    drop_holds()
+    for _ in range(2):
+        gc.collect()
+    pyshm.trim_pool()
+
+
+def counts() -> dict:
+    settle()
+    lines = maps_lines()
+    return {"fds": fd_count(), "maps": len(lines), "lines": lines,
+            "maps_outside_heaps": len(outside_malloc_heaps(lines)),
+            "memfd_maps": sum(1 for line in lines if "/memfd:" in line)}
+
+
+def diff_counts(before: dict, after: dict, maps_tolerance: int, heaps: bool = False) -> list:
+    """Human-readable problems, [] when `after` is back at `before`.
+
+    fds and memfd mappings must match exactly. Other mappings may be up to `maps_tolerance`
+    more (allocator arenas of Python, numpy and glibc come and go on their own) and any number
+    fewer (something from before was freed meanwhile: not a leak). `heaps`: count only the
+    mappings outside glibc's malloc heaps (runs with threads, which may create heaps)."""
+    problems = []
+    if after["fds"] != before["fds"]:
+        problems.append(f"fd count {before['fds']} -> {after['fds']}: {describe_fds()}")
+    if after["memfd_maps"] != before["memfd_maps"]:
+        problems.append(
+            f"memfd mappings {before['memfd_maps']} -> {after['memfd_maps']}: {memfd_maps()}"
+        )
+    key = "maps_outside_heaps" if heaps else "maps"
+    if after[key] - before[key] > maps_tolerance:
+        old = set(before.get("lines", ()))
+        new = [line for line in after.get("lines", ()) if line not in old]
+        problems.append(f"{key} {before[key]} -> {after[key]} (tolerance "
+                        f"{maps_tolerance}); new or changed: {new[:30]}")
+    return problems
+
+
+# ---- byte patterns -----------------------------------------------------------------------------
+
+
+def pattern(seed: int, n: int) -> np.ndarray:
+    """n deterministic bytes for `seed` (never all zero for n > 1)."""
+    i = np.arange(n, dtype=np.uint32)
+    return ((i * 131 + seed * 7 + (i >> 8) * 17 + 1) % 251).astype(np.uint8)
+
+
+def digest(buf) -> int:
+    """crc32 of the bytes of an array (any layout) or bytes-like."""
+    if isinstance(buf, np.ndarray):
+        buf = np.ascontiguousarray(buf).view(np.uint8).reshape(-1) if buf.size else b""
+    return zlib.crc32(memoryview(buf).cast("B") if not isinstance(buf, bytes) else buf)
+
+
+# ---- running risky code in a child ------------------------------------------------------------
+
+
+class ChildResult:
+    def __init__(self, status: str, code, output: str) -> None:
+        self.status = status  # "exit", "signal", "timeout"
+        self.code = code  # exit code, signal number or None
+        self.output = output
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "exit" and self.code == 0
+
+    def __repr__(self) -> str:
+        what = {
+            "exit": f"exit code {self.code}",
+            "signal": f"killed by signal {self.code} ({_signame(self.code)})",
+            "timeout": "timed out (killed)",
+        }[self.status]
+        return f"<child {what}: {self.output.strip()[-2000:]!r}>"
+
+
+def _signame(sig) -> str:
+    try:
+        return signal.Signals(sig).name
+    except (ValueError, TypeError):
+        return "?"
+
+
+def run_in_fork(fn, timeout: float = 20.0) -> ChildResult:
+    """Run ``fn()`` in a forked child; its return value (an int, default 0) is the exit code.
+
+    An exception in the child is exit code 99 with the traceback in ``output``; a signal
+    (SIGSEGV, SIGBUS, ...) or a hang past ``timeout`` is reported, never propagated.
+    ``fn`` may write a message with ``note(text)``.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 98
+        try:
+            os.close(read_end)
+            global _note_fd
+            _note_fd = write_end
+            result = fn()
+            code = 0 if result is None else int(result)
+        except BaseException:
+            try:
+                os.write(write_end, traceback.format_exc().encode()[-4000:])
+            except OSError:
+                pass
+            code = 99
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    status = None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                status = ChildResult("timeout", None, b"".join(chunks).decode(errors="replace"))
+                break
+            ready, _, _ = select.select([read_end], [], [], min(left, 0.05))
+            if ready:
+                data = os.read(read_end, 65536)
+                if data:
+                    chunks.append(data)
+                    continue
+            done, wstatus = os.waitpid(pid, os.WNOHANG)
+            if done:
+                while True:  # whatever is left in the pipe
+                    ready, _, _ = select.select([read_end], [], [], 0)
+                    if not ready:
+                        break
+                    data = os.read(read_end, 65536)
+                    if not data:
+                        break
+                    chunks.append(data)
+                out = b"".join(chunks).decode(errors="replace")
+                if os.WIFSIGNALED(wstatus):
+                    status = ChildResult("signal", os.WTERMSIG(wstatus), out)
+                else:
+                    status = ChildResult("exit", os.WEXITSTATUS(wstatus), out)
+                break
+    finally:
+        os.close(read_end)
+    return status
+
+
+_note_fd = None
+
+
+def note(text: str) -> None:
+    """From inside a run_in_fork child: send a line of text to the parent's report."""
+    if _note_fd is not None:
+        os.write(_note_fd, (text + "\n").encode())
+
+
+# ---- the worker processes ---------------------------------------------------------------------
+
+
+def seal_attempt(fd) -> str:
+    """Try to add F_SEAL_FUTURE_WRITE to a received memfd; 'refused:<errno>' or 'added'."""
+    import fcntl
+
+    future_write = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, future_write)
+    except OSError as exc:
+        return f"refused:{exc.errno}"
+    return "added"
+
+
+def worker_loop(conn) -> None:
+    """Serve (tag, obj, crc, write, try_seal) requests on `conn` until None or EOF.
+
+    obj is an ndarray or a pyshm.Storage received through multiprocessing's pickler (so by
+    reference). Reply: (tag, crc matches, writeable, seal attempt, wrote). With `write` a byte
+    value and a writeable uint8 array, writes it at the array's first element. With `try_seal`,
+    first tries to add a write seal to the memfd (an attack: it must be refused).
+    """
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        except Exception as exc:  # unpickling failed: say so (the parent's test fails)
+            try:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            except OSError:
+                return
+            continue
+        if msg is None:
+            return
+        tag, obj, crc, write, try_seal = msg
+        if isinstance(obj, pyshm.Storage):
+            array = obj.asarray()
+        else:
+            array = obj
+        ok = digest(array) == crc
+        writeable = bool(array.flags.writeable)
+        seal = "n/a"
+        st = pyshm.storage_of(array)
+        if try_seal and st is not None and st.is_shared and writeable:
+            seal = seal_attempt(st.fd)
+        wrote = False
+        if write is not None and writeable and array.dtype == np.uint8 and array.size:
+            array[(0,) * array.ndim] = write  # the first element (the sender knows its address)
+            wrote = True
+        del array, obj, st
+        conn.send((tag, ok, writeable, seal, wrote))
