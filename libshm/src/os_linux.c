@@ -14,6 +14,7 @@
 #include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -139,6 +140,13 @@ static int fallocate_range(int fd, uint64_t offset, uint64_t len) {
         return 0;
     return LSHM_FAIL(-e, "fallocate(fd %d, %llu bytes at %llu): %s", fd, (unsigned long long)len,
                      (unsigned long long)offset, strerror(e));
+}
+
+int lshm__os_punch_hole(int fd, uint64_t offset, uint64_t len) {
+    if (len == 0 || fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)offset,
+                              (off_t)len) == 0)
+        return 0;
+    return -errno;
 }
 
 int lshm__os_reserve(int fd, uint64_t size) {

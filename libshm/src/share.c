@@ -46,7 +46,7 @@
 
 /* Does the storage own the pages at its data pointer, so the memfd can go over them? */
 static int owns_whole_pages(const lshm_storage *s) {
-    return s->origin == LSHM__ORIGIN_PAGES ||
+    return s->origin == LSHM__ORIGIN_PAGES || s->origin == LSHM__ORIGIN_SLAB ||
            (s->origin == LSHM__ORIGIN_ALLOCATOR &&
             (s->allocator.flags & LSHM_ALLOCATOR_WHOLE_PAGES) != 0);
 }
@@ -258,6 +258,23 @@ static void pool_after_fork(void) {
     pthread_mutex_unlock(&pool_lock);
 }
 
+/* The fork handlers of the whole library: every lock a share may hold is taken before the
+ * fork and released after it in both processes. */
+static void prepare_fork(void) {
+    lshm__slab_prepare_fork();
+    pool_prepare_fork();
+}
+
+static void after_fork_parent(void) {
+    pool_after_fork();
+    lshm__slab_after_fork_parent();
+}
+
+static void after_fork_child(void) {
+    pool_after_fork();
+    lshm__slab_after_fork_child();
+}
+
 static void pool_init(void) {
     uint64_t phys = lshm__os_phys_bytes();
     uint64_t limit = phys / 8;
@@ -270,9 +287,12 @@ static void pool_init(void) {
             limit = v;
     }
     lshm__pool_limit = limit > SIZE_MAX ? SIZE_MAX : (size_t)limit;
-    /* Cannot fail in a way we could act on (ENOMEM only): without handlers, pool nothing. */
-    if (pthread_atfork(pool_prepare_fork, pool_after_fork, pool_after_fork) != 0)
+    /* Cannot fail in a way we could act on (ENOMEM only): without handlers, pool nothing and
+     * put nothing in slabs (a child would share into its parent's slab memfds). */
+    if (pthread_atfork(prepare_fork, after_fork_parent, after_fork_child) != 0) {
         lshm__pool_limit = 0;
+        atomic_store_explicit(&lshm__slab_max_bytes, 0, memory_order_relaxed);
+    }
 }
 
 static unsigned long current_epoch(void) {
@@ -356,20 +376,27 @@ static int refill_memfd(int fd, const void *data, size_t size) {
     return rc;
 }
 
-/* Called with s->lock held on a storage that is not shared. */
-static int share_locked(lshm_storage *s) {
+/* Called with s->lock held on a storage that is not shared. `own_memfd`: a slab storage gets
+ * a memfd of its own instead of a range of its slab's (to be sealed read-only alone). */
+static int share_locked(lshm_storage *s, int own_memfd) {
     void *data = atomic_load_explicit(&s->data, memory_order_relaxed);
     int fd = -1;
     void *mapped = NULL;
     int rc;
 
-    if (owns_whole_pages(s)) {
+    if (s->origin == LSHM__ORIGIN_SLAB && !own_memfd) {
+        (void)current_epoch(); /* the fork handlers must be in place before a slab memfd is */
+        if ((rc = lshm__slab_share(s)) != 0)
+            return rc;
+    } else if (owns_whole_pages(s)) {
         /* Copy whole pages: the tail of the last page goes along, so a raw pointer sees the
          * same bytes anywhere in the range it owns. */
         /* The epoch is read before any memfd exists: a fork from here on makes it stale,
          * and the memfd is then never pooled on release. */
         unsigned long epoch = current_epoch();
-        fd = s->capacity > 0 && pool_pays(s->capacity, 1) ? pool_get(s->capacity) : -1;
+        fd = s->origin == LSHM__ORIGIN_PAGES && s->capacity > 0 && pool_pays(s->capacity, 1)
+                 ? pool_get(s->capacity)
+                 : -1;
         int swapped = 0;
         if (fd >= 0) { /* sized, sealed, populated: only the bytes to write (all of them) */
             rc = refill_memfd(fd, data, s->capacity);
@@ -429,7 +456,7 @@ static int share_locked(lshm_storage *s) {
     return 0;
 }
 
-int lshm_storage_share(lshm_storage *s) {
+static int share(lshm_storage *s, int own_memfd) {
     if (s == NULL)
         return LSHM_FAIL(-EINVAL, "NULL storage");
     if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) != 0)
@@ -439,11 +466,15 @@ int lshm_storage_share(lshm_storage *s) {
     /* Another thread may have shared it while we waited for the lock. */
     if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) == 0) {
         atomic_fetch_add_explicit(&active_shares, 1, memory_order_relaxed);
-        rc = share_locked(s);
+        rc = share_locked(s, own_memfd);
         atomic_fetch_sub_explicit(&active_shares, 1, memory_order_relaxed);
     }
     pthread_mutex_unlock(&s->lock);
     return rc;
+}
+
+int lshm_storage_share(lshm_storage *s) {
+    return share(s, 0);
 }
 
 int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out) {
@@ -451,6 +482,17 @@ int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out
         return LSHM_FAIL(-EINVAL, "NULL out pointer");
     if (flags != 0)
         return LSHM_FAIL(-EINVAL, "unknown flags 0x%x for a shared storage", flags);
+    if (nbytes > 0 && nbytes <= atomic_load_explicit(&lshm__slab_max_bytes,
+                                                       memory_order_relaxed)) {
+        /* Small: a slab storage shared at once (its range of the slab memfd). */
+        lshm_storage *small = NULL;
+        int rc = lshm_storage_create(nbytes, NULL, 0, &small);
+        if (rc == 0 && (rc = lshm_storage_share(small)) != 0)
+            lshm_storage_release(small);
+        if (rc == 0)
+            *out = small;
+        return rc;
+    }
     lshm_storage *s = NULL;
     int rc = lshm__storage_malloc(out, &s);
     if (rc != 0)
@@ -473,9 +515,21 @@ int lshm_storage_seal_readonly(lshm_storage *s) {
     /* A view seals its whole segment: every storage on it becomes read-only for receivers. */
     if (s->segment != NULL)
         return lshm_segment_seal_readonly(s->segment);
+    if (s->origin == LSHM__ORIGIN_SLAB && s->fd < 0)
+        return LSHM_FAIL(-EINVAL,
+                         "the storage shares its slab's memfd with other storages: sealing it "
+                         "would make them read-only too (lshm_storage_share_readonly before "
+                         "the first share gives it a memfd of its own)");
     if (s->fd < 0)
         return LSHM_FAIL(-EBADF, "the storage has no fd to seal");
     /* A write-sealed memfd can never be refilled: keep it out of the pool. */
     atomic_store_explicit(&s->exported, 1, memory_order_relaxed);
     return lshm__os_seal_future_write(s->fd);
+}
+
+int lshm_storage_share_readonly(lshm_storage *s) {
+    if (s == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL storage");
+    int rc = share(s, 1);
+    return rc != 0 ? rc : lshm_storage_seal_readonly(s);
 }
