@@ -105,7 +105,7 @@ import numpy as np
 
 from . import _ffi
 from ._ffi import lib
-from .arrays import _SLAB_MAX, ArrayOwner, _owner_of, _wrap
+from .arrays import ArrayOwner, _owner_of, _wrap
 from .storage import Storage
 
 __all__ = [
@@ -117,9 +117,8 @@ __all__ = [
     "KEEPALIVE_SECONDS",
 ]
 
-SLAB_SIZE = 4 << 20
-SLAB_MAX = _SLAB_MAX  # one value, defined where empty() decides
-SLAB_ALIGN = 64
+SLAB_SIZE = _ffi.SLAB_BYTES  # libshm's slabs (lshm.h: LSHM_SLAB_BYTES)
+SLAB_MAX = _ffi.SLAB_MAX_BYTES  # storages up to this size live in slabs
 KEEPALIVE_SECONDS = 60.0
 RECENT_SLABS = 8
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
@@ -149,12 +148,11 @@ class _Mapping:
     long as something uses the mapping.
     """
 
-    __slots__ = ("segment", "key", "size", "fd_kept", "own", "_finalizer", "__weakref__")
+    __slots__ = ("segment", "key", "size", "fd_kept", "_finalizer", "__weakref__")
 
-    def __init__(self, segment: int, key: tuple, fd_kept: bool, own: bool = False) -> None:
+    def __init__(self, segment: int, key: tuple, fd_kept: bool) -> None:
         self.segment = segment
         self.key = key
-        self.own = own  # a slab this process made (else: received from another process)
         self.size = lib.lshm_segment_size(segment)
         self.fd_kept = fd_kept
         self._finalizer = weakref.finalize(self, _drop_segment, segment, fd_kept)
@@ -170,16 +168,17 @@ class _State:
             weakref.WeakValueDictionary()
         )
         self.kept_fds = 0
-        # exports: key -> [holder, pending pickles, deadline]; live: key -> holder (weak)
+        # exports: key -> [holder, pending pickles, deadline]; live: key -> a holder of that
+        # memfd (weak); ranges: (key, size, offset, nbytes) -> the holder of that storage
+        # (weak), so that memory coming back is the same storage, even in a slab or an arena
         self.exports: dict = {}
         self.live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+        self.ranges: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
         self.next_sweep = 0.0
         self.server: Optional[_Server] = None
         # the few most recently received slabs, held strongly so that arrays sent one message
         # at a time do not re-map their slab every time (bounded: RECENT_SLABS x SLAB_SIZE)
         self.recent: list = []
-        self.slab: Optional[_Mapping] = None
-        self.slab_used = 0
         # sender: per sending thread ("stream"), the keys it exported, in order
         self.local = threading.local()
         self.streams: dict = {}  # stream id -> _Log
@@ -234,8 +233,11 @@ def _fd_budget() -> int:
 
 
 def segment_count() -> int:
-    """How many memfds this process has mapped through pyshm's cache (slabs and received)."""
-    return len(_state.mappings)
+    """How many memfds this process maps as wholes: received ones (pyshm's cache of mappings)
+    plus the memfds of libshm's slabs (one per slab that has shared storages)."""
+    counters = _ffi.SlabCounters()
+    lib.lshm_slab_stats(byref(counters))
+    return len(_state.mappings) + int(counters.memfds)
 
 
 def _new_view(mapping: _Mapping, offset: int, nbytes: int, readonly: bool) -> int:
@@ -243,43 +245,6 @@ def _new_view(mapping: _Mapping, offset: int, nbytes: int, readonly: bool) -> in
     flags = _ffi.STORAGE_READONLY if readonly else 0
     lib.lshm_storage_create_view(mapping.segment, offset, nbytes, flags, byref(out))
     return out.value
-
-
-# --------------------------------------------------------------------------------------------
-# Slabs: small shared arrays packed into 4 MiB segments
-# --------------------------------------------------------------------------------------------
-
-
-def _slab_view(nbytes: int) -> tuple:
-    """A storage handle (one reference, the caller's) for nbytes in the current slab."""
-    step = max(SLAB_ALIGN, -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN)
-    with _state.lock:
-        slab = _state.slab
-        if slab is None or _state.slab_used + step > SLAB_SIZE:
-            out = c_void_p()
-            lib.lshm_segment_create(SLAB_SIZE, 0, byref(out))
-            try:
-                key = _key_of(lib.lshm_segment_fd(out.value))
-            except BaseException:
-                lib.lshm_segment_release(out.value)
-                raise
-            slab = _Mapping(out.value, key, fd_kept=False, own=True)
-            _state.mappings[key] = slab
-            _state.slab = slab
-            _state.slab_used = 0
-        offset = _state.slab_used
-        handle = _new_view(slab, offset, nbytes, False)
-        _state.slab_used += step
-    return handle, slab
-
-
-def slab_empty(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
-    """A zero-filled shared array packed in a slab (used by pyshm.empty for small arrays)."""
-    handle, slab = _slab_view(nbytes)
-    try:
-        return _wrap(handle, shape, dtype, 0, keep=slab)
-    finally:
-        lib.lshm_storage_release(handle)
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,6 +329,7 @@ def _export(
             entry[2] = now + KEEPALIVE_SECONDS
         if key not in _state.live:
             _state.live[key] = holder
+        _state.ranges[(key, size, offset.value, nbytes)] = holder
         server = _state.server
         if server is None:  # (a forked child starts without one: _after_fork_in_child)
             server = _state.server = _Server()
@@ -620,14 +586,16 @@ def _resolve(token: Any) -> tuple:
     """(mapping or None, storage handle with a reference the caller must release)."""
     key, address, size, offset, nbytes, readonly, where = _check_token(token)
     with _state.lock:
+        holder = _state.ranges.get((key, size, offset, nbytes))
+        if holder is not None:
+            # memory that left from here coming back: the very same storage, same address
+            return None, lib.lshm_storage_retain(_handle_of(holder))
         mapping = _state.mappings.get(key)
         if mapping is None:
-            holder = _lookup_export(key)
-            if holder is not None:
-                # our own memory coming back: the very same storage, same address
-                handle = _handle_of(holder)
-                if lib.lshm_storage_nbytes(handle) == nbytes:
-                    return None, lib.lshm_storage_retain(handle)
+            handle = _own_slab_storage(key, size, offset, nbytes)
+            if handle is not None:  # ours, sent back by a forked child that inherited it
+                return None, handle
+        if mapping is None:
             entry = _state.prefetched.pop(key, None)
             if entry is not None:  # handed to us with an earlier fetch
                 fd, _, sender = entry
@@ -670,6 +638,19 @@ def _resolve(token: Any) -> tuple:
             f"pyshm: memfd is {mapping.size} bytes, the sender said {size}"
         )
     return mapping, _new_view(mapping, offset, nbytes, readonly)
+
+
+def _own_slab_storage(key: tuple, size: int, offset: int, nbytes: int) -> Optional[int]:
+    """A live storage of this process in its slab memfd `key` at `offset` (a reference the
+    caller releases), or None."""
+    if size != SLAB_SIZE:
+        return None
+    out = c_void_p()
+    try:
+        lib.lshm_slab_find(key[0], key[1], offset, nbytes, byref(out))
+    except _ffi.ShmError:
+        return None
+    return out.value
 
 
 def _keep_extras(extras: list, address: bytes) -> None:
@@ -763,7 +744,7 @@ def _reduce_ndarray(array: np.ndarray):
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
     handle = owner._handle
     mapping = owner._keep if isinstance(owner._keep, _Mapping) else None
-    token = _export(handle, owner, hold=mapping is None or mapping.own, mapping=mapping)
+    token = _export(handle, owner, hold=mapping is None, mapping=mapping)
     data = lib.lshm_storage_data(handle) or 0
     start = array.__array_interface__["data"][0] - data
     return _rebuild_ndarray, (
@@ -781,7 +762,7 @@ def _reduce_storage(storage: Storage):
     if lib.lshm_storage_nbytes(handle) == 0:
         return reduce_storage_by_value(storage, 4)
     mapping = storage._keep
-    if isinstance(mapping, _Mapping) and not mapping.own:
+    if isinstance(mapping, _Mapping):
         return _rebuild_storage, (_export(handle, storage, hold=False, mapping=mapping),)
     holder = Storage._from_handle(lib.lshm_storage_retain(handle))
     return _rebuild_storage, (_export(handle, holder),)
@@ -816,16 +797,17 @@ def register() -> None:
 def share_readonly(array: Any) -> Any:
     """Share ``array`` so that every process it is sent to gets read-only memory; returns it.
 
-    The array is shared in place first if needed (same address). Its memfd is then sealed
-    with ``F_SEAL_FUTURE_WRITE``: this process keeps writing through its existing mapping (and
-    its arrays stay writeable), while receivers get arrays that are not writeable and cannot
-    map the fd writable or ``write`` to it. Irreversible for that memory. Processes that mapped
-    it writable before the seal keep their mappings.
+    The array is shared in place first if needed (same address), into a memfd of its own even
+    when it is small (a slab array would otherwise share its slab's memfd). That memfd is then
+    sealed with ``F_SEAL_FUTURE_WRITE``: this process keeps writing through its existing mapping
+    (and its arrays stay writeable), while receivers get arrays that are not writeable and
+    cannot map the fd writable or ``write`` to it. Irreversible for that memory. Processes that
+    mapped it writable before the seal keep their mappings.
 
-    Raises :class:`ValueError` when the array shares its memfd with other arrays (a slab from
-    ``pyshm.empty(..., shared=True)`` of a small size): sealing would make them read-only too;
-    ``share_readonly(pyshm.copy(array))`` gives it a memfd of its own. :class:`TypeError` for
-    memory pyshm does not own.
+    Raises :class:`ValueError` (nothing changed) when the array is already shared in memory it
+    shares with other arrays (a small array shared before, or created with ``shared=True``:
+    its slab's memfd): ``share_readonly(pyshm.copy(array))`` gives a copy a memfd of its own.
+    :class:`TypeError` for memory pyshm does not own.
     """
     owner = _owner_of(array)
     if owner is None:
@@ -833,21 +815,14 @@ def share_readonly(array: Any) -> Any:
             "share_readonly needs an array whose memory pyshm owns; use "
             "pyshm.share_readonly(pyshm.copy(array))"
         )
-    handle = owner._handle
-    if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
-        lib.lshm_storage_share(handle)
-    fd = c_int(-1)
-    offset = c_uint64(0)
-    lib.lshm_storage_fd(handle, byref(fd), byref(offset))
-    nbytes = lib.lshm_storage_nbytes(handle)
-    size = os.fstat(fd.value).st_size
-    if offset.value != 0 or nbytes != size:
-        raise ValueError(
-            f"this array's {nbytes} bytes share a {size}-byte memfd (a slab) with other arrays; "
-            "sealing it read-only would affect them too. Use "
-            "pyshm.share_readonly(pyshm.copy(array)) to give it a memfd of its own"
-        )
-    lib.lshm_storage_seal_readonly(handle)  # a view seals its whole segment: checked above
+    try:
+        lib.lshm_storage_share_readonly(owner._handle)
+    except _ffi.ShmValueError as exc:
+        raise _ffi.ShmValueError(
+            exc.errno,
+            f"{exc.strerror}; use pyshm.share_readonly(pyshm.copy(array)) to seal a copy in a "
+            "memfd of its own",
+        ) from None
     return array
 
 
@@ -868,8 +843,7 @@ def _after_fork_in_child() -> None:
     old.lock = threading.RLock()
     old.exports = {}
     old.live = weakref.WeakValueDictionary()
-    old.slab = None
-    old.slab_used = 0
+    old.ranges = weakref.WeakValueDictionary()
     old.recent = []
     old.local = threading.local()
     old.streams = {}

@@ -124,6 +124,24 @@ typedef struct lshm_storage lshm_storage;
  * Resizable storages and storages of caller allocators never live in slabs. */
 #define LSHM_SLAB_MAX_BYTES ((size_t)64 << 10)
 
+/* What the slabs of this process hold right now (lshm_slab_stats). */
+typedef struct lshm_slab_counters {
+    uint64_t slabs;    /* slabs mapped (LSHM_SLAB_BYTES each) */
+    uint64_t memfds;   /* slabs that have a memfd (one fd each) */
+    uint64_t storages; /* storages living in slabs */
+} lshm_slab_counters;
+/* Bytes of one slab and of its memfd. */
+#define LSHM_SLAB_BYTES ((size_t)4 << 20)
+/* Copy the counters into *out. Thread-safe. Errors: -EINVAL (NULL). */
+LSHM_API int lshm_slab_stats(lshm_slab_counters *out);
+/* Find the live storage of this process that was shared into the slab memfd identified by
+ * (st_dev, st_ino) = (dev, ino) and lies at `offset` of it with `nbytes` bytes: how memory that
+ * comes back from another process (e.g. a forked child that inherited it) is recognised as the
+ * same storage. *out gets a new reference. Thread-safe.
+ * Errors: -EINVAL (NULL out), -ENOENT (no such storage). */
+LSHM_API int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
+                            lshm_storage **out);
+
 /* Storage flags (lshm_storage_flags reports them; creators accept those marked "in"). */
 #define LSHM_STORAGE_RESIZABLE 0x1u /* in: lshm_storage_resize may change nbytes */
 #define LSHM_STORAGE_SHARED 0x2u    /* the bytes live in a memfd (lshm_storage_fd works) */

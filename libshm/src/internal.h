@@ -85,6 +85,8 @@ void lshm__os_unmap(void *addr, size_t len);
 void lshm__os_close(int fd);
 int lshm__os_dup_cloexec(int fd, int *out);
 
+/* st_dev and st_ino of fd (fstat). */
+int lshm__os_fd_identity(int fd, uint64_t *dev, uint64_t *ino);
 /* What attach needs to know about a received fd. */
 typedef struct lshm__fd_info {
     uint64_t size;     /* st_size in bytes */
@@ -197,7 +199,7 @@ extern size_t lshm__pool_limit;
 /* ---- slabs (slab.c) ------------------------------------------------------------------------ */
 
 /* Bytes of one slab (and of its memfd). */
-#define LSHM__SLAB_BYTES ((size_t)4 << 20)
+#define LSHM__SLAB_BYTES LSHM_SLAB_BYTES
 /* Storages of the default allocator whose capacity is at most this (default
  * LSHM_SLAB_MAX_BYTES; tests set 0 to give every storage pages of its own) live in slabs. */
 extern _Atomic size_t lshm__slab_max_bytes;
@@ -206,6 +208,8 @@ extern _Atomic size_t lshm__slab_max_bytes;
 int lshm__slab_alloc(size_t capacity, lshm__slab **slab, void **data);
 /* Give s's pages back to its slab (shared or not); s->fd (own memfd) is left to the caller. */
 void lshm__slab_free(lshm_storage *s);
+/* Record s as the storage on its slab pages (after lshm_storage_init, for lshm_slab_find). */
+void lshm__slab_set_owner(lshm_storage *s);
 /* Share s in place into its slab's memfd (s->lock held, s not shared). */
 int lshm__slab_share(lshm_storage *s);
 /* The fd behind a shared slab storage: the slab memfd, or its own. */

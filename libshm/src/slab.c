@@ -48,6 +48,7 @@
 struct lshm__slab_memfd {
     _Atomic size_t refcount; /* the slab's (while current) + one per storage shared into it */
     int fd;                  /* memfd of LSHM__SLAB_BYTES, sealed against shrink/grow */
+    uint64_t dev, ino;       /* its identity (fstat), for lshm_slab_find */
 };
 
 struct lshm__slab {
@@ -55,6 +56,7 @@ struct lshm__slab {
     struct lshm__slab *next;    /* all slabs, newest first */
     uint64_t busy[SLAB_WORDS];  /* page holds a live storage or is retired */
     uint64_t dirty[SLAB_WORDS]; /* page was handed out since it was last known zero */
+    lshm_storage *owner[SLAB_MAX_PAGES]; /* the live storage whose first page this is */
     size_t pages;               /* pages in the slab */
     size_t free_pages;          /* pages not busy */
     size_t live;                /* storages on the slab */
@@ -135,6 +137,11 @@ static int memfd_new(lshm__slab_memfd **out) {
     if (rc == 0 && (rc = lshm__os_ftruncate(fd, LSHM__SLAB_BYTES)) == 0)
         rc = lshm__os_seal_size(fd);
     if (rc != 0) {
+        lshm__os_close(fd);
+        free(m);
+        return rc;
+    }
+    if ((rc = lshm__os_fd_identity(fd, &m->dev, &m->ino)) != 0) {
         lshm__os_close(fd);
         free(m);
         return rc;
@@ -264,6 +271,7 @@ void lshm__slab_free(lshm_storage *s) {
         shared_into = NULL;
     }
     pthread_mutex_lock(&slabs_lock);
+    slab->owner[first] = NULL;
     if (own_fd)
         slab->shared_pages = 1; /* retired until the slab starts over */
     if (shared_into == NULL && !own_fd) {
@@ -315,16 +323,68 @@ int lshm__slab_share(lshm_storage *s) {
         memfd_release(m);
         return rc;
     }
-    pthread_mutex_lock(&slabs_lock);
+    pthread_mutex_lock(&slabs_lock); /* lshm_slab_find reads slab_memfd under it */
     slab->shared_pages = 1;
-    pthread_mutex_unlock(&slabs_lock);
     s->slab_memfd = m;
     s->fd_offset = offset;
+    pthread_mutex_unlock(&slabs_lock);
+    return 0;
+}
+
+void lshm__slab_set_owner(lshm_storage *s) {
+    char *data = atomic_load_explicit(&s->data, memory_order_relaxed);
+    pthread_mutex_lock(&slabs_lock);
+    s->slab->owner[(size_t)(data - s->slab->base) / lshm__os_page_size()] = s;
+    pthread_mutex_unlock(&slabs_lock);
+}
+
+int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
+                   lshm_storage **out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL out pointer");
+    size_t page = lshm__os_page_size();
+    lshm_storage *found = NULL;
+    pthread_mutex_lock(&slabs_lock);
+    if (offset % page == 0 && offset < LSHM__SLAB_BYTES) {
+        for (lshm__slab *slab = slabs; slab != NULL && found == NULL; slab = slab->next) {
+            lshm_storage *s = slab->owner[offset / page];
+            lshm__slab_memfd *m = s != NULL ? s->slab_memfd : NULL;
+            if (m == NULL || m->dev != dev || m->ino != ino || s->nbytes != nbytes)
+                continue;
+            /* Retain only a storage that is still alive: a release that reached 0 frees it
+             * (and clears owner[] under this lock) without waiting for us. */
+            size_t refs = atomic_load_explicit(&s->refcount, memory_order_relaxed);
+            while (refs > 0 && !atomic_compare_exchange_weak(&s->refcount, &refs, refs + 1)) {
+            }
+            if (refs > 0)
+                found = s;
+        }
+    }
+    pthread_mutex_unlock(&slabs_lock);
+    if (found == NULL)
+        return LSHM_FAIL(-ENOENT, "no storage of this process at offset %llu of that memfd",
+                         (unsigned long long)offset);
+    *out = found;
     return 0;
 }
 
 int lshm__slab_fd(const lshm_storage *s) {
     return s->slab_memfd != NULL ? s->slab_memfd->fd : s->fd;
+}
+
+int lshm_slab_stats(lshm_slab_counters *out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL out pointer");
+    lshm_slab_counters c = {0, 0, 0};
+    pthread_mutex_lock(&slabs_lock);
+    for (const lshm__slab *slab = slabs; slab != NULL; slab = slab->next) {
+        c.slabs++;
+        c.memfds += slab->memfd != NULL;
+        c.storages += slab->live;
+    }
+    pthread_mutex_unlock(&slabs_lock);
+    *out = c;
+    return 0;
 }
 
 size_t lshm__slab_count(void) {

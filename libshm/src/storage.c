@@ -208,6 +208,8 @@ int lshm_storage_init(void *mem, size_t nbytes, const lshm_allocator *allocator,
     atomic_store_explicit(&s->data, data, memory_order_relaxed);
     s->nbytes = nbytes;
     s->capacity = capacity;
+    if (slab != NULL)
+        lshm__slab_set_owner(s);
     *out = s;
     return 0;
 }
