@@ -204,6 +204,20 @@ class ArenaCounters(ctypes.Structure):
 
 ARENA_SHARED = 0x1
 
+# lshm.h: LSHM_SLAB_MAX_BYTES, LSHM_SLAB_BYTES
+SLAB_MAX_BYTES = 64 << 10
+SLAB_BYTES = 4 << 20
+
+
+class SlabCounters(ctypes.Structure):
+    """lshm_slab_counters (lshm.h)."""
+
+    _fields_ = [
+        ("slabs", c_uint64),
+        ("memfds", c_uint64),
+        ("storages", c_uint64),
+    ]
+
 _storage_p = c_void_p
 _segment_p = c_void_p
 _arena_p = c_void_p
@@ -338,6 +352,9 @@ _TABLE = [
     ("lshm_arena_free", c_int, [_arena_p, _storage_p], True),
     ("lshm_arena_end_iteration", c_int, [_arena_p], True),
     ("lshm_storage_seal_readonly", c_int, [_storage_p], True),
+    ("lshm_storage_share_readonly", c_int, [_storage_p], True),
+    ("lshm_slab_stats", c_int, [POINTER(SlabCounters)], True),
+    ("lshm_slab_find", c_int, [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(_storage_p)], True),
     ("lshm_pool_trim", c_int, [], False),
 ]
 

@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 ShapeLike = Union[int, Sequence[int]]
-_SLAB_MAX = 64 << 10  # arrays up to this size go into shared slabs (pyshm.reduction)
 
 
 class ArrayOwner:
@@ -130,20 +129,14 @@ def _array_from_storage(
 def empty(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) -> np.ndarray:
     """A new C-contiguous array backed by its own storage (whole pages, zero-filled).
 
-    With ``shared=True`` the bytes live in an anonymous memfd from the start; arrays of at most
-    64 KiB are packed into shared 4 MiB slabs (one fd and mapping for many arrays, see
-    :mod:`pyshm.reduction`). The array's ``.base`` keeps the storage alive; :func:`storage_of`
-    returns it.
+    With ``shared=True`` the bytes live in an anonymous memfd from the start. Arrays of at most
+    64 KiB live in libshm's slabs either way (4 MiB of pages; shared ones in the slab's one
+    memfd, see "File descriptors" in the README). The array's ``.base`` keeps the storage
+    alive; :func:`storage_of` returns it.
     """
     dtype = np.dtype(dtype)
     shape = _normalize_shape(shape)
     nbytes = _nbytes_of(shape, dtype)
-    if shared and 0 < nbytes <= _SLAB_MAX:
-        # small shared arrays are packed into slabs: one fd and one mapping per 4 MiB
-        # (see pyshm.reduction, "fd and mapping policy")
-        from .reduction import slab_empty
-
-        return slab_empty(shape, dtype, nbytes)
     handle = _create(nbytes, shared)  # no Storage object: the array's owner holds it
     try:
         return _wrap(handle, shape, dtype)
@@ -163,7 +156,7 @@ def copy(array: Any, *, shared: bool = False) -> np.ndarray:
     buffer protocol) into a storage that can then be shared in place.
     """
     source = np.asarray(array)
-    if not shared or _nbytes_of(source.shape, source.dtype) <= _SLAB_MAX:
+    if not shared or _nbytes_of(source.shape, source.dtype) <= _ffi.SLAB_MAX_BYTES:
         result = empty(source.shape, source.dtype, shared=shared)
         np.copyto(result, source, casting="no")
         return result

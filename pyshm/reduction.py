@@ -109,7 +109,7 @@ import numpy as np
 
 from . import _ffi
 from ._ffi import lib
-from .arrays import _SLAB_MAX, ArrayOwner, _owner_of, _wrap
+from .arrays import ArrayOwner, _owner_of, _wrap
 from .storage import Storage, _check_shareable_in_place
 
 __all__ = [
@@ -121,9 +121,8 @@ __all__ = [
     "KEEPALIVE_SECONDS",
 ]
 
-SLAB_SIZE = 4 << 20
-SLAB_MAX = _SLAB_MAX  # one value, defined where empty() decides
-SLAB_ALIGN = 64
+SLAB_SIZE = _ffi.SLAB_BYTES  # libshm's slabs (lshm.h: LSHM_SLAB_BYTES)
+SLAB_MAX = _ffi.SLAB_MAX_BYTES  # storages up to this size live in slabs
 KEEPALIVE_SECONDS = 60.0
 RECENT_SLABS = 8
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
@@ -153,12 +152,11 @@ class _Mapping:
     long as something uses the mapping.
     """
 
-    __slots__ = ("segment", "key", "size", "fd_kept", "own", "_finalizer", "__weakref__")
+    __slots__ = ("segment", "key", "size", "fd_kept", "_finalizer", "__weakref__")
 
-    def __init__(self, segment: int, key: tuple, fd_kept: bool, own: bool = False) -> None:
+    def __init__(self, segment: int, key: tuple, fd_kept: bool) -> None:
         self.segment = segment
         self.key = key
-        self.own = own  # a slab this process made (else: received from another process)
         self.size = lib.lshm_segment_size(segment)
         self.fd_kept = fd_kept
         self._finalizer = weakref.finalize(self, _drop_segment, segment, fd_kept)
@@ -174,16 +172,17 @@ class _State:
             weakref.WeakValueDictionary()
         )
         self.kept_fds = 0
-        # exports: key -> [holder, pending pickles, deadline]; live: key -> holder (weak)
+        # exports: key -> [holder, pending pickles, deadline]; live: key -> a holder of that
+        # memfd (weak); ranges: (key, size, offset, nbytes) -> the holder of that storage
+        # (weak), so that memory coming back is the same storage, even in a slab or an arena
         self.exports: dict = {}
         self.live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+        self.ranges: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
         self.next_sweep = 0.0
         self.server: Optional[_Server] = None
         # the few most recently received slabs, held strongly so that arrays sent one message
         # at a time do not re-map their slab every time (bounded: RECENT_SLABS x SLAB_SIZE)
         self.recent: list = []
-        self.slab: Optional[_Mapping] = None
-        self.slab_used = 0
         # sender: per sending thread ("stream"), the keys it exported, in order
         self.local = threading.local()
         self.streams: dict = {}  # stream id -> _Log
@@ -238,8 +237,11 @@ def _fd_budget() -> int:
 
 
 def segment_count() -> int:
-    """How many memfds this process has mapped through pyshm's cache (slabs and received)."""
-    return len(_state.mappings)
+    """How many memfds this process maps as wholes: received ones (pyshm's cache of mappings)
+    plus the memfds of libshm's slabs (one per slab that has shared storages)."""
+    counters = _ffi.SlabCounters()
+    lib.lshm_slab_stats(byref(counters))
+    return len(_state.mappings) + int(counters.memfds)
 
 
 def _new_view(mapping: _Mapping, offset: int, nbytes: int, readonly: bool) -> int:
@@ -247,43 +249,6 @@ def _new_view(mapping: _Mapping, offset: int, nbytes: int, readonly: bool) -> in
     flags = _ffi.STORAGE_READONLY if readonly else 0
     lib.lshm_storage_create_view(mapping.segment, offset, nbytes, flags, byref(out))
     return out.value
-
-
-# --------------------------------------------------------------------------------------------
-# Slabs: small shared arrays packed into 4 MiB segments
-# --------------------------------------------------------------------------------------------
-
-
-def _slab_view(nbytes: int) -> tuple:
-    """A storage handle (one reference, the caller's) for nbytes in the current slab."""
-    step = max(SLAB_ALIGN, -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN)
-    with _state.lock:
-        slab = _state.slab
-        if slab is None or _state.slab_used + step > SLAB_SIZE:
-            out = c_void_p()
-            lib.lshm_segment_create(SLAB_SIZE, 0, byref(out))
-            try:
-                key = _key_of(lib.lshm_segment_fd(out.value))
-            except BaseException:
-                lib.lshm_segment_release(out.value)
-                raise
-            slab = _Mapping(out.value, key, fd_kept=False, own=True)
-            _state.mappings[key] = slab
-            _state.slab = slab
-            _state.slab_used = 0
-        offset = _state.slab_used
-        handle = _new_view(slab, offset, nbytes, False)
-        _state.slab_used += step
-    return handle, slab
-
-
-def slab_empty(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
-    """A zero-filled shared array packed in a slab (used by pyshm.empty for small arrays)."""
-    handle, slab = _slab_view(nbytes)
-    try:
-        return _wrap(handle, shape, dtype, 0, keep=slab)
-    finally:
-        lib.lshm_storage_release(handle)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,6 +335,7 @@ def _export(
             entry[2] = now + KEEPALIVE_SECONDS
         if key not in _state.live:
             _state.live[key] = holder
+        _state.ranges[(key, size, offset.value, nbytes)] = holder
         server = _state.server
         if server is None:  # (a forked child starts without one: _after_fork_in_child)
             server = _state.server = _Server()
@@ -626,15 +592,24 @@ def _resolve(token: Any) -> tuple:
     """(mapping or None, storage handle with a reference the caller must release)."""
     key, address, size, offset, nbytes, readonly, where = _check_token(token)
     with _state.lock:
+        holder = _state.ranges.get((key, size, offset, nbytes))
+        if holder is not None:
+            # memory that left from here coming back: the very same storage, same address
+            return None, lib.lshm_storage_retain(_handle_of(holder))
         mapping = _state.mappings.get(key)
         if mapping is None:
             holder = _lookup_export(key)
             if holder is not None:
-                # our own memory coming back: the very same storage, same address
+                # our own memory coming back: another storage of the same memfd (a tensor of a
+                # shared arena) is a view of it at the same address
                 handle = _handle_of(holder)
                 own = _own_storage_for(handle, offset, nbytes, size, readonly)
                 if own is not None:
                     return None, own
+            handle = _own_slab_storage(key, size, offset, nbytes)
+            if handle is not None:  # ours, sent back by a forked child that inherited it
+                return None, handle
+        if mapping is None:
             entry = _state.prefetched.pop(key, None)
             if entry is not None:  # handed to us with an earlier fetch
                 fd, _, sender = entry
@@ -685,11 +660,13 @@ def _own_storage_for(handle: int, offset: int, nbytes: int, size: int,
     storage this process exported, or None. Several storages may live in one memfd (a shared
     arena's tensors): the one exported first is the holder, so the range decides."""
     segment = lib.lshm_storage_segment(handle)
+    if not segment:  # (a storage alone in its memfd, or in a slab: _state.ranges knows it)
+        return None
     data = lib.lshm_storage_data(handle) or 0
-    start = data - (lib.lshm_segment_data(segment) or 0) if segment else 0
+    start = data - (lib.lshm_segment_data(segment) or 0)
     if start == offset and lib.lshm_storage_nbytes(handle) == nbytes:
         return lib.lshm_storage_retain(handle)  # the very same storage
-    if segment and lib.lshm_segment_size(segment) == size:
+    if lib.lshm_segment_size(segment) == size:
         return _new_view_of_segment(segment, offset, nbytes, readonly)  # same pages, same address
     return None
 
@@ -698,6 +675,19 @@ def _new_view_of_segment(segment: int, offset: int, nbytes: int, readonly: bool)
     out = c_void_p()
     flags = _ffi.STORAGE_READONLY if readonly else 0
     lib.lshm_storage_create_view(segment, offset, nbytes, flags, byref(out))
+    return out.value
+
+
+def _own_slab_storage(key: tuple, size: int, offset: int, nbytes: int) -> Optional[int]:
+    """A live storage of this process in its slab memfd `key` at `offset` (a reference the
+    caller releases), or None."""
+    if size != SLAB_SIZE:
+        return None
+    out = c_void_p()
+    try:
+        lib.lshm_slab_find(key[0], key[1], offset, nbytes, byref(out))
+    except _ffi.ShmError:
+        return None
     return out.value
 
 
@@ -792,7 +782,7 @@ def _reduce_ndarray(array: np.ndarray):
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
     handle = owner._handle
     mapping = owner._keep if isinstance(owner._keep, _Mapping) else None
-    token = _export(handle, owner, hold=mapping is None or mapping.own, mapping=mapping)
+    token = _export(handle, owner, hold=mapping is None, mapping=mapping)
     data = lib.lshm_storage_data(handle) or 0
     start = array.__array_interface__["data"][0] - data
     return _rebuild_ndarray, (
@@ -810,7 +800,7 @@ def _reduce_storage(storage: Storage):
     if lib.lshm_storage_nbytes(handle) == 0:
         return reduce_storage_by_value(storage, 4)
     mapping = storage._keep
-    if isinstance(mapping, _Mapping) and not mapping.own:
+    if isinstance(mapping, _Mapping):
         return _rebuild_storage, (_export(handle, storage, hold=False, mapping=mapping),)
     holder = Storage._from_handle(lib.lshm_storage_retain(handle))
     return _rebuild_storage, (_export(handle, holder),)
@@ -846,7 +836,7 @@ def share_readonly(array: Any) -> Any:
     """Share ``array`` so that every process it is sent to gets read-only memory; returns it.
 
     The array is shared in place first if needed (same address, a memfd of its own, whatever
-    its size). Its memfd is then sealed with ``F_SEAL_FUTURE_WRITE``: this process keeps
+    its size: a small array gets one instead of its slab's). Its memfd is then sealed with ``F_SEAL_FUTURE_WRITE``: this process keeps
     writing through its existing mapping (and its arrays stay writeable), while receivers get
     arrays that are not writeable and cannot map the fd writable or ``write`` to it.
     Irreversible for that memory. Processes that mapped it writable before the seal keep their
@@ -890,10 +880,16 @@ def share_readonly(array: Any) -> Any:
                 "affect them too. Use pyshm.share_readonly(pyshm.copy(array)) to give it a "
                 "memfd of its own"
             )
-    if not shared:
-        lib.lshm_storage_share(handle)  # in place: a memfd of its own, never handed out
     try:
-        lib.lshm_storage_seal_readonly(handle)  # a whole-segment view seals its segment
+        # Unshared: in place into a memfd of its own (a small array too), never handed out.
+        # Shared already in its slab's memfd: refused by libshm (EINVAL), nothing changed.
+        lib.lshm_storage_share_readonly(handle)
+    except _ffi.ShmValueError as exc:
+        raise _ffi.ShmValueError(
+            exc.errno,
+            f"share_readonly: {exc.strerror}. Use pyshm.share_readonly(pyshm.copy(array)) to "
+            "seal a copy in a memfd of its own",
+        ) from None
     except _ffi.ShmPermissionError as exc:
         raise _ffi.ShmPermissionError(
             exc.errno,
@@ -923,8 +919,7 @@ def _after_fork_in_child() -> None:
     old.lock = threading.RLock()
     old.exports = {}
     old.live = weakref.WeakValueDictionary()
-    old.slab = None
-    old.slab_used = 0
+    old.ranges = weakref.WeakValueDictionary()
     old.recent = []
     old.local = threading.local()
     old.streams = {}

@@ -75,7 +75,8 @@ def test_views_before_share_see_writes_after_both_ways(dtype):
     raw = os.pread(storage.fd, a.nbytes, storage.fd_offset)
     assert np.frombuffer(raw, dtype).reshape(4, 6)[0, 0] == 42
     # and through a new attach of the fd
-    attached = pyshm.Storage.attach(storage.fd, a.nbytes).asarray((4, 6), dtype)
+    attached = pyshm.Storage.attach(storage.fd, a.nbytes, offset=storage.fd_offset)
+    attached = attached.asarray((4, 6), dtype)
     attached[3, 5] = 7
     assert a[3, 5] == 7 and views["view_of_view"][0, 2] == 7
 

@@ -264,7 +264,8 @@ def test_forked_child_never_allocates_from_the_parents_slab():
 
 def test_a_message_of_in_place_arrays_needs_few_fetches(pool):
     n = 600
-    arrays = [pyshm.share_memory_(pyshm.empty(1024, np.int32)) for _ in range(n)]  # 1 memfd each
+    # above the slab threshold (64 KiB): 1 memfd each
+    arrays = [pyshm.share_memory_(pyshm.empty(17 << 10, np.int32)) for _ in range(n)]
     for i, a in enumerate(arrays):
         a[0] = i
     before, _ = pool.apply(fetches_and_touch, ([],))
@@ -300,9 +301,10 @@ def test_unused_extras_are_closed_and_bounded():
     child = ctx.Process(target=receive_and_watch_extras, args=(child_end,))
     child.start()
     child_end.close()
-    first = pyshm.share_memory_(pyshm.empty(16, np.int64))
+    # above the slab threshold (64 KiB), so each has a memfd of its own
+    first = pyshm.share_memory_(pyshm.empty(8193, np.int64))
     first[0] = 5
-    others = [pyshm.share_memory_(pyshm.empty(16, np.int64)) for _ in range(100)]
+    others = [pyshm.share_memory_(pyshm.empty(8193, np.int64)) for _ in range(100)]
     payload = ForkingPickler.dumps(first)
     ForkingPickler.dumps(others)  # pickled after `first` by this thread, never sent
     parent_end.send_bytes(payload)
@@ -583,7 +585,8 @@ def test_readonly_refusals_change_nothing():
 
 
 def test_readonly_after_a_writable_fd_says_to_copy():
-    array = pyshm.share_memory_(pyshm.empty(5000, np.uint8))
+    # (above the slab threshold: a memfd of its own; slab arrays are refused for another reason)
+    array = pyshm.share_memory_(pyshm.empty(70_000, np.uint8))
     array[:] = 7
     fd = pyshm.storage_of(array).fd  # handed out writable
     # libshm seals an fd it hands out writable with F_SEAL_SEAL: nobody can add seals now.

@@ -72,7 +72,7 @@ def test_share_in_place_keeps_address_and_bytes(no_fd_leak):
         assert stat.S_ISREG(os.fstat(fd).st_mode)
         # The fd sees the bytes, and a write through memory shows in the fd.
         ctypes.memset(address, 0x11, 1)
-        assert os.pread(fd, 2, 0) == b"\x11\x5a"
+        assert os.pread(fd, 2, storage.fd_offset) == b"\x11\x5a"
         # Idempotent: the same fd, the same address.
         storage.share_memory_()
         assert storage.fd == fd and storage.data_ptr == address
@@ -156,8 +156,10 @@ def test_attach_validates_foreign_fds(tmp_path, no_fd_leak):
         os.close(read_end)
         os.close(write_end)
     with pyshm.Storage(4096, shared=True) as storage:
+        size = os.fstat(storage.fd).st_size  # its slab's memfd (4 MiB), not 4096
         with pytest.raises(ValueError, match="smaller"):
-            pyshm.Storage.attach(storage.fd, 8192)
+            pyshm.Storage.attach(storage.fd, size - storage.fd_offset + 4096,
+                                 offset=storage.fd_offset)
         with pytest.raises(ValueError):
             pyshm.Storage.attach(storage.fd, 16, offset=-1)
 
@@ -165,13 +167,15 @@ def test_attach_validates_foreign_fds(tmp_path, no_fd_leak):
 def test_attach_sees_same_bytes_both_ways(no_fd_leak):
     with pyshm.Storage(8192) as storage:
         storage.share_memory_()
-        with pyshm.Storage.attach(storage.fd, 4096, offset=4096) as view:
+        # (a small storage lies at fd_offset of its slab's memfd)
+        with pyshm.Storage.attach(storage.fd, 4096, offset=storage.fd_offset + 4096) as view:
             assert view.data_ptr != storage.data_ptr
             ctypes.memset(view.data_ptr, 0x42, 4096)
             assert read_bytes(storage.data_ptr + 4096, 4096) == b"\x42" * 4096
             ctypes.memset(storage.data_ptr + 4096, 0x43, 1)
             assert read_bytes(view.data_ptr, 1) == b"\x43"
-        with pyshm.Storage.attach(storage.fd, 8192, readonly=True) as readonly:
+        with pyshm.Storage.attach(storage.fd, 8192, offset=storage.fd_offset,
+                                  readonly=True) as readonly:
             assert readonly.readonly
             array = readonly.asarray()
             assert not array.flags.writeable
@@ -193,6 +197,9 @@ def test_fd_count_stable_over_10000_cycles():
     # part of the baseline, then the count must not move.
     warm = pyshm.empty(512, np.uint8, shared=True)
     del warm
+    # Earlier tests' sends hold their memory for a while (reduction.KEEPALIVE_SECONDS); drop
+    # those holds now, so their fds do not close in the middle of the count.
+    pyshm.reduction._state.exports.clear()
     gc.collect()
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(10000):

@@ -101,6 +101,47 @@ typedef void (*lshm_release_fn)(void *ctx, void *data, size_t nbytes);
 
 typedef struct lshm_storage lshm_storage;
 
+/* Small storages live in slabs. The default allocator (allocator NULL) places every storage
+ * that is not resizable and whose capacity (nbytes rounded up to whole pages) is at most
+ * LSHM_SLAB_MAX_BYTES in a slab: 4 MiB of private memory handed out in whole pages, so many
+ * small storages cost one mapping instead of one each. Such a storage still owns whole pages
+ * and is shared in place at the same address, but into its slab's one memfd (created when the
+ * first storage of the slab is shared): sharing 100,000 small storages costs about one fd per
+ * 4 MiB of them, not one per storage. What that means for the processes the fd is sent to:
+ * - the memfd holds the bytes of the slab's storages that are shared, and nothing else (a
+ *   storage that was never shared is not in it), so a receiver of one storage of a slab can
+ *   read and write every storage of that slab that is, or was, shared while that memfd was
+ *   the slab's, including ones shared after it received the fd;
+ * - pages that were shared are not given to another storage while the memfd is the slab's;
+ *   when the last storage of a slab is released the slab drops its memfd (receivers keep
+ *   theirs) and starts over with fresh private pages, so no receiver ever sees a later
+ *   storage's bytes;
+ * - storages of a slab that are not shared stay private across fork() (copy-on-write).
+ * Mappings: storages of one slab shared one after the other merge into one mapping of the
+ * memfd; in the worst case (every other page shared) a slab costs one mapping per page it
+ * holds, i.e. at most 1,024 per 4 MiB slab. Running into vm.max_map_count makes the share
+ * fail with -ENOMEM and leaves the storage as it was.
+ * Resizable storages and storages of caller allocators never live in slabs. */
+#define LSHM_SLAB_MAX_BYTES ((size_t)64 << 10)
+
+/* What the slabs of this process hold right now (lshm_slab_stats). */
+typedef struct lshm_slab_counters {
+    uint64_t slabs;    /* slabs mapped (LSHM_SLAB_BYTES each) */
+    uint64_t memfds;   /* slabs that have a memfd (one fd each) */
+    uint64_t storages; /* storages living in slabs */
+} lshm_slab_counters;
+/* Bytes of one slab and of its memfd. */
+#define LSHM_SLAB_BYTES ((size_t)4 << 20)
+/* Copy the counters into *out. Thread-safe. Errors: -EINVAL (NULL). */
+LSHM_API int lshm_slab_stats(lshm_slab_counters *out);
+/* Find the live storage of this process that was shared into the slab memfd identified by
+ * (st_dev, st_ino) = (dev, ino) and lies at `offset` of it with `nbytes` bytes: how memory that
+ * comes back from another process (e.g. a forked child that inherited it) is recognised as the
+ * same storage. *out gets a new reference. Thread-safe.
+ * Errors: -EINVAL (NULL out), -ENOENT (no such storage). */
+LSHM_API int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
+                            lshm_storage **out);
+
 /* Storage flags (lshm_storage_flags reports them; creators accept those marked "in"). */
 #define LSHM_STORAGE_RESIZABLE 0x1u /* in: lshm_storage_resize may change nbytes */
 #define LSHM_STORAGE_SHARED 0x2u    /* the bytes live in a memfd (lshm_storage_fd works) */
@@ -247,9 +288,18 @@ LSHM_API int lshm_pool_trim(void);
  * lshm_arena_fd) gave it out writable, holders may have mapped it writable, so this refuses
  * with -EPERM ("already handed out writable; make a copy to share read-only"). On any failure
  * nothing changes (no seal, the memfd is not marked exported).
- * Errors: -EINVAL (NULL), -ENODATA (not shared), -EBADF (fd closed), -EPERM (handed out
- * writable already, or sealing refused). */
+ * Errors: -EINVAL (NULL; a slab storage sharing its slab's memfd with others: use
+ * lshm_storage_share_readonly before its first share), -ENODATA (not shared), -EBADF (fd
+ * closed), -EPERM (handed out writable already, or sealing refused). */
 LSHM_API int lshm_storage_seal_readonly(lshm_storage *s);
+
+/* Share a storage read-only for every process it is sent to: lshm_storage_share, except that a
+ * slab storage (LSHM_SLAB_MAX_BYTES) gets a memfd of its own instead of a range of its slab's,
+ * then lshm_storage_seal_readonly. On an already shared storage it only seals (and refuses
+ * with -EINVAL for a storage that shares its slab's memfd with others, since the seal would
+ * make them read-only too; nothing changes then).
+ * Errors: those of lshm_storage_share and lshm_storage_seal_readonly. */
+LSHM_API int lshm_storage_share_readonly(lshm_storage *s);
 
 /* Build a storage that views nbytes at `offset` of a shared-memory fd received from elsewhere.
  * The fd is validated (a memfd/shmem file, at least offset + nbytes long, sealed or sealable

@@ -79,6 +79,9 @@ int lshm__os_map_fd(int fd, uint64_t offset, size_t len, int readonly, void *fix
 /* [offset, offset + len) of fd mapped MAP_PRIVATE (copy-on-write) and writable over
  * [addr, addr + len) (MAP_FIXED). Returns 0 or -errno and leaves lshm_last_error alone. */
 int lshm__os_map_fd_private_fixed(int fd, uint64_t offset, size_t len, void *addr);
+/* fallocate(PUNCH_HOLE | KEEP_SIZE): give back [offset, offset + len) of fd (reads see zeros).
+ * Not a fault point and no message: it only undoes part of a failed share. */
+int lshm__os_punch_hole(int fd, uint64_t offset, uint64_t len);
 /* Anonymous private zero pages, anywhere (map_anon) or over [addr, addr + len) (MAP_FIXED). */
 int lshm__os_map_anon(size_t len, void **out);
 int lshm__os_map_anon_fixed(void *addr, size_t len);
@@ -89,6 +92,8 @@ void lshm__os_unmap(void *addr, size_t len);
 void lshm__os_close(int fd);
 int lshm__os_dup_cloexec(int fd, int *out);
 
+/* st_dev and st_ino of fd (fstat). */
+int lshm__os_fd_identity(int fd, uint64_t *dev, uint64_t *ino);
 /* What attach needs to know about a received fd. */
 typedef struct lshm__fd_info {
     uint64_t size;     /* st_size in bytes */
@@ -113,7 +118,11 @@ enum lshm__origin {
     LSHM__ORIGIN_FOREIGN,   /* foreign memory: release(ctx, data, nbytes) when done */
     LSHM__ORIGIN_MAPPED,    /* a mapping of our own fd: [map_base, map_base + map_len) */
     LSHM__ORIGIN_VIEW,      /* a slice of `segment`, which the storage retains */
+    LSHM__ORIGIN_SLAB,      /* default allocator, small: whole pages of `slab` (slab.c) */
 };
+
+typedef struct lshm__slab lshm__slab;
+typedef struct lshm__slab_memfd lshm__slab_memfd;
 
 struct lshm_storage {
     _Atomic size_t refcount;  /* references; 0 once finalised */
@@ -131,6 +140,9 @@ struct lshm_storage {
     int fd;                   /* own memfd once shared (in place or MAPPED), else -1 */
     uint64_t fd_offset;       /* offset of data within fd (or within the segment's fd) */
     lshm_segment *segment;    /* ORIGIN_VIEW: retained segment */
+    lshm__slab *slab;         /* ORIGIN_SLAB: the slab its pages belong to */
+    lshm__slab_memfd *slab_memfd; /* ORIGIN_SLAB, shared: the slab memfd it was shared into
+                                 (retained); NULL while unshared or when it has its own fd */
     _Atomic unsigned char exported; /* its fd was handed out or sealed read-only: never pooled */
     unsigned long fork_epoch; /* share.c's fork epoch when the share began, 0 if never shared
                                  (see lshm__pool_put) */
@@ -199,6 +211,32 @@ void lshm__fork_guard_leave(void);
 void lshm__pool_put(lshm_storage *s);
 /* The pool's byte bound, set at the first share from LSHM_POOL_BYTES (tests change it). */
 extern size_t lshm__pool_limit;
+
+/* ---- slabs (slab.c) ------------------------------------------------------------------------ */
+
+/* Bytes of one slab (and of its memfd). */
+#define LSHM__SLAB_BYTES LSHM_SLAB_BYTES
+/* Storages of the default allocator whose capacity is at most this (default
+ * LSHM_SLAB_MAX_BYTES; tests set 0 to give every storage pages of its own) live in slabs. */
+extern _Atomic size_t lshm__slab_max_bytes;
+/* Whole pages for a new storage of `capacity` bytes (a multiple of the page size, at most
+ * LSHM_SLAB_MAX_BYTES), zero-filled. */
+int lshm__slab_alloc(size_t capacity, lshm__slab **slab, void **data);
+/* Give s's pages back to its slab (shared or not); s->fd (own memfd) is left to the caller. */
+void lshm__slab_free(lshm_storage *s);
+/* Record s as the storage on its slab pages (after lshm_storage_init, for lshm_slab_find). */
+void lshm__slab_set_owner(lshm_storage *s);
+/* Share s in place into its slab's memfd (s->lock held, s not shared). */
+int lshm__slab_share(lshm_storage *s);
+/* The fd behind a shared slab storage: the slab memfd, or its own. */
+int lshm__slab_fd(const lshm_storage *s);
+/* Slabs that exist now (tests). */
+size_t lshm__slab_count(void);
+/* fork handlers: prepare takes the slab lock, the others release it; the child also stops
+ * sharing into the parent's memfds. */
+void lshm__slab_prepare_fork(void);
+void lshm__slab_after_fork_parent(void);
+void lshm__slab_after_fork_child(void);
 
 /* Size arithmetic: round up to whole pages, -EOVERFLOW (with message) if it wraps. */
 int lshm__round_pages(size_t nbytes, size_t *out);

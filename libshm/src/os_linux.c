@@ -14,6 +14,7 @@
 #include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -187,6 +188,13 @@ static int fallocate_range(int fd, uint64_t offset, uint64_t len) {
                      (unsigned long long)offset, strerror(e));
 }
 
+int lshm__os_punch_hole(int fd, uint64_t offset, uint64_t len) {
+    if (len == 0 || fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)offset,
+                              (off_t)len) == 0)
+        return 0;
+    return -errno;
+}
+
 int lshm__os_reserve(int fd, uint64_t size) {
     LSHM_OS_FAULT("fallocate");
     return fallocate_range(fd, 0, size);
@@ -299,6 +307,18 @@ int lshm__os_dup_cloexec(int fd, int *out) {
         return LSHM_FAIL(-e, "fcntl(fd %d, F_DUPFD_CLOEXEC): %s", fd, strerror(e));
     }
     *out = r;
+    return 0;
+}
+
+int lshm__os_fd_identity(int fd, uint64_t *dev, uint64_t *ino) {
+    LSHM_OS_FAULT("fstat");
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "fstat(fd %d): %s", fd, strerror(e));
+    }
+    *dev = (uint64_t)st.st_dev;
+    *ino = (uint64_t)st.st_ino;
     return 0;
 }
 

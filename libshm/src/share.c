@@ -53,7 +53,7 @@
 
 /* Does the storage own the pages at its data pointer, so the memfd can go over them? */
 static int owns_whole_pages(const lshm_storage *s) {
-    return s->origin == LSHM__ORIGIN_PAGES ||
+    return s->origin == LSHM__ORIGIN_PAGES || s->origin == LSHM__ORIGIN_SLAB ||
            (s->origin == LSHM__ORIGIN_ALLOCATOR &&
             (s->allocator.flags & LSHM_ALLOCATOR_WHOLE_PAGES) != 0);
 }
@@ -274,9 +274,10 @@ static void pool_after_fork(void) {
  * is also why a thread never takes the read lock twice (fork_depth counts its nesting, e.g. an
  * allocator callback that shares another storage): a second read lock behind a waiting writer
  * would deadlock.
- * Handlers, in one registration so their order is fixed: prepare takes fork_lock, then
- * pool_lock (the order of a share, which takes pool_lock inside its read section); parent and
- * child empty the pool and release pool_lock, then fork_lock. glibc's rwlock tells a write
+ * Handlers, in one registration so their order is fixed: prepare takes fork_lock, then the slab
+ * lock, then pool_lock (the order of a share, which takes those inside its read section);
+ * parent and child empty the pool and release pool_lock, release the slab lock (the child also
+ * stops sharing into its parent's slab memfds), then fork_lock. glibc's rwlock tells a write
  * unlock from a read unlock by the writer's thread id, which the child's only thread no longer
  * has, so the child re-initialises fork_lock instead (nothing else runs there to hold it). */
 #ifdef PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
@@ -298,11 +299,13 @@ static void prepare_fork(void) {
         pthread_rwlock_wrlock(&fork_lock);
         fork_writer = 1;
     }
+    lshm__slab_prepare_fork(); /* a share takes the slab lock inside its read section too */
     pthread_mutex_lock(&pool_lock);
 }
 
 static void parent_after_fork(void) {
     pool_after_fork();
+    lshm__slab_after_fork_parent();
     if (fork_writer) {
         fork_writer = 0;
         pthread_rwlock_unlock(&fork_lock);
@@ -311,6 +314,7 @@ static void parent_after_fork(void) {
 
 static void child_after_fork(void) {
     pool_after_fork();
+    lshm__slab_after_fork_child();
     fork_writer = 0;
     fork_lock = fork_lock_fresh;
     if (fork_depth > 0) /* this thread is inside a share: it will unlock when it leaves */
@@ -352,10 +356,13 @@ static void pool_init(void) {
             limit = v;
     }
     lshm__pool_limit = limit > SIZE_MAX ? SIZE_MAX : (size_t)limit;
-    /* Without the fork handlers a child would reuse pooled memfds: pool nothing. */
+    /* Without the fork handlers a child would reuse pooled memfds and share into its parent's
+     * slab memfds: pool nothing, put nothing in slabs. */
     pthread_once(&atfork_once, register_atfork);
-    if (!atfork_ok)
+    if (!atfork_ok) {
         lshm__pool_limit = 0;
+        atomic_store_explicit(&lshm__slab_max_bytes, 0, memory_order_relaxed);
+    }
 }
 
 static unsigned long current_epoch(void) {
@@ -459,20 +466,27 @@ static void give_back(const old_memory *old) {
 }
 
 /* Called with s->lock held on a storage that is not shared. Memory to give back after the
- * locks go is left in *old. */
-static int share_locked(lshm_storage *s, old_memory *old) {
+ * locks go is left in *old. `own_memfd`: a slab storage gets a memfd of its own instead of a
+ * range of its slab's (to be sealed read-only alone). */
+static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
     void *data = atomic_load_explicit(&s->data, memory_order_relaxed);
     int fd = -1;
     void *mapped = NULL;
     int rc;
 
-    if (owns_whole_pages(s)) {
+    if (s->origin == LSHM__ORIGIN_SLAB && !own_memfd) {
+        (void)current_epoch(); /* the fork handlers must be in place before a slab memfd is */
+        if ((rc = lshm__slab_share(s)) != 0)
+            return rc;
+    } else if (owns_whole_pages(s)) {
         /* Copy whole pages: the tail of the last page goes along, so a raw pointer sees the
          * same bytes anywhere in the range it owns. */
         /* The epoch is read before any memfd exists: a fork from here on makes it stale,
          * and the memfd is then never pooled on release. */
         unsigned long epoch = current_epoch();
-        fd = s->capacity > 0 && pool_pays(s->capacity, 1) ? pool_get(s->capacity) : -1;
+        fd = s->origin == LSHM__ORIGIN_PAGES && s->capacity > 0 && pool_pays(s->capacity, 1)
+                 ? pool_get(s->capacity)
+                 : -1;
         int swapped = 0;
         if (fd >= 0) { /* sized, sealed, populated: only the bytes to write (all of them) */
             rc = refill_memfd(fd, data, s->capacity);
@@ -537,7 +551,7 @@ static int share_locked(lshm_storage *s, old_memory *old) {
     return 0;
 }
 
-int lshm_storage_share(lshm_storage *s) {
+static int share(lshm_storage *s, int own_memfd) {
     if (s == NULL)
         return LSHM_FAIL(-EINVAL, "NULL storage");
     if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) != 0)
@@ -549,7 +563,7 @@ int lshm_storage_share(lshm_storage *s) {
     /* Another thread may have shared it while we waited for the lock. */
     if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) == 0) {
         atomic_fetch_add_explicit(&active_shares, 1, memory_order_relaxed);
-        rc = share_locked(s, &old);
+        rc = share_locked(s, own_memfd, &old);
         atomic_fetch_sub_explicit(&active_shares, 1, memory_order_relaxed);
     }
     pthread_mutex_unlock(&s->lock);
@@ -558,11 +572,26 @@ int lshm_storage_share(lshm_storage *s) {
     return rc;
 }
 
+int lshm_storage_share(lshm_storage *s) {
+    return share(s, 0);
+}
+
 int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out) {
     if (out == NULL)
         return LSHM_FAIL(-EINVAL, "NULL out pointer");
     if (flags != 0)
         return LSHM_FAIL(-EINVAL, "unknown flags 0x%x for a shared storage", flags);
+    if (nbytes > 0 && nbytes <= atomic_load_explicit(&lshm__slab_max_bytes,
+                                                       memory_order_relaxed)) {
+        /* Small: a slab storage shared at once (its range of the slab memfd). */
+        lshm_storage *small = NULL;
+        int rc = lshm_storage_create(nbytes, NULL, 0, &small);
+        if (rc == 0 && (rc = lshm_storage_share(small)) != 0)
+            lshm_storage_release(small);
+        if (rc == 0)
+            *out = small;
+        return rc;
+    }
     lshm_storage *s = NULL;
     int rc = lshm__storage_malloc(out, &s);
     if (rc != 0)
@@ -585,6 +614,11 @@ int lshm_storage_seal_readonly(lshm_storage *s) {
     /* A view seals its whole segment: every storage on it becomes read-only for receivers. */
     if (s->segment != NULL)
         return lshm_segment_seal_readonly(s->segment);
+    if (s->origin == LSHM__ORIGIN_SLAB && s->fd < 0)
+        return LSHM_FAIL(-EINVAL,
+                         "the storage shares its slab's memfd with other storages: sealing it "
+                         "would make them read-only too (lshm_storage_share_readonly before "
+                         "the first share gives it a memfd of its own)");
     if (s->fd < 0)
         return LSHM_FAIL(-EBADF, "the storage has no fd to seal");
     /* The storage owns this memfd alone (shared in place, or attached), whatever its size. */
@@ -600,4 +634,11 @@ int lshm_storage_seal_readonly(lshm_storage *s) {
      * meanwhile, so no release can pool the memfd in between. */
     atomic_store_explicit(&s->exported, 1, memory_order_release);
     return 0;
+}
+
+int lshm_storage_share_readonly(lshm_storage *s) {
+    if (s == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL storage");
+    int rc = share(s, 1);
+    return rc != 0 ? rc : lshm_storage_seal_readonly(s);
 }

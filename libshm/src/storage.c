@@ -92,9 +92,10 @@ int lshm__storage_heap_done(lshm_storage *s, int rc) {
 
 /* ---- allocation of the bytes --------------------------------------------------------------- */
 
-/* Get nbytes for a storage that is not initialised yet; writes data and capacity. */
+/* Get nbytes for a storage that is not initialised yet; writes data and capacity, and the slab
+ * when the default allocator placed it in one (slab non-NULL: small, not resizable). */
 static int alloc_bytes(const lshm_allocator *allocator, size_t nbytes, void **data,
-                       size_t *capacity) {
+                       size_t *capacity, lshm__slab **slab) {
     size_t cap = 0;
     int rc = lshm__round_pages(nbytes, &cap);
     if (rc != 0)
@@ -102,6 +103,14 @@ static int alloc_bytes(const lshm_allocator *allocator, size_t nbytes, void **da
     if (nbytes == 0) { /* no memory at all: data NULL, nothing to free */
         *data = NULL;
         *capacity = 0;
+        return 0;
+    }
+    if (allocator == NULL && slab != NULL &&
+        cap <= atomic_load_explicit(&lshm__slab_max_bytes, memory_order_relaxed)) {
+        rc = lshm__slab_alloc(cap, slab, data);
+        if (rc != 0)
+            return rc;
+        *capacity = cap;
         return 0;
     }
     if (allocator == NULL) {
@@ -159,6 +168,9 @@ static void free_bytes(lshm_storage *s) {
     case LSHM__ORIGIN_VIEW:
         lshm_segment_release(s->segment);
         break;
+    case LSHM__ORIGIN_SLAB:
+        lshm__slab_free(s);
+        break;
     }
     lshm__os_close(s->fd);
     s->fd = -1;
@@ -178,17 +190,26 @@ int lshm_storage_init(void *mem, size_t nbytes, const lshm_allocator *allocator,
         return LSHM_FAIL(-EINVAL, "allocator needs both alloc and free");
     void *data;
     size_t capacity;
-    rc = alloc_bytes(allocator, nbytes, &data, &capacity);
+    lshm__slab *slab = NULL;
+    /* Resizable storages get pages of their own: mremap moves whole mappings. */
+    rc = alloc_bytes(allocator, nbytes, &data, &capacity,
+                     (flags & LSHM_STORAGE_RESIZABLE) != 0 ? NULL : &slab);
     if (rc != 0)
         return rc;
     lshm_storage *s = mem;
-    lshm__storage_prepare(s, allocator == NULL ? LSHM__ORIGIN_PAGES : LSHM__ORIGIN_ALLOCATOR,
+    lshm__storage_prepare(s,
+                          slab != NULL        ? LSHM__ORIGIN_SLAB
+                          : allocator == NULL ? LSHM__ORIGIN_PAGES
+                                              : LSHM__ORIGIN_ALLOCATOR,
                           flags);
+    s->slab = slab;
     if (allocator != NULL)
         s->allocator = *allocator;
     atomic_store_explicit(&s->data, data, memory_order_relaxed);
     s->nbytes = nbytes;
     s->capacity = capacity;
+    if (slab != NULL)
+        lshm__slab_set_owner(s);
     *out = s;
     return 0;
 }
@@ -304,8 +325,9 @@ int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset) {
                                            (const void *)s)
                                : f;
     } else {
-        f = s->fd;
-        if (f < 0) /* cannot happen: a shared storage that is no view has its own memfd */
+        /* A slab storage's fd is its slab's memfd (or its own, after a read-only share). */
+        f = s->origin == LSHM__ORIGIN_SLAB ? lshm__slab_fd(s) : s->fd;
+        if (f < 0) /* cannot happen: a shared storage that is no view has a memfd */
             return LSHM_FAIL(-EBADF, "storage %p has no fd", (const void *)s);
         /* Whoever gets the fd from now on must not be able to add seals: F_SEAL_SEAL first
          * (the exported mark says it is there already). */
@@ -359,7 +381,7 @@ static int resize_pages(lshm_storage *s, void *data, size_t nbytes, size_t cap) 
 static int resize_allocator(lshm_storage *s, void *data, size_t nbytes, void **old_block) {
     void *p = NULL;
     size_t cap = 0;
-    int rc = alloc_bytes(&s->allocator, nbytes, &p, &cap);
+    int rc = alloc_bytes(&s->allocator, nbytes, &p, &cap, NULL);
     if (rc != 0)
         return rc;
     size_t keep = nbytes < s->nbytes ? nbytes : s->nbytes;

@@ -491,6 +491,8 @@ static void test_attach_race(void) {
 
 int main(void) {
     page = lshm_page_size();
+    /* These tests are about storages with a memfd of their own; test_slab covers slabs. */
+    lshm__slab_max_bytes = 0;
     RUN_TEST(test_create);
     RUN_TEST(test_views);
     RUN_TEST(test_close_fd);

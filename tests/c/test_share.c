@@ -984,6 +984,8 @@ static void test_pool_refill_faults(void) {
 
 int main(void) {
     page = lshm_page_size();
+    /* These tests are about storages with a memfd of their own; test_slab covers slabs. */
+    lshm__slab_max_bytes = 0;
     RUN_TEST(test_same_address);
     RUN_TEST(test_in_place_struct);
     RUN_TEST(test_zero_bytes);

@@ -4,6 +4,7 @@
  * another process, read-only sealing holds across processes, and a child killed with SIGKILL
  * while attached leaves the parent's bytes intact.
  */
+#include "internal.h"
 #include "task.h"
 
 #include <errno.h>
@@ -234,6 +235,8 @@ static void test_readonly_write_faults(void) {
 
 int main(void) {
     page = lshm_page_size();
+    /* These tests are about storages with a memfd of their own; test_slab covers slabs. */
+    lshm__slab_max_bytes = 0;
     RUN_TEST(test_fork);
     RUN_TEST(test_scm_rights);
     RUN_TEST(test_readonly_across);
