@@ -189,6 +189,8 @@ def _read_trace(path: str):
         for row in reader:
             line = reader.line_num  # the file's line (blank lines and quoted newlines count)
             where = f"{path}:{line}"
+            if row.get("id") is None:  # DictReader fills missing cells with None
+                raise ValueError(f"{where}: fewer cells than columns in row {_row_text(row)}")
             try:
                 lower = _checks.int64(_cell_int(row, "lower"), "lower")
                 upper = _checks.int64(_cell_int(row, "upper"), "upper")

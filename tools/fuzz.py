@@ -42,7 +42,7 @@ KNOWN_BUGS: Dict[str, List[str]] = {
     "attach": [],
     "arena": [],
     # the Python target reads them from LSHM_FUZZ_KNOWN (see tests/fuzz/fuzz_csv.py)
-    "csv": ["cli-overflow", "lifetime-wrap", "short-row-id"],
+    "csv": [],
 }
 
 # Per-target libFuzzer options (input size bounds keep iterations fast).
