@@ -65,6 +65,7 @@ TARGET_SEED_VS_TORCH = 0.65  # pyshm time / torch time, seed workload, ThreadPoo
 TARGET_SEED_VS_CEILING = 1.10  # pyshm time / ceiling time, same case
 TARGET_BIG_SPEEDUP = 1.10  # torch time / pyshm time, one 1 GiB array
 TARGET_SMALL_US = 12.0  # pyshm us per 4 KiB share
+TARGET_SMALL_VS_CEILING = 0.60  # pyshm time per 4 KiB in-place share / the ceiling's (slabs)
 
 CASES = ("seed", "big", "small", "processes")
 
@@ -905,6 +906,10 @@ def _targets(result: dict) -> list:
          f"<= {TARGET_SMALL_US:.0f} us", "small", 1, None,
          lambda row, base, stat: row[f"{stat}_us_per_share"],
          lambda value: value <= TARGET_SMALL_US, "{:.1f} us"),
+        ("4 KiB arrays, pyshm time per in-place share / ceiling time",
+         f"<= {TARGET_SMALL_VS_CEILING:.2f}", "small", 1, "ceiling",
+         lambda row, base, stat: row["ratios"]["ceiling"][stat],
+         lambda value: value <= TARGET_SMALL_VS_CEILING, "{:.2f}"),
     ]
     targets = []
     for name, bar, case, threads, base_key, value_of, passes, form in specs:
