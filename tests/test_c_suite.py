@@ -95,3 +95,13 @@ def test_only_lshm_symbols_are_exported():
     names = [line.split()[-1] for line in result.stdout.splitlines() if line.strip()]
     exported = [n for n in names if not n.startswith("_")]
     assert exported and all(n.startswith("lshm_") for n in exported), exported
+
+
+def test_every_package_file_is_installed():
+    """meson.build lists the package's files one by one: a module missing there is missing
+    from every installed copy (the tests of a source checkout would not notice)."""
+    build = (ROOT / "meson.build").read_text()
+    package = sorted(p.name for p in (ROOT / "pyshm").iterdir()
+                     if p.suffix in (".py", ".typed"))
+    missing = [name for name in package if f"'pyshm/{name}'" not in build]
+    assert not missing, f"not installed by meson.build: {missing}"
