@@ -223,20 +223,25 @@ class Storage:
         (``pyshm.ShmBufferError``, errno ``EBUSY``) and changes nothing. In other words it
         works only while this handle holds the storage's one reference (``refcount == 1``),
         which is the same rule ``lshm_storage_resize`` applies in C. Delete the arrays first.
-        :class:`PermissionError` when the storage is not resizable or is shared.
+        :class:`PermissionError` when the storage is not resizable or is shared (checked
+        first: that never changes, live arrays or not).
         """
         handle = self._as_parameter_
         nbytes = _check_nbytes(nbytes)
-        refs = lib.lshm_storage_refcount(handle)
-        if refs > 1:
-            # Growing may move the pages (mremap) and shrinking unmaps the tail: either would
-            # leave a live array pointing at freed memory.
+        # libshm decides, in its order: not resizable / shared / foreign memory is EPERM (for
+        # good, whatever holds the storage), then any other reference is EBUSY (growing may
+        # move the pages and shrinking unmaps the tail: either would leave a live array on
+        # freed memory). Checking the refcount here first would turn a PermissionError into
+        # a BufferError that deleting the arrays does not cure.
+        try:
+            lib.lshm_storage_resize(handle, nbytes)
+        except _ffi.ShmBufferError:
+            refs = lib.lshm_storage_refcount(handle)
             raise _ffi.ShmBufferError(
                 errno.EBUSY,
                 f"resize_: the storage is in use ({refs - 1} other reference(s): arrays, views, "
                 "exports or other handles); delete them before resizing",
-            )
-        lib.lshm_storage_resize(handle, nbytes)
+            ) from None
         return self
 
     def asarray(self, shape=None, dtype="uint8", offset: int = 0):

@@ -384,3 +384,49 @@ def test_resize_error_class():
     del array
     storage.resize_(200)
     assert storage.nbytes == 200
+
+
+@pytest.mark.parametrize("holder", ["array", "memoryview", "export"])
+def test_resize_of_a_shared_storage_is_permission_error_even_while_held(holder):
+    # A shared (or never resizable) storage can never be resized: PermissionError (EPERM), as
+    # libshm says, not the BufferError (EBUSY) of a storage that deleting the arrays would
+    # free. The old code looked at the refcount first, so any array, export or multiprocessing
+    # keep-alive hold (pyshm.reduction) on a shared storage turned EPERM into EBUSY.
+    from multiprocessing.reduction import ForkingPickler
+
+    from pyshm import reduction
+
+    storage = pyshm.Storage(5000, resizable=True)
+    array = storage.asarray()
+    array[:] = 7
+    if holder == "export":  # sent to another process: shared in place, held for a while
+        ForkingPickler.dumps(array)
+        del array
+        keep = None
+    else:
+        storage.share_memory_()
+        keep = memoryview(array) if holder == "memoryview" else array
+        del array
+    assert storage.is_shared and not storage.resizable and storage.refcount > 1
+    address = storage.data_ptr
+    with pytest.raises(pyshm.ShmPermissionError) as info:
+        storage.resize_(8192)
+    assert info.value.errno == errno.EPERM
+    assert not isinstance(info.value, BufferError)
+    assert storage.nbytes == 5000 and storage.data_ptr == address
+    assert read_bytes(address, 5000) == b"\x07" * 5000
+    del keep
+    with reduction._state.lock:
+        reduction._state.exports.clear()
+    storage.close()
+
+
+def test_resize_of_a_non_resizable_storage_with_an_array_is_permission_error():
+    storage = pyshm.Storage(10)
+    array = storage.asarray()
+    with pytest.raises(pyshm.ShmPermissionError):
+        storage.resize_(20)
+    assert storage.nbytes == 10
+    del array
+    with pytest.raises(PermissionError):
+        storage.resize_(20)
