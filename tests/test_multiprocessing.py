@@ -70,6 +70,16 @@ def process_child(array, queue, conn):
     conn.close()
 
 
+# What a receiver of a read-only array (first byte 11) finds when it tries to write it.
+READONLY_SEEN = {
+    "writeable": False,
+    "value": 11,
+    "mmap": errno.EPERM,
+    "write": errno.EPERM,
+    "store": "refused",
+}
+
+
 def readonly_probe(array):
     st = pyshm.storage_of(array)
     fd, size = st.fd, os.fstat(st.fd).st_size
@@ -326,13 +336,7 @@ def test_readonly_sharing(pool):
     assert array.flags.writeable
     array[0] = 11  # the owner keeps writing
     probe = pool.apply(readonly_probe, (array,))
-    assert probe == {
-        "writeable": False,
-        "value": 11,
-        "mmap": errno.EPERM,
-        "write": errno.EPERM,
-        "store": "refused",
-    }
+    assert probe == READONLY_SEEN
     # a slab array cannot be sealed alone
     small = pyshm.empty(10, np.uint8, shared=True)
     with pytest.raises(ValueError, match="slab"):
@@ -543,13 +547,7 @@ def test_readonly_sharing_any_size(pool, nbytes):
     assert pyshm.is_shared(array) and array.flags.writeable
     array[0] = 11
     probe = pool.apply(readonly_probe, (array,))
-    assert probe == {
-        "writeable": False,
-        "value": 11,
-        "mmap": errno.EPERM,
-        "write": errno.EPERM,
-        "store": "refused",
-    }
+    assert probe == READONLY_SEEN
     # the copy the refusals suggest works for a small array too
     small = pyshm.empty(10, np.uint8, shared=True)  # in a slab
     copy = pyshm.share_readonly(pyshm.copy(small))

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "lshm.h"
 
@@ -86,6 +87,17 @@
         if (fds_after_ != fds_before_)                                                        \
             TEST_FAIL("%s left %d fds open", #fn, fds_after_ - fds_before_);                  \
     } while (0)
+
+/* One byte over a pipe or socket between parent and child (a step of a handshake). */
+static inline void send_byte(int sock, char b) {
+    ASSERT_EQ(write(sock, &b, 1), 1);
+}
+
+static inline char recv_byte(int sock) {
+    char b = 0;
+    ASSERT_EQ(read(sock, &b, 1), 1);
+    return b;
+}
 
 /* 1 when all n bytes at p equal v. */
 static inline int all_bytes(const void *p, size_t n, unsigned char v) {

@@ -49,16 +49,6 @@ static void sleep_ms(int ms) {
     }
 }
 
-static void send_byte(int sock, char b) {
-    ASSERT_EQ(write(sock, &b, 1), 1);
-}
-
-static char recv_byte(int sock) {
-    char b = 0;
-    ASSERT_EQ(read(sock, &b, 1), 1);
-    return b;
-}
-
 /* Byte 0 of page i holds its stamp; byte 1 of every MiB gets the parent's post-fork mark. */
 static unsigned char stamp(int round, size_t i) {
     return (unsigned char)(round * 7 + i * 13 + 1);

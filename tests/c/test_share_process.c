@@ -48,16 +48,6 @@ static int recv_fd(int sock, uint64_t *word) {
     return fd;
 }
 
-static void send_byte(int sock, char b) {
-    ASSERT_EQ(write(sock, &b, 1), 1);
-}
-
-static char recv_byte(int sock) {
-    char b = 0;
-    ASSERT_EQ(read(sock, &b, 1), 1);
-    return b;
-}
-
 static void wait_child(pid_t pid, int expect_signal) {
     int status;
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
