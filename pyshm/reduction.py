@@ -174,7 +174,8 @@ class _State:
         )
         self.kept_fds = 0
         # exports: key -> [holder, pending pickles, deadline]; live: key -> a holder of that
-        # memfd (weak; see shared_keys); ranges: (key, size, offset, nbytes) -> the holder of that storage
+        # memfd (weak; see shared_keys); ranges: (key, size, offset, nbytes) -> the holder of
+        # that storage
         # (weak), so that memory coming back is the same storage, even in a slab or an arena
         self.exports: dict = {}
         self.live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
