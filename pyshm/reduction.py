@@ -59,8 +59,9 @@ the receiver has unpickled a message carrying memory it has not seen yet.
 fd and mapping policy (why 100,000 small arrays work under ``ulimit -n 1024``)
 -----------------------------------------------------------------------------
 * ``pyshm.empty/zeros/copy(..., shared=True)`` of at most ``SLAB_MAX`` bytes (64 KiB) are packed
-  into **slabs**: 4 MiB sealed memfd segments, each one fd and one mapping, sub-allocated in
-  64-byte steps and never reused until every array in the slab is gone. 100,000 arrays of
+  into libshm's **slabs**: 4 MiB of pages, with one memfd (sealed against shrink/grow) per
+  slab once one of its arrays is shared; arrays get whole pages, and pages that were shared
+  are not reused until every array in the slab is gone. 100,000 arrays of
   4 KiB use 98 fds and 98 mappings, in the sender and in every receiver. Larger shared arrays
   get a memfd of their own.
 * Arrays shared in place (:func:`pyshm.share_memory_`, or on send) own one memfd each: one fd
@@ -173,11 +174,15 @@ class _State:
         )
         self.kept_fds = 0
         # exports: key -> [holder, pending pickles, deadline]; live: key -> a holder of that
-        # memfd (weak); ranges: (key, size, offset, nbytes) -> the holder of that storage
+        # memfd (weak; see shared_keys); ranges: (key, size, offset, nbytes) -> the holder of
+        # that storage
         # (weak), so that memory coming back is the same storage, even in a slab or an arena
         self.exports: dict = {}
         self.live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
         self.ranges: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+        # keys exported from more than one storage (slabs, arenas): _lookup_export looks in
+        # ranges for another holder once live's is gone
+        self.shared_keys: set = set()
         self.next_sweep = 0.0
         self.server: Optional[_Server] = None
         # the few most recently received slabs, held strongly so that arrays sent one message
@@ -333,8 +338,13 @@ def _export(
         else:
             entry[1] += 1
             entry[2] = now + KEEPALIVE_SECONDS
-        if key not in _state.live:
+        live = _state.live.get(key)
+        if live is None:
             _state.live[key] = holder
+        elif live is not holder:
+            # Several storages in one memfd (a slab's, an arena buffer's): `live` names one of
+            # them, and the memfd stays reachable while any of them lives (_lookup_export).
+            _state.shared_keys.add(key)
         _state.ranges[(key, size, offset.value, nbytes)] = holder
         server = _state.server
         if server is None:  # (a forked child starts without one: _after_fork_in_child)
@@ -365,7 +375,16 @@ def _lookup_export(key: tuple) -> Optional[Any]:
         entry = _state.exports.get(key)
         if entry is not None:
             return entry[0]
-        return _state.live.get(key)
+        holder = _state.live.get(key)
+        if holder is None and key in _state.shared_keys:
+            # The holder `live` named is gone; another storage exported from the same memfd
+            # may still be alive and holds the memfd just as well.
+            holder = next((h for (k, _, _, _), h in list(_state.ranges.items()) if k == key), None)
+            if holder is None:
+                _state.shared_keys.discard(key)
+            else:
+                _state.live[key] = holder
+        return holder
 
 
 class _Server:
@@ -903,8 +922,8 @@ def share_readonly(array: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# fork: the child gets fresh locks, no server, no holds, and never allocates from the
-# parent's current slab (both would hand out the same bytes).
+# fork: the child gets fresh locks, no server and no holds (libshm's fork handlers make the
+# child share its slab arrays into memfds of its own).
 # --------------------------------------------------------------------------------------------
 
 
@@ -920,6 +939,7 @@ def _after_fork_in_child() -> None:
     old.exports = {}
     old.live = weakref.WeakValueDictionary()
     old.ranges = weakref.WeakValueDictionary()
+    old.shared_keys = set()
     old.recent = []
     old.local = threading.local()
     old.streams = {}

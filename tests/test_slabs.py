@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import numpy as np
+from multiprocessing.reduction import ForkingPickler
 import pytest
 
 import pyshm
@@ -272,3 +273,30 @@ def test_100k_in_place_shares_to_a_spawn_worker_under_ulimit_1024(tmp_path):
     assert child_fds < 200
     assert shared_maps - base_maps < 1000
     assert child_maps < 1000
+
+
+def test_a_slab_memfd_stays_fetchable_while_any_of_its_exported_arrays_lives():
+    # Two arrays of one slab share its memfd, i.e. one export key. The first one exported
+    # used to be the only holder the fd server could find for that key: once it was gone (and
+    # the keep-alive holds were fetched or expired) a receiver of the second one, still alive
+    # here, got "the sending process no longer holds this memory".
+    first = pyshm.empty(PAGE, np.uint8)
+    second = pyshm.empty(PAGE, np.uint8)
+    second[:] = 0x5C
+    pyshm.share_memory_(first)
+    pyshm.share_memory_(second)
+    ForkingPickler.dumps(first)  # exported, in this order: `first` is the key's first holder
+    ForkingPickler.dumps(second)
+    key_and_offset = memfd_key(second)
+    key = key_and_offset[:2]
+    assert memfd_key(first)[:2] == key
+    reduction._state.exports.clear()  # both holds fetched (or their keep-alive passed)
+    del first
+    gc.collect()
+    holder = reduction._lookup_export(key)
+    assert holder is not None
+    fds, holders = [], []
+    assert reduction._add_fd(key, fds, holders)
+    assert os.fstat(fds[0]).st_ino == key[1]
+    offset = key_and_offset[2]
+    assert os.pread(fds[0], 4, offset) == b"\x5c" * 4  # the receiver would read `second`
