@@ -202,7 +202,8 @@ static void slab_empty(lshm__slab *slab) {
     if (slab->shared_pages) {
         if (lshm__os_map_anon_fixed(slab->base, LSHM__SLAB_BYTES) != 0) {
             /* Out of mappings: the retired pages stay mapped to the old memfd, so they must
-             * stay retired; forget this slab for allocation and leak it (it is unreachable). */
+             * stay retired (busy); the slab, no longer the current one, keeps serving its
+             * other pages and is unmapped whole the next time it empties. */
             current = NULL;
             return;
         }
