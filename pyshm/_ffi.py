@@ -209,6 +209,19 @@ SLAB_MAX_BYTES = 64 << 10
 SLAB_BYTES = 4 << 20
 
 
+class ExportInfo(ctypes.Structure):
+    """lshm_export_info (lshm.h)."""
+
+    _fields_ = [
+        ("fd", c_int),
+        ("offset", c_uint64),
+        ("dev", c_uint64),
+        ("ino", c_uint64),
+        ("file_size", c_uint64),
+        ("readonly", c_int),
+    ]
+
+
 class SlabCounters(ctypes.Structure):
     """lshm_slab_counters (lshm.h)."""
 
@@ -260,6 +273,7 @@ _TABLE = [
     ("lshm_storage_nbytes", c_size_t, [_storage_p], False),
     ("lshm_storage_flags", c_uint, [_storage_p], False),
     ("lshm_storage_fd", c_int, [_storage_p, POINTER(c_int), _u64_p], True),
+    ("lshm_storage_export", c_int, [_storage_p, POINTER(ExportInfo)], True),
     ("lshm_storage_resize", c_int, [_storage_p, c_size_t], True),
     ("lshm_storage_copy", c_int, [_storage_p, _storage_p], True),
     # sharing

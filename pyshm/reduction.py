@@ -174,12 +174,13 @@ class _State:
         )
         self.kept_fds = 0
         # exports: key -> [holder, pending pickles, deadline]; live: key -> a holder of that
-        # memfd (weak; see shared_keys); ranges: (key, size, offset, nbytes) -> the holder of
-        # that storage
-        # (weak), so that memory coming back is the same storage, even in a slab or an arena
+        # memfd (weak; see shared_keys); ranges: (key, size, offset, nbytes) -> a weak
+        # reference to the holder of that storage, so that memory coming back is the same
+        # storage, even in a slab or an arena (plain weakrefs, dead ones dropped by _sweep: a
+        # WeakValueDictionary costs a few us per export)
         self.exports: dict = {}
         self.live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
-        self.ranges: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+        self.ranges: dict = {}
         # keys exported from more than one storage (slabs, arenas): _lookup_export looks in
         # ranges for another holder once live's is gone
         self.shared_keys: set = set()
@@ -281,13 +282,17 @@ def _fd_of_holder(holder: Any) -> int:
 
 
 def _sweep(now: float) -> None:
-    """Drop the holds of exports whose keep-alive has passed (lock held)."""
+    """Drop the holds of exports whose keep-alive has passed, and the ranges of storages that
+    are gone (lock held; at most once a second)."""
     if now < _state.next_sweep:
         return
     _state.next_sweep = now + 1.0
     dead = [key for key, entry in _state.exports.items() if entry[2] < now]
     for key in dead:
         del _state.exports[key]
+    gone = [where for where, ref in _state.ranges.items() if ref() is None]
+    for where in gone:
+        del _state.ranges[where]
 
 
 def _export(
@@ -306,10 +311,9 @@ def _export(
         # refused here, in the sender, for memory that cannot be shared in place
         _check_shareable_in_place(handle, "pickling for another process", pickle.PicklingError)
         lib.lshm_storage_share(handle)  # in place, same address; atomic on failure
-    fd = c_int(-1)
-    offset = c_uint64(0)
+    info = _ffi.ExportInfo()
     try:
-        lib.lshm_storage_fd(handle, byref(fd), byref(offset))
+        lib.lshm_storage_export(handle, byref(info))
     except _ffi.ShmError as exc:
         if exc.errno == errno.EBADF:
             raise pickle.PicklingError(
@@ -318,14 +322,12 @@ def _export(
                 "copy (pyshm.copy(array, shared=True))"
             ) from exc
         raise
-    readonly = bool(flags & _ffi.STORAGE_READONLY)
+    readonly = bool(flags & _ffi.STORAGE_READONLY) or bool(info.readonly)
     if mapping is not None:
-        # (the seals need no look: a receiver reads them from the fd it gets)
         key, size = mapping.key, mapping.size
     else:
-        st = os.fstat(fd.value)
-        key, size = (st.st_dev, st.st_ino), st.st_size
-        readonly = readonly or bool(fcntl.fcntl(fd.value, fcntl.F_GET_SEALS) & _WRITE_SEALS)
+        key, size = (info.dev, info.ino), info.file_size
+    offset = info.offset
     nbytes = lib.lshm_storage_nbytes(handle)
     now = time.monotonic()
     with _state.lock:
@@ -345,7 +347,7 @@ def _export(
             # Several storages in one memfd (a slab's, an arena buffer's): `live` names one of
             # them, and the memfd stays reachable while any of them lives (_lookup_export).
             _state.shared_keys.add(key)
-        _state.ranges[(key, size, offset.value, nbytes)] = holder
+        _state.ranges[(key, size, offset, nbytes)] = weakref.ref(holder)
         server = _state.server
         if server is None:  # (a forked child starts without one: _after_fork_in_child)
             server = _state.server = _Server()
@@ -357,7 +359,7 @@ def _export(
             log = _state.streams[stream] = _Log()
             _forget_dead_streams()
         seq = log.append(key)
-    return (key, server.address, size, offset.value, nbytes, readonly, (stream, seq))
+    return (key, server.address, size, offset, nbytes, readonly, (stream, seq))
 
 
 def _forget_dead_streams() -> None:
@@ -379,7 +381,8 @@ def _lookup_export(key: tuple) -> Optional[Any]:
         if holder is None and key in _state.shared_keys:
             # The holder `live` named is gone; another storage exported from the same memfd
             # may still be alive and holds the memfd just as well.
-            holder = next((h for (k, _, _, _), h in list(_state.ranges.items()) if k == key), None)
+            holder = next((h for (k, _, _, _), ref in list(_state.ranges.items())
+                           if k == key and (h := ref()) is not None), None)
             if holder is None:
                 _state.shared_keys.discard(key)
             else:
@@ -611,7 +614,8 @@ def _resolve(token: Any) -> tuple:
     """(mapping or None, storage handle with a reference the caller must release)."""
     key, address, size, offset, nbytes, readonly, where = _check_token(token)
     with _state.lock:
-        holder = _state.ranges.get((key, size, offset, nbytes))
+        ref = _state.ranges.get((key, size, offset, nbytes))
+        holder = ref() if ref is not None else None
         if holder is not None:
             # memory that left from here coming back: the very same storage, same address
             return None, lib.lshm_storage_retain(_handle_of(holder))
@@ -938,7 +942,7 @@ def _after_fork_in_child() -> None:
     old.lock = threading.RLock()
     old.exports = {}
     old.live = weakref.WeakValueDictionary()
-    old.ranges = weakref.WeakValueDictionary()
+    old.ranges = {}
     old.shared_keys = set()
     old.recent = []
     old.local = threading.local()

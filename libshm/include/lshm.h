@@ -204,6 +204,21 @@ LSHM_API unsigned lshm_storage_flags(const lshm_storage *s);
  * closed with lshm_segment_close_fd), other -errno from fcntl (F_SEAL_SEAL). */
 LSHM_API int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset);
 
+/* What another process needs to map a shared storage (lshm_storage_export). */
+typedef struct lshm_export_info {
+    int fd;             /* the memfd (borrowed, as from lshm_storage_fd) */
+    uint64_t offset;    /* of the storage's data within the memfd */
+    uint64_t dev, ino;  /* the memfd's st_dev and st_ino: its identity */
+    uint64_t file_size; /* the memfd's size in bytes */
+    int readonly;       /* the memfd is sealed against writes (receivers map it read-only) */
+} lshm_export_info;
+
+/* lshm_storage_fd plus the memfd's identity, size and write seal in one call (for a storage
+ * of a slab they come from the slab's record, without a syscall). Marks the memfd as handed
+ * out, as lshm_storage_fd does. Thread-safe. Errors: those of lshm_storage_fd; -EBADF when
+ * fstat fails. */
+LSHM_API int lshm_storage_export(lshm_storage *s, lshm_export_info *out);
+
 /* Change the size of a resizable, unshared storage (bytes kept up to the smaller size, new
  * bytes zero). The data pointer may change, and the old range may be unmapped or freed.
  * Resize never frees memory under a live user: it refuses with -EBUSY, changing nothing, while

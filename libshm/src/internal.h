@@ -97,6 +97,7 @@ int lshm__os_fd_identity(int fd, uint64_t *dev, uint64_t *ino);
 /* What attach needs to know about a received fd. */
 typedef struct lshm__fd_info {
     uint64_t size;     /* st_size in bytes */
+    uint64_t dev, ino; /* st_dev, st_ino */
     int size_sealed;   /* F_SEAL_SHRINK and F_SEAL_GROW both present */
     int sealable;      /* F_SEAL_SEAL absent: more seals can be added */
     int write_sealed;  /* F_SEAL_WRITE or F_SEAL_FUTURE_WRITE present */
@@ -230,6 +231,9 @@ void lshm__slab_set_owner(lshm_storage *s);
 int lshm__slab_share(lshm_storage *s);
 /* The fd behind a shared slab storage: the slab memfd, or its own. */
 int lshm__slab_fd(const lshm_storage *s);
+/* A slab storage shared into its slab's memfd: that memfd's st_dev and st_ino (returns 1),
+ * else 0. */
+int lshm__slab_identity(const lshm_storage *s, uint64_t *dev, uint64_t *ino);
 /* Slabs that exist now (tests). */
 size_t lshm__slab_count(void);
 /* fork handlers: prepare takes the slab lock, the others release it; the child also stops

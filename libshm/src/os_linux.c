@@ -346,6 +346,8 @@ int lshm__os_fd_info(int fd, lshm__fd_info *info) {
         return LSHM_FAIL(-e, "fcntl(fd %d, F_GETFL): %s", fd, strerror(e));
     }
     info->size = (uint64_t)st.st_size;
+    info->dev = (uint64_t)st.st_dev;
+    info->ino = (uint64_t)st.st_ino;
     info->size_sealed = (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW);
     info->sealable = (seals & F_SEAL_SEAL) == 0;
     info->write_sealed = (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0;

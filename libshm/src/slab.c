@@ -369,6 +369,15 @@ int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
     return 0;
 }
 
+int lshm__slab_identity(const lshm_storage *s, uint64_t *dev, uint64_t *ino) {
+    const lshm__slab_memfd *m = s->slab_memfd; /* set once by the share, before SHARED */
+    if (m == NULL)
+        return 0;
+    *dev = m->dev;
+    *ino = m->ino;
+    return 1;
+}
+
 int lshm__slab_fd(const lshm_storage *s) {
     return s->slab_memfd != NULL ? s->slab_memfd->fd : s->fd;
 }

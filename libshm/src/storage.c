@@ -344,6 +344,28 @@ int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset) {
     return 0;
 }
 
+int lshm_storage_export(lshm_storage *s, lshm_export_info *out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL argument");
+    int fd;
+    uint64_t offset;
+    int rc = lshm_storage_fd(s, &fd, &offset);
+    if (rc != 0)
+        return rc;
+    lshm_export_info info = {fd, offset, 0, 0, LSHM_SLAB_BYTES, 0};
+    if (s->origin != LSHM__ORIGIN_SLAB || !lshm__slab_identity(s, &info.dev, &info.ino)) {
+        lshm__fd_info fi; /* one memfd of its own, a segment's, or a slab storage's own */
+        if ((rc = lshm__os_fd_info(fd, &fi)) != 0)
+            return rc;
+        info.dev = fi.dev;
+        info.ino = fi.ino;
+        info.file_size = fi.size;
+        info.readonly = fi.write_sealed;
+    }
+    *out = info;
+    return 0;
+}
+
 lshm_segment *lshm_storage_segment(const lshm_storage *s) {
     return s == NULL ? NULL : s->segment;
 }
