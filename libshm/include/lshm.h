@@ -429,8 +429,9 @@ LSHM_API int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts,
                        lshm_plan_result *result);
 
 /* Check a plan: no two tensors live at the same time overlap, every offset aligned, and
- * arena_size >= every end. Returns 0 or -EINVAL with lshm_last_error() naming the first
- * offending pair. */
+ * arena_size >= every end. Returns 0, -EINVAL with lshm_last_error() naming the first
+ * offending pair (or bad input, as lshm_plan), or -EOVERFLOW when an offset + size passes
+ * 2^64. */
 LSHM_API int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *firsts,
                                 const int64_t *lasts, const uint64_t *offsets,
                                 const lshm_plan_options *opts, uint64_t arena_size);
