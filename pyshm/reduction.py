@@ -97,6 +97,7 @@ import os
 import pickle
 import resource
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -139,6 +140,7 @@ PREFETCH_SECONDS = 1.0  # an extra fd nobody used by then is closed
 JANITOR_SECONDS = 0.2
 _MAX_ACKS = 2048
 _REPLY_TIMEOUT = 30.0
+_REQUEST_SECONDS = 5.0  # a connection to the fd server must send its request by then
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,28 +411,74 @@ class _Server:
         self.thread.start()
 
     def _run(self) -> None:
+        """Accept and serve connections until the socket is closed; survive everything else.
+
+        Connections wait for their request in one selector, each for at most
+        _REQUEST_SECONDS, so a peer that connects and sends nothing stalls nobody; a request
+        that cannot be served (malformed, naming memory that is gone or closed) gets nothing
+        and never ends this thread.
+        """
         sock = self.sock
         uid = os.getuid()
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except socket.timeout:
-                with _state.lock:
-                    _sweep(time.monotonic())
-                continue
-            except OSError:
-                return  # closed (after fork in the child, or at exit)
-            try:
-                conn.settimeout(5.0)
-                cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-                _pid, peer_uid, _gid = struct.unpack("3i", cred)
-                if peer_uid != uid:
-                    continue
-                self._serve(conn)
-            except OSError:
-                pass
-            finally:
+        selector = selectors.DefaultSelector()
+        selector.register(sock, selectors.EVENT_READ)
+        waiting: dict = {}  # connection -> deadline for its request
+        try:
+            while True:
+                now = time.monotonic()
+                timeout = min([1.0] + [deadline - now for deadline in waiting.values()])
+                try:
+                    events = selector.select(max(0.0, timeout))
+                except (OSError, ValueError):
+                    return  # closed (after fork in the child, or at exit)
+                for key, _ in events:
+                    if key.fileobj is sock:
+                        try:
+                            conn, _ = sock.accept()
+                        except (BlockingIOError, socket.timeout):
+                            continue
+                        except OSError:
+                            return  # closed
+                        if not self._welcome(conn, uid):
+                            conn.close()
+                            continue
+                        selector.register(conn, selectors.EVENT_READ)
+                        waiting[conn] = time.monotonic() + _REQUEST_SECONDS
+                    else:
+                        conn = key.fileobj
+                        selector.unregister(conn)
+                        del waiting[conn]
+                        try:
+                            self._serve(conn)
+                        except Exception:  # noqa: BLE001 - the server must outlive any request
+                            pass
+                        finally:
+                            conn.close()
+                now = time.monotonic()
+                for conn in [c for c, deadline in waiting.items() if deadline <= now]:
+                    selector.unregister(conn)
+                    del waiting[conn]
+                    conn.close()  # sent nothing in time
+                if not events:
+                    with _state.lock:
+                        _sweep(now)
+        finally:
+            for conn in waiting:
                 conn.close()
+            selector.close()
+
+    @staticmethod
+    def _welcome(conn: socket.socket, uid: int) -> bool:
+        """A new connection from a peer of our uid, set up for its request; False to drop it."""
+        try:
+            cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            _pid, peer_uid, _gid = struct.unpack("3i", cred)
+            # the request arrives whole (SEQPACKET); the replies are small: a peer that does
+            # not read them makes sending time out instead of blocking the server
+            conn.settimeout(_REQUEST_SECONDS)
+        except OSError:
+            return False
+        return peer_uid == uid
 
     def _serve(self, conn: socket.socket) -> None:
         request = conn.recv(65536)
@@ -482,7 +530,7 @@ def _add_fd(key: tuple, fds: list, holders: list) -> bool:
         return False
     try:
         fds.append(_fd_of_holder(holder))
-    except OSError:
+    except (OSError, ValueError):  # its fd was closed, or the Storage handle itself
         return False
     holders.append(holder)
     return True

@@ -595,3 +595,47 @@ def test_readonly_after_a_writable_fd_says_to_copy():
     copy = pyshm.share_readonly(pyshm.copy(array))
     assert (copy == 7).all()
     assert fcntl.fcntl(pyshm.storage_of(copy).fd, fcntl.F_GET_SEALS) & reduction.F_SEAL_FUTURE_WRITE
+
+
+# ---- the fd server outlives idle clients and requests it cannot serve -------------------------
+
+
+def _fetch_own(array):
+    """Ask this process's own fd server for the memfd of `array` (what a receiver does)."""
+    func, args = _token(array)
+    key, address = args[0][0], args[0][1]
+    (fd,), extras = reduction._fetch_fds(address, [key])
+    for _, extra in extras:
+        os.close(extra)
+    return fd
+
+
+def test_an_idle_client_stalls_nobody():
+    a = pyshm.empty(100, np.uint8, shared=True)
+    address = _token(a)[1][0][1]
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    idle.connect(address)  # and never sends anything
+    try:
+        start = time.monotonic()
+        fd = _fetch_own(a)
+        took = time.monotonic() - start
+        assert fd is not None
+        os.close(fd)
+        assert took < 1.0, f"a fetch waited {took:.1f} s behind an idle connection"
+    finally:
+        idle.close()
+
+
+def test_the_server_survives_a_closed_storage_it_was_serving():
+    storage = pyshm.Storage(100_000)
+    storage.share_memory_()
+    token = reduction._export(storage._as_parameter_, storage, hold=False)
+    key, address = token[0], token[1]
+    storage.close()  # the holder the server knows is closed now
+    (fd,), _ = reduction._fetch_fds(address, [key])
+    assert fd is None  # nothing to hand out, and no exception in the server
+    thread = reduction._state.server.thread
+    a = pyshm.empty(100, np.uint8, shared=True)
+    fd = _fetch_own(a)
+    assert fd is not None and thread.is_alive()
+    os.close(fd)
