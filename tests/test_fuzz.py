@@ -15,7 +15,6 @@ KNOWN_BUGS); their reproducers in tests/fuzz/crashes replay only with PYSHM_FUZZ
 import importlib.util
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 

@@ -43,7 +43,6 @@ from hypothesis.stateful import (
 )
 
 import pyshm
-from pyshm import _ffi
 
 import shm_harness as H
 from shm_harness import digest, pattern, run_in_fork
