@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _checks, _ffi
 from ._ffi import lib
-from .storage import Storage, _check_shareable_in_place, _create
+from .storage import Storage, _create, _share_in_place
 
 __all__ = [
     "ArrayOwner",
@@ -225,6 +225,5 @@ def share_memory_(array: Any) -> Any:
             "not backed by a pyshm storage); use pyshm.copy(array, shared=True) to get a "
             "shared copy"
         )
-    _check_shareable_in_place(owner._handle, "share_memory_")
-    lib.lshm_storage_share(owner._handle)
+    _share_in_place(owner._handle, "share_memory_")
     return array

@@ -112,7 +112,7 @@ import numpy as np
 from . import _ffi
 from ._ffi import lib
 from .arrays import ArrayOwner, _owner_of, _wrap
-from .storage import Storage, _check_shareable_in_place
+from .storage import Storage, _share_in_place
 
 __all__ = [
     "share_readonly",
@@ -310,9 +310,9 @@ def _export(
     """
     flags = lib.lshm_storage_flags(handle)
     if not flags & _ffi.STORAGE_SHARED:
-        # refused here, in the sender, for memory that cannot be shared in place
-        _check_shareable_in_place(handle, "pickling for another process", pickle.PicklingError)
-        lib.lshm_storage_share(handle)  # in place, same address; atomic on failure
+        # in place, same address, atomic on failure; memory that cannot be shared in place is
+        # refused here, in the sender
+        _share_in_place(handle, "pickling for another process", pickle.PicklingError)
     info = _ffi.ExportInfo()
     try:
         lib.lshm_storage_export(handle, byref(info))
@@ -936,7 +936,6 @@ def share_readonly(array: Any) -> Any:
         )
     handle = owner._handle
     # Every check before anything changes: no share, no fd lookup (which would export it).
-    _check_shareable_in_place(handle, "share_readonly")
     shared = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED)
     segment = lib.lshm_storage_segment(handle) if shared else None
     if segment:
@@ -954,7 +953,7 @@ def share_readonly(array: Any) -> Any:
     try:
         # Unshared: in place into a memfd of its own (a small array too), never handed out.
         # Shared already in its slab's memfd: refused by libshm (EINVAL), nothing changed.
-        lib.lshm_storage_share_readonly(handle)
+        _share_in_place(handle, "share_readonly", share=lib.lshm_storage_share_readonly)
     except _ffi.ShmValueError as exc:
         raise _ffi.ShmValueError(
             exc.errno,

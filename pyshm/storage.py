@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 from . import _checks, _ffi
 from ._ffi import lib
@@ -201,9 +201,7 @@ class Storage:
         :class:`pyshm.Arena`: its bytes are a slice of the arena's buffer, which cannot be
         shared in place (create the arena with ``shared=True``).
         """
-        handle = self._as_parameter_
-        _check_shareable_in_place(handle, "share_memory_")
-        lib.lshm_storage_share(handle)
+        _share_in_place(self._as_parameter_, "share_memory_")
         return self
 
     def copy_(self, other: "Storage") -> "Storage":
@@ -251,29 +249,29 @@ class Storage:
         return _array_from_storage(self._as_parameter_, shape, dtype, offset, self._keep)
 
 
-def _check_shareable_in_place(handle: int, what: str, error: Optional[type] = None) -> None:
-    """Raise unless lshm_storage_share of `handle` keeps every array over it aliased.
+def _share_in_place(handle: int, what: str, error: Optional[type] = None,
+                    share: Any = None) -> None:
+    """lshm_storage_share (or `share`, e.g. lshm_storage_share_readonly) of `handle`, with
+    libshm's EBUSY refusal explained in pyshm's terms.
 
     A storage that owns whole pages is shared in place at the same address. One that does not
-    (in pyshm: a slot of a private arena, flag STORAGE_INPLACE, whose bytes are a slice of the
-    arena's buffer) would get its data pointer swapped to a new mapping while the arrays over
-    it stay on the old bytes: refused while anything besides the arena holds it, which is
-    always the case when a user can reach it (libshm refuses the same with EBUSY). `error`:
-    the exception class to raise (default ShmBufferError, errno EBUSY).
+    (in pyshm: a slot of a private arena, whose bytes are a slice of the arena's buffer) would
+    move to a new mapping while the arrays over it stay on the old bytes, so libshm refuses it
+    with EBUSY, changing nothing, while anything besides the arena holds it. `error`: the
+    exception class to raise instead of ShmBufferError (EBUSY).
     """
-    flags = lib.lshm_storage_flags(handle)
-    if flags & _ffi.STORAGE_SHARED or not flags & _ffi.STORAGE_INPLACE:
-        return
-    if lib.lshm_storage_refcount(handle) <= 1:
-        return
-    message = (
-        f"{what}: this memory is a slice of a private pyshm.Arena's buffer, which cannot be "
-        "shared in place (arrays over it would stop aliasing it); create the arena with "
-        "shared=True, or share a copy: pyshm.copy(array, shared=True)"
-    )
-    if error is None:
-        raise _ffi.ShmBufferError(errno.EBUSY, message)
-    raise error(message)
+    try:
+        (share or lib.lshm_storage_share)(handle)
+    except _ffi.ShmBufferError as exc:
+        message = (
+            f"{what}: this memory is a slice of a private pyshm.Arena's buffer, which cannot be "
+            "shared in place (arrays over it would stop aliasing it); create the arena with "
+            "shared=True, or share a copy: pyshm.copy(array, shared=True) "
+            f"({exc.strerror})"
+        )
+        if error is None:
+            raise _ffi.ShmBufferError(errno.EBUSY, message) from None
+        raise error(message) from None
 
 
 def _check_nbytes(nbytes) -> int:
