@@ -126,15 +126,17 @@ class Arena:
     * Every array holds a reference to its storage, to the arena and to the arena's buffer its
       bytes lie in (``lshm_arena_current_buffer``), so the bytes it sees stay mapped as long as
       it lives, even when the arena replaces the buffer (a re-plan) or frees it (:meth:`trim`):
-      the old buffer is unmapped once the last array over it is gone. :meth:`deallocate` raises :class:`BufferError` (changing
-      nothing) while an array from :meth:`array` is alive: delete the arrays first.
+      the old buffer is unmapped once the last array over it is gone. :meth:`deallocate`
+      raises :class:`BufferError` (changing nothing) while an array from :meth:`array` is
+      alive: delete the arrays first.
     * The buffer is kept between :meth:`allocate` calls (no new mmap); :meth:`trim` frees it.
       Bytes are zero in a new buffer and left as they were in a reused one.
     * Recording arenas: :meth:`free` says a tensor is dead, and its slice may be handed to the
       next :meth:`empty` of the iteration. Using a freed array afterwards is a logic error like
       a use-after-free in C, except that it never touches unmapped memory (it may see another
-      tensor's bytes, or the bytes of a buffer the arena no longer uses). :meth:`free` raises :class:`BufferError` while another
-      :class:`~pyshm.Storage` handle on a buffer slice exists.
+      tensor's bytes, or the bytes of a buffer the arena no longer uses). :meth:`free` raises
+      :class:`BufferError` while another :class:`~pyshm.Storage` handle on a buffer slice
+      exists.
     * An arena is not thread-safe: use it from one thread at a time. Its arrays are ordinary
       arrays and may be used from any thread.
     """

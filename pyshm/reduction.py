@@ -58,14 +58,13 @@ the receiver has unpickled a message carrying memory it has not seen yet.
 
 fd and mapping policy (why 100,000 small arrays work under ``ulimit -n 1024``)
 -----------------------------------------------------------------------------
-* ``pyshm.empty/zeros/copy(..., shared=True)`` of at most ``SLAB_MAX`` bytes (64 KiB) are packed
-  into libshm's **slabs**: 4 MiB of pages, with one memfd (sealed against shrink/grow) per
-  slab once one of its arrays is shared; arrays get whole pages, and pages that were shared
-  are not reused until every array in the slab is gone. 100,000 arrays of
-  4 KiB use 98 fds and 98 mappings, in the sender and in every receiver. Larger shared arrays
-  get a memfd of their own.
-* Arrays shared in place (:func:`pyshm.share_memory_`, or on send) own one memfd each: one fd
-  and one mapping per array in the sender. Keep those for big arrays.
+* Arrays of at most ``SLAB_MAX`` bytes (64 KiB) live in libshm's **slabs**, whether they
+  are created with ``shared=True`` or shared in place later (:func:`pyshm.share_memory_`, or
+  on send): 4 MiB of pages with one memfd (sealed against shrink and grow) per slab once one
+  of its arrays is shared. 100,000 arrays of 4 KiB shared one by one use 98 fds in the sender
+  and about as many in every receiver. Larger arrays get a memfd of their own: one fd and one
+  mapping each. What a receiver of one slab array can read is said in the README ("What a
+  receiver of a slab array can read").
 * A receiver keeps each received memfd's fd (so it can send the array on) while it holds fewer
   than ``max(64, RLIMIT_NOFILE // 2)`` of them; beyond that it closes the fd right after mapping
   (``lshm_segment_close_fd``) and such an array can no longer be sent on (pickling it raises).
@@ -73,7 +72,8 @@ fd and mapping policy (why 100,000 small arrays work under ``ulimit -n 1024``)
 * Mappings: one per memfd, and ``vm.max_map_count`` (65,530 by default) bounds them, so a
   receiver can hold at most ~65,000 distinct memfds at once (about 256 GiB of slabs, or 65,000
   in-place-shared arrays). Slabs are what make 100,000+ small arrays possible.
-* Anything in a slab is visible to every process the slab is sent to (it maps the whole slab).
+* A receiver of a slab array maps the slab's whole memfd: every array of the slab that was
+  shared is visible to it; arrays never shared are not in the memfd.
 
 Read-only sharing
 -----------------
@@ -907,8 +907,9 @@ def share_readonly(array: Any) -> Any:
     """Share ``array`` so that every process it is sent to gets read-only memory; returns it.
 
     The array is shared in place first if needed (same address, a memfd of its own, whatever
-    its size: a small array gets one instead of its slab's). Its memfd is then sealed with ``F_SEAL_FUTURE_WRITE``: this process keeps
-    writing through its existing mapping (and its arrays stay writeable), while receivers get
+    its size: a small array gets one instead of its slab's). Its memfd is then sealed with
+    ``F_SEAL_FUTURE_WRITE``: this process keeps writing through its existing mapping (and its
+    arrays stay writeable), while receivers get
     arrays that are not writeable and cannot map the fd writable or ``write`` to it.
     Irreversible for that memory. Processes that mapped it writable before the seal keep their
     mappings.
