@@ -300,3 +300,43 @@ def test_a_slab_memfd_stays_fetchable_while_any_of_its_exported_arrays_lives():
     assert os.fstat(fds[0]).st_ino == key[1]
     offset = key_and_offset[2]
     assert os.pread(fds[0], 4, offset) == b"\x5c" * 4  # the receiver would read `second`
+
+
+def test_export_info_matches_the_fd():
+    """lshm_storage_export says in one call what fstat and F_GET_SEALS would."""
+    import fcntl
+
+    small = pyshm.empty(1000, np.uint8)
+    big = pyshm.empty(reduction.SLAB_MAX + 1, np.uint8)
+    ro = pyshm.share_readonly(pyshm.copy(np.zeros(10, np.uint8)))
+    pyshm.share_memory_(small)
+    pyshm.share_memory_(big)
+    for array, readonly in ((small, 0), (big, 0), (ro, 1)):
+        storage = pyshm.storage_of(array)
+        info = _ffi.ExportInfo()
+        _ffi.lib.lshm_storage_export(storage._as_parameter_, info)
+        st = os.fstat(info.fd)
+        assert (info.dev, info.ino, info.file_size) == (st.st_dev, st.st_ino, st.st_size)
+        assert info.offset == storage.fd_offset
+        assert info.readonly == readonly
+        assert bool(fcntl.fcntl(info.fd, fcntl.F_GET_SEALS) & reduction.F_SEAL_FUTURE_WRITE) \
+            == bool(readonly)
+    unshared = pyshm.storage_of(pyshm.empty(10, np.uint8))
+    with pytest.raises(OSError):
+        _ffi.lib.lshm_storage_export(unshared._as_parameter_, _ffi.ExportInfo())
+
+
+def test_export_records_of_dead_arrays_are_dropped():
+    from multiprocessing.reduction import ForkingPickler
+    import time
+
+    arrays = [pyshm.empty(64, np.uint8, shared=True) for _ in range(200)]
+    ForkingPickler.dumps(arrays)
+    reduction._state.exports.clear()  # the keep-alive holds: not what this test is about
+    before = len(reduction._state.ranges)
+    del arrays
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while len(reduction._state.ranges) > before - 200 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the server's sweep runs about once a second
+    assert len(reduction._state.ranges) <= before - 200
