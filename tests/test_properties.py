@@ -264,6 +264,14 @@ def check_view(item, view, where=""):
 # ---- the main machine ----------------------------------------------------------------------------
 
 
+def assert_counts_back(baseline) -> None:
+    """After an example dropped everything: fds and mappings are where they started."""
+    if sys.exc_info()[0] is not None:
+        return  # a step failed: its traceback still holds arrays, counting means nothing
+    problems = H.diff_counts(baseline, H.counts(), MAPS_TOLERANCE, heaps=True)
+    assert not problems, "after dropping everything: " + "; ".join(problems)
+
+
 class StorageMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -812,10 +820,7 @@ class StorageMachine(RuleBasedStateMachine):
     def teardown(self):
         self.items = []
         self.arena = None
-        if sys.exc_info()[0] is not None:
-            return  # a step failed: its traceback still holds arrays, counting means nothing
-        problems = H.diff_counts(self.baseline, H.counts(), MAPS_TOLERANCE, heaps=True)
-        assert not problems, "after dropping everything: " + "; ".join(problems)
+        assert_counts_back(self.baseline)
 
 
 # ---- the recording-arena machine --------------------------------------------------------------
@@ -964,10 +969,7 @@ class RecordingArenaMachine(RuleBasedStateMachine):
         self.live = []
         self.zombies = []
         self.arena = None
-        if sys.exc_info()[0] is not None:
-            return  # a step failed: its traceback still holds arrays, counting means nothing
-        problems = H.diff_counts(self.baseline, H.counts(), MAPS_TOLERANCE, heaps=True)
-        assert not problems, "after dropping everything: " + "; ".join(problems)
+        assert_counts_back(self.baseline)
 
 
 TestStorageMachine = StorageMachine.TestCase

@@ -147,6 +147,17 @@ typedef struct nested_ctx {
     int share_rc;
 } nested_ctx;
 
+/* fork() a child that exits at once, and check it did (the fork itself is what is tested). */
+static void fork_and_reap(void) {
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0)
+        _exit(0);
+    int status;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 static void *nested_alloc(void *ctx, size_t nbytes) {
     nested_ctx *c = ctx;
     if (c->other != NULL) {
@@ -156,13 +167,7 @@ static void *nested_alloc(void *ctx, size_t nbytes) {
         c->share_rc = lshm_storage_share(c->other);
     }
     if (c->fork_inside) {
-        pid_t pid = fork(); /* cannot wait for itself: goes ahead */
-        ASSERT_GE(pid, 0);
-        if (pid == 0)
-            _exit(0);
-        int status;
-        ASSERT_EQ(waitpid(pid, &status, 0), pid);
-        ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        fork_and_reap(); /* cannot wait for itself: goes ahead */
     }
     return malloc(nbytes);
 }
@@ -177,13 +182,7 @@ static void *fork_when_in_alloc(void *arg) {
     nested_ctx *c = arg;
     while (!atomic_load(&c->in_alloc))
         sleep_ms(1);
-    pid_t pid = fork(); /* waits for the resize in flight */
-    ASSERT_GE(pid, 0);
-    if (pid == 0)
-        _exit(0);
-    int status;
-    ASSERT_EQ(waitpid(pid, &status, 0), pid);
-    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    fork_and_reap(); /* waits for the resize in flight */
     return NULL;
 }
 
