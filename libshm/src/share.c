@@ -475,7 +475,8 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
     int rc;
 
     if (s->origin == LSHM__ORIGIN_SLAB && !own_memfd) {
-        (void)current_epoch(); /* the fork handlers must be in place before a slab memfd is */
+        /* The fork handlers are in place: registered at load, and by share()'s
+         * lshm__fork_guard_enter before it got here. */
         if ((rc = lshm__slab_share(s)) != 0)
             return rc;
     } else if (owns_whole_pages(s)) {
