@@ -92,9 +92,7 @@ void lshm__os_unmap(void *addr, size_t len);
 void lshm__os_close(int fd);
 int lshm__os_dup_cloexec(int fd, int *out);
 
-/* st_dev and st_ino of fd (fstat). */
-int lshm__os_fd_identity(int fd, uint64_t *dev, uint64_t *ino);
-/* What attach needs to know about a received fd. */
+/* What attach (and export, and a new slab memfd) needs to know about an fd. */
 typedef struct lshm__fd_info {
     uint64_t size;     /* st_size in bytes */
     uint64_t dev, ino; /* st_dev, st_ino */

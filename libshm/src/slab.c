@@ -127,29 +127,28 @@ static void memfd_release(lshm__slab_memfd *m) {
     }
 }
 
-/* A new memfd for `slab`, sized and sealed; lock held. */
+/* A new memfd for a slab, sized and sealed; lock held. */
 static int memfd_new(lshm__slab_memfd **out) {
     lshm__slab_memfd *m = malloc(sizeof *m);
     if (m == NULL)
         return LSHM_FAIL(-ENOMEM, "malloc of a slab memfd record failed");
     int fd = -1;
+    lshm__fd_info info;
     int rc = lshm__os_memfd_create(LSHM__SLAB_BYTES, &fd);
-    if (rc == 0 && (rc = lshm__os_ftruncate(fd, LSHM__SLAB_BYTES)) == 0)
-        rc = lshm__os_seal_size(fd);
-    if (rc != 0) {
-        lshm__os_close(fd);
-        free(m);
-        return rc;
-    }
-    if ((rc = lshm__os_fd_identity(fd, &m->dev, &m->ino)) != 0) {
-        lshm__os_close(fd);
-        free(m);
-        return rc;
-    }
+    if (rc != 0 || (rc = lshm__os_ftruncate(fd, LSHM__SLAB_BYTES)) != 0 ||
+        (rc = lshm__os_seal_size(fd)) != 0 || (rc = lshm__os_fd_info(fd, &info)) != 0)
+        goto fail;
     atomic_init(&m->refcount, 1);
     m->fd = fd;
+    m->dev = info.dev;
+    m->ino = info.ino;
     *out = m;
     return 0;
+
+fail:
+    lshm__os_close(fd);
+    free(m);
+    return rc;
 }
 
 /* ---- slabs --------------------------------------------------------------------------------- */
