@@ -227,8 +227,9 @@ void lshm__slab_free(lshm_storage *s);
 void lshm__slab_set_owner(lshm_storage *s);
 /* Share s in place into its slab's memfd (s->lock held, s not shared). */
 int lshm__slab_share(lshm_storage *s);
-/* The fd behind a shared slab storage: the slab memfd, or its own. */
-int lshm__slab_fd(const lshm_storage *s);
+/* The slab memfd behind s (s->slab_memfd non-NULL), for handing out: adds F_SEAL_SEAL to it
+ * the first time it is handed out through any of its storages. */
+int lshm__slab_fd(const lshm_storage *s, int *fd);
 /* A slab storage shared into its slab's memfd: that memfd's st_dev and st_ino (returns 1),
  * else 0. */
 int lshm__slab_identity(const lshm_storage *s, uint64_t *dev, uint64_t *ino);

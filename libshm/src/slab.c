@@ -49,6 +49,7 @@ struct lshm__slab_memfd {
     _Atomic size_t refcount; /* the slab's (while current) + one per storage shared into it */
     int fd;                  /* memfd of LSHM__SLAB_BYTES, sealed against shrink/grow */
     uint64_t dev, ino;       /* its identity (fstat), for lshm_slab_find */
+    _Atomic unsigned char seal_sealed; /* lshm__slab_fd added F_SEAL_SEAL (fd handed out) */
 };
 
 struct lshm__slab {
@@ -139,6 +140,7 @@ static int memfd_new(lshm__slab_memfd **out) {
         (rc = lshm__os_seal_size(fd)) != 0 || (rc = lshm__os_fd_info(fd, &info)) != 0)
         goto fail;
     atomic_init(&m->refcount, 1);
+    atomic_init(&m->seal_sealed, 0);
     m->fd = fd;
     m->dev = info.dev;
     m->ino = info.ino;
@@ -377,8 +379,18 @@ int lshm__slab_identity(const lshm_storage *s, uint64_t *dev, uint64_t *ino) {
     return 1;
 }
 
-int lshm__slab_fd(const lshm_storage *s) {
-    return s->slab_memfd != NULL ? s->slab_memfd->fd : s->fd;
+int lshm__slab_fd(const lshm_storage *s, int *fd) {
+    lshm__slab_memfd *m = s->slab_memfd;
+    /* One F_SEAL_SEAL per memfd, not per storage shared into it. The flag is only a shortcut;
+     * two racing first calls both add it, which is harmless. */
+    if (!atomic_load_explicit(&m->seal_sealed, memory_order_acquire)) {
+        int rc = lshm__os_seal_seal(m->fd);
+        if (rc != 0)
+            return rc;
+        atomic_store_explicit(&m->seal_sealed, 1, memory_order_release);
+    }
+    *fd = m->fd;
+    return 0;
 }
 
 int lshm_slab_stats(lshm_slab_counters *out) {

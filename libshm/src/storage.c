@@ -324,9 +324,14 @@ int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset) {
             return f == -EBADF ? LSHM_FAIL(-EBADF, "the fd of storage %p's segment was closed",
                                            (const void *)s)
                                : f;
+    } else if (s->slab_memfd != NULL) {
+        /* A slab storage shared into its slab's memfd (F_SEAL_SEAL once per memfd). */
+        int rc = lshm__slab_fd(s, &f);
+        if (rc != 0)
+            return rc;
     } else {
-        /* A slab storage's fd is its slab's memfd (or its own, after a read-only share). */
-        f = s->origin == LSHM__ORIGIN_SLAB ? lshm__slab_fd(s) : s->fd;
+        /* Its own memfd (a slab storage's too, after a read-only share). */
+        f = s->fd;
         if (f < 0) /* cannot happen: a shared storage that is no view has a memfd */
             return LSHM_FAIL(-EBADF, "storage %p has no fd", (const void *)s);
         /* Whoever gets the fd from now on must not be able to add seals: F_SEAL_SEAL first
