@@ -4,7 +4,7 @@
  * Sharing a small storage in place with a memfd of its own costs one fd and one mapping per
  * storage, and a process runs out of both long before it runs out of memory (ulimit -n is often
  * 1,024; vm.max_map_count 65,530). So the default allocator places storages of at most
- * LSHM_SLAB_MAX_BYTES (64 KiB) in slabs: LSHM__SLAB_BYTES (4 MiB) of private anonymous memory,
+ * LSHM_SLAB_MAX_BYTES (64 KiB) that are not resizable in slabs: LSHM__SLAB_BYTES (4 MiB) of private anonymous memory,
  * handed out in whole pages. A storage still owns whole pages, so it is still shared in place
  * at the same address, but into its slab's memfd:
  *   - a slab has no memfd until the first of its storages is shared; then one memfd of the
@@ -16,6 +16,8 @@
  *   - the memfd holds only the bytes of storages that were shared (the rest of it is holes), so
  *     a process that receives the memfd can read what was shared into it and nothing else; a
  *     share that fails punches its range out again.
+ * A storage shared read-only (lshm_storage_share_readonly) gets a memfd of its own over its
+ * slab pages instead (share.c), sealed alone; freeing it maps private pages back over them.
  * Page reuse is what keeps receivers from seeing later storages: pages of a storage that was
  * never shared go back to the slab at once (zeroed before reuse: they are private memory), but
  * pages that were shared into the memfd are *retired*: no other storage gets them while that
@@ -29,7 +31,8 @@
  * parent may use for another storage, so the child drops every slab's memfd reference at fork
  * (lshm__slab_after_fork_child) and makes new ones as it shares.
  *
- * Locking: slabs_lock guards the slab list and every slab's bitmaps and counters; memfd objects
+ * Locking: slabs_lock guards the slab list, every slab's bitmaps, counters and owner[], and
+ * the storages' slab_memfd while lshm_slab_find may read it; memfd objects
  * are refcounted (the slab's current reference plus one per storage shared into them) so a
  * storage keeps its memfd's fd valid after its slab moved on. The copy and the mmap of a share
  * run outside slabs_lock (the storage's own lock serialises shares of one storage).

@@ -9,6 +9,9 @@
  * The default allocator hands out whole anonymous pages (page-aligned, nbytes rounded up to a
  * page, zero-filled) that the storage alone owns. That is what lets share.c map a memfd over
  * the very same pages later, so the data pointer, and every raw pointer into it, stays valid.
+ * Those pages come from a slab (slab.c) when the storage is not resizable and its capacity is
+ * at most lshm__slab_max_bytes (LSHM_SLAB_MAX_BYTES); resizable ones get a mapping of their own,
+ * since resize moves or grows whole mappings.
  *
  * How bytes go back depends on where they came from (enum lshm__origin in internal.h):
  *   PAGES      munmap [data, data + capacity) (a memfd mapped over it goes the same way)
@@ -17,6 +20,8 @@
  *   FOREIGN    release(ctx, data, nbytes) if given
  *   MAPPED     munmap the mapping of our memfd
  *   VIEW       release the segment
+ *   SLAB       lshm__slab_free: the pages go back to their slab (retired while they are in
+ *              the slab's memfd, see slab.c)
  * and the storage's own memfd, if any, is closed.
  */
 #include "internal.h"
