@@ -233,8 +233,6 @@ int lshm__slab_fd(const lshm_storage *s, int *fd);
 /* A slab storage shared into its slab's memfd: that memfd's st_dev and st_ino (returns 1),
  * else 0. */
 int lshm__slab_identity(const lshm_storage *s, uint64_t *dev, uint64_t *ino);
-/* Slabs that exist now (tests). */
-size_t lshm__slab_count(void);
 /* fork handlers: prepare takes the slab lock, the others release it; the child also stops
  * sharing into the parent's memfds. */
 void lshm__slab_prepare_fork(void);

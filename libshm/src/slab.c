@@ -75,7 +75,6 @@ _Atomic size_t lshm__slab_max_bytes = LSHM_SLAB_MAX_BYTES;
 static pthread_mutex_t slabs_lock = PTHREAD_MUTEX_INITIALIZER;
 static lshm__slab *slabs;   /* every slab */
 static lshm__slab *current; /* where allocation looks first */
-static size_t slab_count;
 
 /* ---- bitmaps ------------------------------------------------------------------------------- */
 
@@ -174,7 +173,6 @@ static int slab_new(lshm__slab **out) {
     slab->free_pages = slab->pages;
     slab->next = slabs;
     slabs = slab;
-    slab_count++;
     *out = slab;
     return 0;
 }
@@ -188,7 +186,6 @@ static void slab_unlink_free(lshm__slab *slab) {
     }
     if (current == slab)
         current = NULL;
-    slab_count--;
     lshm__os_unmap(slab->base, LSHM__SLAB_BYTES);
     memfd_release(slab->memfd);
     free(slab);
@@ -409,13 +406,6 @@ int lshm_slab_stats(lshm_slab_counters *out) {
     pthread_mutex_unlock(&slabs_lock);
     *out = c;
     return 0;
-}
-
-size_t lshm__slab_count(void) {
-    pthread_mutex_lock(&slabs_lock);
-    size_t n = slab_count;
-    pthread_mutex_unlock(&slabs_lock);
-    return n;
 }
 
 void lshm__slab_prepare_fork(void) {
