@@ -137,8 +137,10 @@ LSHM_API int lshm_slab_stats(lshm_slab_counters *out);
 /* Find the live storage of this process that was shared into the slab memfd identified by
  * (st_dev, st_ino) = (dev, ino) and lies at `offset` of it with `nbytes` bytes: how memory that
  * comes back from another process (e.g. a forked child that inherited it) is recognised as the
- * same storage. *out gets a new reference. Thread-safe.
- * Errors: -EINVAL (NULL out), -ENOENT (no such storage). */
+ * same storage. Only storages shared into a slab's memfd are found (not one that got a memfd
+ * of its own from lshm_storage_share_readonly, nor one that is released); offset is the
+ * storage's first byte, page-aligned. *out gets a new reference. Thread-safe.
+ * Errors: -EINVAL (NULL out), -ENOENT (no such storage, or offset not page-aligned). */
 LSHM_API int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
                             lshm_storage **out);
 
@@ -196,7 +198,8 @@ LSHM_API unsigned lshm_storage_flags(const lshm_storage *s);
 /* The fd behind a shared storage (borrowed: valid while the storage lives; dup it to keep it)
  * and the byte offset of the storage's data within that fd.
  * Handing the fd out closes its seals: the first call adds F_SEAL_SEAL to the memfd (unless
- * the fd is open read-only), so no holder of the fd can add seals afterwards (e.g.
+ * the fd is open read-only; for a slab storage, the first call through any storage of that
+ * slab memfd), so no holder of the fd can add seals afterwards (e.g.
  * F_SEAL_FUTURE_WRITE, which would make every later receiver's memory read-only). From then on
  * lshm_storage_seal_readonly refuses: seal first, then hand out. Marks the memfd exported
  * (never pooled, see lshm_pool_trim).
@@ -213,10 +216,12 @@ typedef struct lshm_export_info {
     int readonly;       /* the memfd is sealed against writes (receivers map it read-only) */
 } lshm_export_info;
 
-/* lshm_storage_fd plus the memfd's identity, size and write seal in one call (for a storage
- * of a slab they come from the slab's record, without a syscall). Marks the memfd as handed
- * out, as lshm_storage_fd does. Thread-safe. Errors: those of lshm_storage_fd; -EBADF when
- * fstat fails. */
+/* lshm_storage_fd plus the memfd's identity, size and write seal in one call. For a storage
+ * shared into its slab's memfd they come from the slab's record (file_size LSHM_SLAB_BYTES,
+ * readonly 0), with no syscall beyond the F_SEAL_SEAL that the memfd's first hand-out adds;
+ * any other storage (a slab storage with a memfd of its own included) costs an fstat and
+ * fcntl calls. Marks the memfd as handed out, as lshm_storage_fd does. Thread-safe.
+ * Errors: those of lshm_storage_fd; -EBADF when fstat fails. */
 LSHM_API int lshm_storage_export(lshm_storage *s, lshm_export_info *out);
 
 /* Change the size of a resizable, unshared storage (bytes kept up to the smaller size, new
@@ -225,8 +230,8 @@ LSHM_API int lshm_storage_export(lshm_storage *s, lshm_export_info *out);
  * other references exist (every array or view over the bytes retains the storage; retain the
  * storage to pin its memory). Raw pointers into the old range that were not backed by a
  * reference are invalid after a successful resize. A fork() waits for a resize in flight.
- * The caller allocator's alloc runs during the call; its free runs after the storage's lock is
- * released (neither may fork()).
+ * The caller allocator's alloc runs during the call (a fork() from inside it does not wait,
+ * as for lshm_storage_share); its free runs after the storage's lock is released.
  * Errors: -EINVAL, -EPERM (not resizable, shared, or foreign), -EBUSY (other references
  * exist), -ENOMEM, -EOVERFLOW. */
 LSHM_API int lshm_storage_resize(lshm_storage *s, size_t nbytes);
@@ -239,9 +244,11 @@ LSHM_API int lshm_storage_copy(lshm_storage *dst, const lshm_storage *src);
 /* Sharing                                                                                     */
 /* ------------------------------------------------------------------------------------------ */
 
-/* Create a storage of nbytes whose bytes live in a fresh segment (zero-filled, pages reserved
- * so running out of memory is -ENOMEM/-ENOSPC here and never SIGBUS later). flags: 0.
- * Errors: -EINVAL, -EOVERFLOW, -ENOMEM, -ENOSPC, -EMFILE/-ENFILE (no fd left). */
+/* Create a storage of nbytes, shared from the start (zero-filled, its pages in the memfd so
+ * running out of memory is -ENOMEM/-ENOSPC here and never SIGBUS later). At most
+ * LSHM_SLAB_MAX_BYTES: a slab storage shared at once (lshm_storage_create, then
+ * lshm_storage_share: a range of its slab's memfd); larger: a fresh segment of its own.
+ * flags: 0. Errors: -EINVAL, -EOVERFLOW, -ENOMEM, -ENOSPC, -EMFILE/-ENFILE (no fd left). */
 LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out);
 
 /* Share in place: replace the storage's memory with a fresh memfd holding the same bytes.

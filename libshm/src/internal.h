@@ -92,9 +92,7 @@ void lshm__os_unmap(void *addr, size_t len);
 void lshm__os_close(int fd);
 int lshm__os_dup_cloexec(int fd, int *out);
 
-/* st_dev and st_ino of fd (fstat). */
-int lshm__os_fd_identity(int fd, uint64_t *dev, uint64_t *ino);
-/* What attach needs to know about a received fd. */
+/* What attach (and export, and a new slab memfd) needs to know about an fd. */
 typedef struct lshm__fd_info {
     uint64_t size;     /* st_size in bytes */
     uint64_t dev, ino; /* st_dev, st_ino */
@@ -229,13 +227,12 @@ void lshm__slab_free(lshm_storage *s);
 void lshm__slab_set_owner(lshm_storage *s);
 /* Share s in place into its slab's memfd (s->lock held, s not shared). */
 int lshm__slab_share(lshm_storage *s);
-/* The fd behind a shared slab storage: the slab memfd, or its own. */
-int lshm__slab_fd(const lshm_storage *s);
+/* The slab memfd behind s (s->slab_memfd non-NULL), for handing out: adds F_SEAL_SEAL to it
+ * the first time it is handed out through any of its storages. */
+int lshm__slab_fd(const lshm_storage *s, int *fd);
 /* A slab storage shared into its slab's memfd: that memfd's st_dev and st_ino (returns 1),
  * else 0. */
 int lshm__slab_identity(const lshm_storage *s, uint64_t *dev, uint64_t *ino);
-/* Slabs that exist now (tests). */
-size_t lshm__slab_count(void);
 /* fork handlers: prepare takes the slab lock, the others release it; the child also stops
  * sharing into the parent's memfds. */
 void lshm__slab_prepare_fork(void);

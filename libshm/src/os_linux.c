@@ -310,18 +310,6 @@ int lshm__os_dup_cloexec(int fd, int *out) {
     return 0;
 }
 
-int lshm__os_fd_identity(int fd, uint64_t *dev, uint64_t *ino) {
-    LSHM_OS_FAULT("fstat");
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        int e = errno;
-        return LSHM_FAIL(-e, "fstat(fd %d): %s", fd, strerror(e));
-    }
-    *dev = (uint64_t)st.st_dev;
-    *ino = (uint64_t)st.st_ino;
-    return 0;
-}
-
 int lshm__os_fd_info(int fd, lshm__fd_info *info) {
     LSHM_OS_FAULT("fstat");
     struct stat st;

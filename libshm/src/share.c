@@ -29,6 +29,11 @@
  * memfd, so there is no later SIGBUS and no need for a separate fallocate on this path. The
  * fd stays in this process (and this call) until it is sealed.
  *
+ * Storages in a slab (slab.c) are shared the same way, in place, but into their range of the
+ * slab's one memfd (lshm__slab_share) rather than a memfd of their own, so they never use the
+ * pool; lshm_storage_share_readonly gives one a memfd of its own instead (the in-place path
+ * below, pool skipped), since a read-only seal would cover every storage of the slab.
+ *
  * Storages that do not own whole pages (foreign memory, plain caller allocators) get a new
  * mapping at a new address; the old memory goes back through its release callback/free once
  * the locks are released. Because the memory moves, that is refused (-EBUSY) while the storage
@@ -475,7 +480,8 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
     int rc;
 
     if (s->origin == LSHM__ORIGIN_SLAB && !own_memfd) {
-        (void)current_epoch(); /* the fork handlers must be in place before a slab memfd is */
+        /* The fork handlers are in place: registered at load, and by share()'s
+         * lshm__fork_guard_enter before it got here. */
         if ((rc = lshm__slab_share(s)) != 0)
             return rc;
     } else if (owns_whole_pages(s)) {

@@ -4,7 +4,7 @@
  * Sharing a small storage in place with a memfd of its own costs one fd and one mapping per
  * storage, and a process runs out of both long before it runs out of memory (ulimit -n is often
  * 1,024; vm.max_map_count 65,530). So the default allocator places storages of at most
- * LSHM_SLAB_MAX_BYTES (64 KiB) in slabs: LSHM__SLAB_BYTES (4 MiB) of private anonymous memory,
+ * LSHM_SLAB_MAX_BYTES (64 KiB) that are not resizable in slabs: LSHM__SLAB_BYTES (4 MiB) of private anonymous memory,
  * handed out in whole pages. A storage still owns whole pages, so it is still shared in place
  * at the same address, but into its slab's memfd:
  *   - a slab has no memfd until the first of its storages is shared; then one memfd of the
@@ -16,6 +16,8 @@
  *   - the memfd holds only the bytes of storages that were shared (the rest of it is holes), so
  *     a process that receives the memfd can read what was shared into it and nothing else; a
  *     share that fails punches its range out again.
+ * A storage shared read-only (lshm_storage_share_readonly) gets a memfd of its own over its
+ * slab pages instead (share.c), sealed alone; freeing it maps private pages back over them.
  * Page reuse is what keeps receivers from seeing later storages: pages of a storage that was
  * never shared go back to the slab at once (zeroed before reuse: they are private memory), but
  * pages that were shared into the memfd are *retired*: no other storage gets them while that
@@ -29,7 +31,8 @@
  * parent may use for another storage, so the child drops every slab's memfd reference at fork
  * (lshm__slab_after_fork_child) and makes new ones as it shares.
  *
- * Locking: slabs_lock guards the slab list and every slab's bitmaps and counters; memfd objects
+ * Locking: slabs_lock guards the slab list, every slab's bitmaps, counters and owner[], and
+ * the storages' slab_memfd while lshm_slab_find may read it; memfd objects
  * are refcounted (the slab's current reference plus one per storage shared into them) so a
  * storage keeps its memfd's fd valid after its slab moved on. The copy and the mmap of a share
  * run outside slabs_lock (the storage's own lock serialises shares of one storage).
@@ -49,6 +52,7 @@ struct lshm__slab_memfd {
     _Atomic size_t refcount; /* the slab's (while current) + one per storage shared into it */
     int fd;                  /* memfd of LSHM__SLAB_BYTES, sealed against shrink/grow */
     uint64_t dev, ino;       /* its identity (fstat), for lshm_slab_find */
+    _Atomic unsigned char seal_sealed; /* lshm__slab_fd added F_SEAL_SEAL (fd handed out) */
 };
 
 struct lshm__slab {
@@ -71,7 +75,6 @@ _Atomic size_t lshm__slab_max_bytes = LSHM_SLAB_MAX_BYTES;
 static pthread_mutex_t slabs_lock = PTHREAD_MUTEX_INITIALIZER;
 static lshm__slab *slabs;   /* every slab */
 static lshm__slab *current; /* where allocation looks first */
-static size_t slab_count;
 
 /* ---- bitmaps ------------------------------------------------------------------------------- */
 
@@ -127,29 +130,29 @@ static void memfd_release(lshm__slab_memfd *m) {
     }
 }
 
-/* A new memfd for `slab`, sized and sealed; lock held. */
+/* A new memfd for a slab, sized and sealed; lock held. */
 static int memfd_new(lshm__slab_memfd **out) {
     lshm__slab_memfd *m = malloc(sizeof *m);
     if (m == NULL)
         return LSHM_FAIL(-ENOMEM, "malloc of a slab memfd record failed");
     int fd = -1;
+    lshm__fd_info info;
     int rc = lshm__os_memfd_create(LSHM__SLAB_BYTES, &fd);
-    if (rc == 0 && (rc = lshm__os_ftruncate(fd, LSHM__SLAB_BYTES)) == 0)
-        rc = lshm__os_seal_size(fd);
-    if (rc != 0) {
-        lshm__os_close(fd);
-        free(m);
-        return rc;
-    }
-    if ((rc = lshm__os_fd_identity(fd, &m->dev, &m->ino)) != 0) {
-        lshm__os_close(fd);
-        free(m);
-        return rc;
-    }
+    if (rc != 0 || (rc = lshm__os_ftruncate(fd, LSHM__SLAB_BYTES)) != 0 ||
+        (rc = lshm__os_seal_size(fd)) != 0 || (rc = lshm__os_fd_info(fd, &info)) != 0)
+        goto fail;
     atomic_init(&m->refcount, 1);
+    atomic_init(&m->seal_sealed, 0);
     m->fd = fd;
+    m->dev = info.dev;
+    m->ino = info.ino;
     *out = m;
     return 0;
+
+fail:
+    lshm__os_close(fd);
+    free(m);
+    return rc;
 }
 
 /* ---- slabs --------------------------------------------------------------------------------- */
@@ -170,7 +173,6 @@ static int slab_new(lshm__slab **out) {
     slab->free_pages = slab->pages;
     slab->next = slabs;
     slabs = slab;
-    slab_count++;
     *out = slab;
     return 0;
 }
@@ -184,7 +186,6 @@ static void slab_unlink_free(lshm__slab *slab) {
     }
     if (current == slab)
         current = NULL;
-    slab_count--;
     lshm__os_unmap(slab->base, LSHM__SLAB_BYTES);
     memfd_release(slab->memfd);
     free(slab);
@@ -378,8 +379,18 @@ int lshm__slab_identity(const lshm_storage *s, uint64_t *dev, uint64_t *ino) {
     return 1;
 }
 
-int lshm__slab_fd(const lshm_storage *s) {
-    return s->slab_memfd != NULL ? s->slab_memfd->fd : s->fd;
+int lshm__slab_fd(const lshm_storage *s, int *fd) {
+    lshm__slab_memfd *m = s->slab_memfd;
+    /* One F_SEAL_SEAL per memfd, not per storage shared into it. The flag is only a shortcut;
+     * two racing first calls both add it, which is harmless. */
+    if (!atomic_load_explicit(&m->seal_sealed, memory_order_acquire)) {
+        int rc = lshm__os_seal_seal(m->fd);
+        if (rc != 0)
+            return rc;
+        atomic_store_explicit(&m->seal_sealed, 1, memory_order_release);
+    }
+    *fd = m->fd;
+    return 0;
 }
 
 int lshm_slab_stats(lshm_slab_counters *out) {
@@ -395,13 +406,6 @@ int lshm_slab_stats(lshm_slab_counters *out) {
     pthread_mutex_unlock(&slabs_lock);
     *out = c;
     return 0;
-}
-
-size_t lshm__slab_count(void) {
-    pthread_mutex_lock(&slabs_lock);
-    size_t n = slab_count;
-    pthread_mutex_unlock(&slabs_lock);
-    return n;
 }
 
 void lshm__slab_prepare_fork(void) {

@@ -9,6 +9,9 @@
  * The default allocator hands out whole anonymous pages (page-aligned, nbytes rounded up to a
  * page, zero-filled) that the storage alone owns. That is what lets share.c map a memfd over
  * the very same pages later, so the data pointer, and every raw pointer into it, stays valid.
+ * Those pages come from a slab (slab.c) when the storage is not resizable and its capacity is
+ * at most lshm__slab_max_bytes (LSHM_SLAB_MAX_BYTES); resizable ones get a mapping of their own,
+ * since resize moves or grows whole mappings.
  *
  * How bytes go back depends on where they came from (enum lshm__origin in internal.h):
  *   PAGES      munmap [data, data + capacity) (a memfd mapped over it goes the same way)
@@ -17,6 +20,8 @@
  *   FOREIGN    release(ctx, data, nbytes) if given
  *   MAPPED     munmap the mapping of our memfd
  *   VIEW       release the segment
+ *   SLAB       lshm__slab_free: the pages go back to their slab (retired while they are in
+ *              the slab's memfd, see slab.c)
  * and the storage's own memfd, if any, is closed.
  */
 #include "internal.h"
@@ -324,9 +329,14 @@ int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset) {
             return f == -EBADF ? LSHM_FAIL(-EBADF, "the fd of storage %p's segment was closed",
                                            (const void *)s)
                                : f;
+    } else if (s->slab_memfd != NULL) {
+        /* A slab storage shared into its slab's memfd (F_SEAL_SEAL once per memfd). */
+        int rc = lshm__slab_fd(s, &f);
+        if (rc != 0)
+            return rc;
     } else {
-        /* A slab storage's fd is its slab's memfd (or its own, after a read-only share). */
-        f = s->origin == LSHM__ORIGIN_SLAB ? lshm__slab_fd(s) : s->fd;
+        /* Its own memfd (a slab storage's too, after a read-only share). */
+        f = s->fd;
         if (f < 0) /* cannot happen: a shared storage that is no view has a memfd */
             return LSHM_FAIL(-EBADF, "storage %p has no fd", (const void *)s);
         /* Whoever gets the fd from now on must not be able to add seals: F_SEAL_SEAL first
