@@ -224,22 +224,11 @@ class Storage:
         :class:`PermissionError` when the storage is not resizable or is shared (checked
         first: that never changes, live arrays or not).
         """
-        handle = self._as_parameter_
-        nbytes = _check_nbytes(nbytes)
         # libshm decides, in its order: not resizable / shared / foreign memory is EPERM (for
         # good, whatever holds the storage), then any other reference is EBUSY (growing may
         # move the pages and shrinking unmaps the tail: either would leave a live array on
-        # freed memory). Checking the refcount here first would turn a PermissionError into
-        # a BufferError that deleting the arrays does not cure.
-        try:
-            lib.lshm_storage_resize(handle, nbytes)
-        except _ffi.ShmBufferError:
-            refs = lib.lshm_storage_refcount(handle)
-            raise _ffi.ShmBufferError(
-                errno.EBUSY,
-                f"resize_: the storage is in use ({refs - 1} other reference(s): arrays, views, "
-                "exports or other handles); delete them before resizing",
-            ) from None
+        # freed memory).
+        lib.lshm_storage_resize(self._as_parameter_, _check_nbytes(nbytes))
         return self
 
     def asarray(self, shape=None, dtype="uint8", offset: int = 0):

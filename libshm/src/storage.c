@@ -451,8 +451,9 @@ int lshm_storage_resize(lshm_storage *s, size_t nbytes) {
         /* Every other reference may be an array or view over the bytes: moving or unmapping
          * them would leave it on freed memory (or someone else's). */
         rc = LSHM_FAIL(-EBUSY,
-                       "storage %p has %zu other references (arrays or views of its memory): "
-                       "resizing would free or move the memory under them; release them first",
+                       "storage %p is in use: %zu other references (arrays, views or "
+                       "exports of its memory): resizing would free or move the memory under "
+                       "them; release them first",
                        (void *)s, refs - 1);
     else if (s->origin == LSHM__ORIGIN_PAGES)
         rc = resize_pages(s, data, nbytes, cap);
