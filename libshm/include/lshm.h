@@ -329,8 +329,9 @@ LSHM_API int lshm_storage_share_readonly(lshm_storage *s);
  * keeps ownership of `fd`. An unsealed fd is sealed against shrink and grow first and its size
  * read after that, so a sender that resizes it meanwhile cannot make us map more than it holds
  * (no SIGBUS). An fd without F_SEAL_SEAL (from an older sender) is accepted; its holders could
- * still add F_SEAL_FUTURE_WRITE, which only affects later attaches (-EPERM unless READONLY). flags: 0 or LSHM_STORAGE_READONLY (map read-only; required when the
- * fd is sealed against writes). The new storage is heap-allocated with one reference.
+ * still add F_SEAL_FUTURE_WRITE, which only affects later attaches (-EPERM unless READONLY).
+ * flags: 0 or LSHM_STORAGE_READONLY (map read-only; required when the fd is sealed against
+ * writes). The new storage is heap-allocated with one reference.
  * Errors: -EBADF (not an open fd), -EINVAL (not a memfd, too small, bad offset, NULL out),
  * -EPERM (write-sealed without READONLY, or unsealed and not sealable), -EACCES (fd opened
  * read-only without READONLY), -ENOMEM, -EMFILE. */
