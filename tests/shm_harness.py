@@ -43,25 +43,59 @@ def memfd_maps() -> list:
 HEAP_MAX = 64 << 20  # glibc: a thread's malloc arena lives in a 64 MiB-aligned heap
 
 
-def outside_malloc_heaps(lines: list) -> list:
-    """The mappings that are not part of a glibc per-thread malloc heap.
+def _anon(fields: list) -> bool:
+    return len(fields) == 5  # no path: anonymous memory
 
-    Each heap is a 64 MiB-aligned anonymous reservation that glibc grows and shrinks with
-    mprotect (so it shows as several lines) and never unmaps while the process lives: a new
-    thread may create one at any time. pyshm's own mappings are never inside one.
+
+def _span(fields: list) -> tuple:
+    lo, hi = fields[0].split("-")
+    return int(lo, 16), int(hi, 16)
+
+
+def outside_malloc_heaps(lines: list) -> list:
+    """The mappings that are neither a glibc per-thread malloc heap nor a thread's stack.
+
+    Both come and go with threads, outside pyshm's control:
+    * a heap is a 64 MiB-aligned anonymous reservation that glibc grows and shrinks with
+      mprotect (so it shows as several lines, its unused tail PROT_NONE up to the next 64 MiB
+      boundary) and never unmaps while the process lives; its first line may merge with an
+      anonymous mapping just below it, so a heap is also recognised by that tail;
+    * a thread stack is a PROT_NONE guard page with an anonymous read-write mapping of
+      RLIMIT_STACK bytes right above it; glibc caches a few freed stacks and may make new ones.
+    pyshm's own mappings are never inside a heap, and none is a guard page plus a stack.
     """
+    import resource
+
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    if stack <= 0 or stack == resource.RLIM_INFINITY:
+        stack = 8 << 20
+    parsed = [(line, line.split()) for line in lines]
     heaps = set()
-    for line in lines:
-        fields = line.split()
-        start = int(fields[0].split("-")[0], 16)
-        if len(fields) == 5 and start % HEAP_MAX == 0:  # anonymous, 64 MiB-aligned
-            heaps.add(start)
-    out = []
-    for line in lines:
-        fields = line.split()
-        start = int(fields[0].split("-")[0], 16)
-        if len(fields) == 5 and start - start % HEAP_MAX in heaps:
+    for _, fields in parsed:
+        if not _anon(fields):
             continue
+        lo, hi = _span(fields)
+        if lo % HEAP_MAX == 0:
+            heaps.add(lo)
+        if fields[1].startswith("---") and hi % HEAP_MAX == 0:
+            heaps.add(hi - HEAP_MAX)
+    skip = set()
+    for i, (_, fields) in enumerate(parsed[:-1]):
+        above = parsed[i + 1][1]
+        if not (_anon(fields) and _anon(above) and fields[1].startswith("---")):
+            continue
+        lo, hi = _span(fields)
+        alo, ahi = _span(above)
+        if alo == hi and hi - lo <= 64 << 10 and ahi - alo == stack:
+            skip.update((i, i + 1))
+    out = []
+    for i, (line, fields) in enumerate(parsed):
+        if i in skip:
+            continue
+        if _anon(fields):
+            lo, hi = _span(fields)
+            if lo - lo % HEAP_MAX in heaps or (hi - 1) - (hi - 1) % HEAP_MAX in heaps:
+                continue
         if line.endswith("[heap]"):  # the main arena (brk): split and merged by glibc alone
             continue
         out.append(line)
@@ -106,8 +140,9 @@ def settle() -> None:
 def counts() -> dict:
     settle()
     lines = maps_lines()
-    return {"fds": fd_count(), "maps": len(lines), "lines": lines,
-            "maps_outside_heaps": len(outside_malloc_heaps(lines)),
+    outside = outside_malloc_heaps(lines)
+    return {"fds": fd_count(), "maps": len(lines), "lines": lines, "outside_lines": outside,
+            "maps_outside_heaps": len(outside),
             "memfd_maps": sum(1 for line in lines if "/memfd:" in line)}
 
 
@@ -127,8 +162,9 @@ def diff_counts(before: dict, after: dict, maps_tolerance: int, heaps: bool = Fa
         )
     key = "maps_outside_heaps" if heaps else "maps"
     if after[key] - before[key] > maps_tolerance:
-        old = set(before.get("lines", ()))
-        new = [line for line in after.get("lines", ()) if line not in old]
+        which = "outside_lines" if heaps else "lines"
+        old = set(before.get(which, ()))
+        new = [line for line in after.get(which, ()) if line not in old]
         problems.append(f"{key} {before[key]} -> {after[key]} (tolerance "
                         f"{maps_tolerance}); new or changed: {new[:30]}")
     return problems
