@@ -179,7 +179,7 @@ def test_slot_reuse_never_aliases_a_receivers_old_array():
     address = a.ctypes.data
     del a
     gc.collect()
-    reduction._state.exports.clear()  # the sender's keep-alive hold: not what this test is about
+    reduction._channel.drop_holds()  # the sender's keep-alive hold: not what this test is about
     gc.collect()
     later = []
     for i in range(200):  # new arrays, some shared, none on a's page while the memfd lives
@@ -290,13 +290,13 @@ def test_a_slab_memfd_stays_fetchable_while_any_of_its_exported_arrays_lives():
     key_and_offset = memfd_key(second)
     key = key_and_offset[:2]
     assert memfd_key(first)[:2] == key
-    reduction._state.exports.clear()  # both holds fetched (or their keep-alive passed)
+    reduction._channel.drop_holds()  # both holds fetched (or their keep-alive passed)
     del first
     gc.collect()
-    holder = reduction._lookup_export(key)
+    holder = reduction._channel.lookup(key)
     assert holder is not None
     fds, holders = [], []
-    assert reduction._add_fd(key, fds, holders)
+    assert reduction._channel._fd_for(key, False, fds, holders)
     assert os.fstat(fds[0]).st_ino == key[1]
     offset = key_and_offset[2]
     assert os.pread(fds[0], 4, offset) == b"\x5c" * 4  # the receiver would read `second`
@@ -332,7 +332,7 @@ def test_export_records_of_dead_arrays_are_dropped():
 
     arrays = [pyshm.empty(64, np.uint8, shared=True) for _ in range(200)]
     ForkingPickler.dumps(arrays)
-    reduction._state.exports.clear()  # the keep-alive holds: not what this test is about
+    reduction._channel.drop_holds()  # the keep-alive holds: not what this test is about
     before = len(reduction._state.ranges)
     del arrays
     gc.collect()

@@ -199,7 +199,7 @@ def test_fd_count_stable_over_10000_cycles():
     del warm
     # Earlier tests' sends hold their memory for a while (reduction.KEEPALIVE_SECONDS); drop
     # those holds now, so their fds do not close in the middle of the count.
-    pyshm.reduction._state.exports.clear()
+    pyshm.reduction._channel.drop_holds()
     gc.collect()
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(10000):
@@ -416,8 +416,7 @@ def test_resize_of_a_shared_storage_is_permission_error_even_while_held(holder):
     assert storage.nbytes == 5000 and storage.data_ptr == address
     assert read_bytes(address, 5000) == b"\x07" * 5000
     del keep
-    with reduction._state.lock:
-        reduction._state.exports.clear()
+    reduction._channel.drop_holds()
     storage.close()
 
 

@@ -28,7 +28,7 @@ SECONDS = float(os.environ.get("PYSHM_STRESS_SECONDS", "20"))
 N_THREADS = 4
 N_WORKERS = 3
 SIZES = [4096, 40_000, 200_000, 1 << 20, (3 << 20) + 123]  # slabs, own memfds, chunked shares
-# fds and memfd mappings must match exactly. Other mappings are counted outside glibc's
+# fds and memfd mappings must not grow. Other mappings are counted outside glibc's
 # per-thread malloc heaps and thread stacks (a thread may create either at any time, see
 # shm_harness.outside_malloc_heaps); the rest may move by a few lines: pymalloc arenas, numpy's
 # cache. The warm-up runs the same threads once.

@@ -1,0 +1,743 @@
+"""The fd channel: how the memfds named in a pickle reach the process that holds the pickle.
+
+A pyshm pickle carries no fd, only tokens. Each process that sends starts (lazily) one daemon
+thread, the *server*, on an abstract ``AF_UNIX`` ``SOCK_SEQPACKET`` socket; a receiver that
+does not have a memfd mapped yet connects and gets its fd over ``SCM_RIGHTS``.
+
+Who gets an fd (README, "Who can reach shared memory")
+------------------------------------------------------
+Abstract socket names are visible in ``/proc/net/unix`` to every process of the network
+namespace, including containers that cannot see our ``/proc/<pid>``. So the socket's name is
+not a secret, and neither is a memfd's ``(st_dev, st_ino)`` (inode numbers are sequential).
+What is secret:
+
+* every exported memfd has two random 128-bit secrets, one that yields a writable fd and one
+  that yields a read-only fd; a token carries one of them (the read-only one for read-only
+  memory), and a request gets the fd of a memfd only with its secret. A read-only fd is handed
+  out only if the memfd is sealed against writes (``F_SEAL_FUTURE_WRITE``), so no holder can
+  map it writable;
+* every pickled *message* has a batch secret (see below); it lets the holder of the message
+  fetch, in the same round trip, the fds of the other memfds named in that message, and none
+  other. Peers of another uid are refused (``SO_PEERCRED``) before they can say anything.
+
+Secrets are compared in constant time; a request that is malformed, names nothing, or proves
+nothing gets an empty answer and the server goes on (a connection that sends nothing is
+dropped after ``_REQUEST_SECONDS`` without stalling others).
+
+Messages, holds and acknowledgements
+------------------------------------
+The reducers put two small objects in every token: the sending thread's *mark* and a
+*ticket*. Pickle memoizes the mark, so its ``__reduce__`` runs once per message, before the
+first ticket: that is where a new batch (message) begins. Each ticket's ``__reduce__``
+enlists its memfd in the current batch, and the batch holds that memory (a strong reference
+to its storage) until the receiver has it. A ticket pickled outside the batch's pickler call
+(a pickler nested in another's ``__reduce__``, a pure-Python pickler) gets a batch of its own.
+
+A batch is released when the receiver fetched all its memfds (one round trip: the fd asked
+for plus the rest of the batch as *extras*), when the receiver acknowledges it (it had every
+memfd mapped already: acknowledged by the receiver's janitor thread right after the message is
+unpickled), or after ``KEEPALIVE_SECONDS``, whichever is first. So memory sent and dropped by
+both sides is freed within about ``JANITOR_SECONDS`` of the receiver unpickling it, and
+memory nobody fetches is freed after ``KEEPALIVE_SECONDS``.
+
+A sender may exit right after sending: a process started by :mod:`multiprocessing` that still
+holds batches when it exits (a ``Pool`` worker with ``maxtasksperchild=1`` that returned an
+array, a producer that puts and ends) waits, in ``multiprocessing``'s exit handlers, until its
+batches are released or expired. If the memory cannot be delivered anyway (the sender was
+SIGKILLed first), unpickling raises :class:`DeliveryError`, which is not an ``OSError``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hmac
+import multiprocessing
+import os
+import pickle
+import secrets
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+import weakref
+from multiprocessing import util as _mp_util
+from typing import Any, Callable, Optional
+
+KEEPALIVE_SECONDS = 60.0  # an unfetched, unacknowledged batch holds its memory this long
+PREFETCH_SECONDS = 1.0  # an extra fd this process did not use by then is closed
+JANITOR_SECONDS = 0.2  # how often the receiver's janitor acknowledges and closes extras
+MAX_EXTRAS = 1024  # memfds handed out in one fetch beyond the ones asked for
+SECRET_BYTES = 16
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
+_MAX_FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253
+_REQUEST_SECONDS = 5.0  # a connection must send its request by then
+_REPLY_TIMEOUT = 30.0
+_ADDRESS_PREFIX = b"\0pyshm-"
+
+# ---- wire format ---------------------------------------------------------------------------
+# request: _HEAD, the batch proof (id 0: none), `fetches` x _ITEM, `acks` x _PROOF
+# reply: one status byte per fetch (0 nothing, 1 fd), one flags byte (1: the batch is
+# released), then one _EXTRA per extra fd; the fds ride on the first message, and on "+"
+# messages after it, _MAX_FDS_PER_MESSAGE at a time, in order: asked ones, then extras.
+MAGIC = b"pyS2"
+_HEAD = struct.Struct("=4sIII")  # magic, fetches, acks, most extras wanted
+_PROOF = struct.Struct("=Q16s")  # batch id, batch secret
+_ITEM = struct.Struct("=QQ16s")  # memfd key (st_dev, st_ino), its secret
+_EXTRA = struct.Struct("=QQB")  # memfd key, 1 if read-only
+MAX_REQUEST = 65536
+MAX_ITEMS = (MAX_REQUEST - _HEAD.size - _PROOF.size) // _ITEM.size
+RELEASED = 1
+
+
+class DeliveryError(pickle.UnpicklingError):
+    """The memory a pickle names cannot be delivered: its sender exited or was killed before
+    this process fetched it, dropped it after ``KEEPALIVE_SECONDS``, or does not know the
+    token. Deliberately not an :class:`OSError` (multiprocessing takes an ``OSError`` from a
+    result pipe for a closed pipe)."""
+
+
+def parse_request(data: bytes) -> tuple:
+    """(proof, fetches, acks, most extras) of a request; ValueError if malformed.
+
+    proof: (batch id, secret) or None; fetches: [((dev, ino), secret)]; acks: [(id, secret)].
+    """
+    if len(data) < _HEAD.size + _PROOF.size:
+        raise ValueError("short request")
+    magic, nfetch, nack, max_extras = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise ValueError("bad magic")
+    if nfetch > MAX_ITEMS or nack > MAX_ITEMS:
+        raise ValueError("too many items")
+    if len(data) != _HEAD.size + _PROOF.size + nfetch * _ITEM.size + nack * _PROOF.size:
+        raise ValueError("bad length")
+    batch, secret = _PROOF.unpack_from(data, _HEAD.size)
+    proof = (batch, secret) if batch else None
+    at = _HEAD.size + _PROOF.size
+    fetches = []
+    for _ in range(nfetch):
+        dev, ino, item_secret = _ITEM.unpack_from(data, at)
+        fetches.append(((dev, ino), item_secret))
+        at += _ITEM.size
+    acks = [_PROOF.unpack_from(data, at + i * _PROOF.size) for i in range(nack)]
+    return proof, fetches, [ack for ack in acks if ack[0]], min(max_extras, MAX_EXTRAS)
+
+
+def build_request(proof: Optional[tuple], fetches: list, acks: list, max_extras: int) -> bytes:
+    batch, secret = proof if proof else (0, bytes(SECRET_BYTES))
+    parts = [_HEAD.pack(MAGIC, len(fetches), len(acks), max_extras), _PROOF.pack(batch, secret)]
+    parts.extend(_ITEM.pack(key[0], key[1], item_secret) for key, item_secret in fetches)
+    parts.extend(_PROOF.pack(*ack) for ack in acks)
+    return b"".join(parts)
+
+
+# ---- state ---------------------------------------------------------------------------------
+
+
+class _Batch:
+    """One pickled message (or one lone ticket): the memory it holds until delivered."""
+
+    __slots__ = ("id", "secret", "members", "deadline", "frame")
+
+    def __init__(self, batch_id: int, frame: int) -> None:
+        self.id = batch_id
+        self.secret = secrets.token_bytes(SECRET_BYTES)
+        self.members: dict = {}  # key -> [holder, readonly]
+        self.deadline = time.monotonic() + KEEPALIVE_SECONDS
+        self.frame = frame  # id() of the frame that called the pickler (see _Mark)
+
+
+class _State:
+    """Per-process channel state, rebuilt in a forked child. One lock guards it and the
+    receiver's cache of mappings (pyshm.reduction), so no two locks are ever nested."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        # sender
+        self.secrets: dict = {}  # key -> (writable secret, read-only secret)
+        self.live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+        self.ranges: dict = {}  # (key, size, offset, nbytes) -> weakref to its holder
+        self.shared_keys: set = set()  # keys exported from several storages (slabs, arenas)
+        self.batches: dict = {}  # id -> _Batch
+        self.next_batch = 1
+        self.local = threading.local()  # .mark, .batch
+        self.server: Optional[_Server] = None
+        self.next_sweep = 0.0
+        # receiver
+        self.prefetched: dict = {}  # key -> (fd, deadline, readonly): extras not used yet
+        self.acks: dict = {}  # sender address -> [(batch id, secret)] to acknowledge
+        self.janitor: Optional[threading.Thread] = None
+        self.fetches = 0  # fetch round trips made to senders
+
+
+state = _State()
+_fd_of: Callable[[Any], int] = lambda holder: -1  # set by pyshm.reduction
+_on_server_start: list = []
+
+
+def fetch_count() -> int:
+    """How many fd-fetch round trips this process made to senders."""
+    return state.fetches
+
+
+def own_address() -> Optional[bytes]:
+    server = state.server
+    return server.address if server is not None else None
+
+
+# ---- sender: exports, batches, holds ---------------------------------------------------------
+
+
+def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
+           readonly: bool) -> tuple:
+    """Make memfd `key` fetchable while `holder` (which keeps it open) lives; returns
+    (server address, the secret for a token: the read-only one if `readonly`)."""
+    with state.lock:
+        _sweep(time.monotonic())
+        pair = state.secrets.get(key)
+        if pair is None:
+            pair = state.secrets[key] = (secrets.token_bytes(SECRET_BYTES),
+                                         secrets.token_bytes(SECRET_BYTES))
+        live = state.live.get(key)
+        if live is None:
+            state.live[key] = holder
+        elif live is not holder:
+            state.shared_keys.add(key)
+        state.ranges[(key, size, offset, nbytes)] = weakref.ref(holder)
+        server = state.server
+        if server is None:
+            server = state.server = _Server()
+            for hook in _on_server_start:
+                hook()
+        return server.address, pair[1 if readonly else 0]
+
+
+class _Mark:
+    """The sending thread's marker in every token; pickle memoizes it per message, so its
+    reduction runs once per message and begins that message's batch."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        frame = id(sys._getframe(1))  # the caller of this message's pickler
+        with state.lock:
+            batch = _new_batch(frame)
+            state.local.batch = batch
+            address = state.server.address if state.server is not None else b""
+        return _received_batch, (address, batch.id, batch.secret)
+
+
+class Ticket:
+    """One memfd named in a token; its reduction enlists the memory in the current batch and
+    becomes the token the receiver resolves."""
+
+    __slots__ = ("key", "holder", "readonly", "fields")
+
+    def __init__(self, key: tuple, holder: Any, readonly: bool, fields: tuple) -> None:
+        self.key, self.holder, self.readonly, self.fields = key, holder, readonly, fields
+
+    def __reduce__(self):
+        frame = id(sys._getframe(1))
+        with state.lock:
+            batch = getattr(state.local, "batch", None)
+            solo = None
+            if batch is None or batch.frame != frame or state.batches.get(batch.id) is not batch:
+                batch = _new_batch(0)  # not this message's pickler call: a batch of its own
+                solo = (batch.id, batch.secret)
+            member = batch.members.get(self.key)
+            if member is None:
+                batch.members[self.key] = [self.holder, self.readonly]
+            elif not self.readonly:
+                member[1] = False
+        return tuple, ((*self.fields, solo),)
+
+
+def mark() -> _Mark:
+    """This thread's mark (see _Mark)."""
+    local = state.local
+    m = getattr(local, "mark", None)
+    if m is None:
+        m = local.mark = _Mark()
+    return m
+
+
+def _new_batch(frame: int) -> _Batch:
+    """A new batch, registered (lock held)."""
+    batch = _Batch(state.next_batch, frame)
+    state.next_batch += 1
+    state.batches[batch.id] = batch
+    return batch
+
+
+def _sweep(now: float) -> None:
+    """Drop expired batches, the ranges of storages that are gone, and the secrets of memfds
+    nobody holds any more (lock held; at most once a second)."""
+    if now < state.next_sweep:
+        return
+    state.next_sweep = now + 1.0
+    for batch_id in [i for i, b in state.batches.items() if b.deadline < now]:
+        _drop(batch_id)
+    for where in [w for w, ref in state.ranges.items() if ref() is None]:
+        del state.ranges[where]
+    held = {key for b in state.batches.values() for key in b.members}
+    alive = {where[0] for where in state.ranges}
+    for key in [k for k in state.secrets if k not in held and k not in alive
+                and k not in state.live]:
+        del state.secrets[key]
+
+
+def _drop(batch_id: int) -> None:
+    """Forget a batch and let go of what it holds (lock held); the thread that pickled it may
+    still name it as its current batch."""
+    batch = state.batches.pop(batch_id, None)
+    if batch is not None:
+        batch.members.clear()
+
+
+def release_batch(batch_id: int, secret: bytes) -> bool:
+    """Drop batch `batch_id` if `secret` is its secret (lock held or not)."""
+    with state.lock:
+        batch = state.batches.get(batch_id)
+        if batch is None or not hmac.compare_digest(batch.secret, secret):
+            return False
+        _drop(batch_id)
+        return True
+
+
+def drop_holds() -> None:
+    """Release every batch now, as if KEEPALIVE_SECONDS had passed (tests, settle)."""
+    with state.lock:
+        for batch_id in list(state.batches):
+            _drop(batch_id)
+
+
+def held_batches() -> int:
+    with state.lock:
+        now = time.monotonic()
+        return sum(1 for b in state.batches.values() if b.members and b.deadline > now)
+
+
+def lookup(key: tuple) -> Optional[Any]:
+    """A live holder of exported memfd `key`, or None (lock held or not)."""
+    with state.lock:
+        if key not in state.secrets:
+            return None  # never exported from here
+        holder = state.live.get(key)
+        if holder is None:
+            for batch in state.batches.values():
+                member = batch.members.get(key)
+                if member is not None:
+                    return member[0]
+        if holder is None and key in state.shared_keys:
+            holder = next((h for (k, _, _, _), ref in list(state.ranges.items())
+                           if k == key and (h := ref()) is not None), None)
+            if holder is None:
+                state.shared_keys.discard(key)
+            else:
+                state.live[key] = holder
+        return holder
+
+
+def _access(key: tuple, secret: bytes) -> int:
+    """0: `secret` proves nothing about `key`; 1: writable; 2: read-only (lock held)."""
+    pair = state.secrets.get(key)
+    if pair is None:
+        return 0
+    if hmac.compare_digest(pair[0], secret):
+        return 1
+    if hmac.compare_digest(pair[1], secret):
+        return 2
+    return 0
+
+
+def _fd_for(key: tuple, readonly: bool, fds: list, holders: list) -> bool:
+    """Append the fd of `key` if it is still here and, for read-only access, sealed against
+    writes (lock held)."""
+    holder = lookup(key)
+    if holder is None:
+        return False
+    try:
+        fd = _fd_of(holder)
+        if readonly and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & WRITE_SEALS:
+            return False
+    except (OSError, ValueError):  # its fd was closed, or the Storage handle itself
+        return False
+    fds.append(fd)
+    holders.append(holder)
+    return True
+
+
+def serve(request: bytes) -> tuple:
+    """The reply (bytes, fds, what keeps the fds open) to one request; ValueError if
+    malformed. The one place that decides who gets which fd."""
+    proof, fetches, acks, max_extras = parse_request(request)
+    status = bytearray(len(fetches))
+    fds: list = []
+    holders: list = []
+    extras: list = []
+    flags = 0
+    with state.lock:
+        for batch_id, secret in acks:
+            release_batch(batch_id, secret)
+        batch = None
+        if proof is not None:
+            found = state.batches.get(proof[0])
+            if found is not None and hmac.compare_digest(found.secret, proof[1]):
+                batch = found
+        for i, (key, secret) in enumerate(fetches):
+            access = _access(key, secret)
+            if access and _fd_for(key, access == 2, fds, holders):
+                status[i] = 1
+                if batch is not None:
+                    batch.members.pop(key, None)
+        if batch is not None and any(status):
+            for key, (_, readonly) in list(batch.members.items()):
+                if len(extras) >= max_extras:
+                    break
+                if _fd_for(key, readonly, fds, holders):
+                    extras.append(_EXTRA.pack(key[0], key[1], int(readonly)))
+                del batch.members[key]
+        if batch is not None and not batch.members:
+            _drop(batch.id)
+            flags |= RELEASED
+    return bytes(status) + bytes([flags]) + b"".join(extras), fds, holders
+
+
+class _Server:
+    """Accepts connections and answers requests with serve(), in one daemon thread."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.address = b"%s%d-%s" % (_ADDRESS_PREFIX, self.pid, secrets.token_hex(16).encode())
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(self.address)
+            sock.listen(4096)  # (capped by net.core.somaxconn)
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(1.0)
+        self.sock = sock
+        self.requests = 0
+        self.answering = False  # between reading a request and sending its last fd (linger)
+        self.thread = threading.Thread(target=self._run, name="pyshm-fd-server", daemon=True)
+        self.thread.start()
+        if not any(f._callback is linger for f in list(_mp_util._finalizer_registry.values())):
+            _register_linger()  # (pyshm imported before a fork that cleared its handler)
+
+    def _run(self) -> None:
+        """Serve until the socket is closed; survive everything else. Connections wait for
+        their request in one selector, each for at most _REQUEST_SECONDS."""
+        sock = self.sock
+        uid = os.getuid()
+        selector = selectors.DefaultSelector()
+        selector.register(sock, selectors.EVENT_READ)
+        waiting: dict = {}  # connection -> deadline for its request
+        try:
+            while True:
+                now = time.monotonic()
+                timeout = min([1.0] + [deadline - now for deadline in waiting.values()])
+                try:
+                    events = selector.select(max(0.0, timeout))
+                except (OSError, ValueError):
+                    return  # closed (after fork in the child, or at exit)
+                for key, _ in events:
+                    if key.fileobj is sock:
+                        try:
+                            conn, _ = sock.accept()
+                        except (BlockingIOError, socket.timeout):
+                            continue
+                        except OSError:
+                            return  # closed
+                        if not _welcome(conn, uid):
+                            conn.close()
+                            continue
+                        selector.register(conn, selectors.EVENT_READ)
+                        waiting[conn] = time.monotonic() + _REQUEST_SECONDS
+                    else:
+                        conn = key.fileobj
+                        selector.unregister(conn)
+                        del waiting[conn]
+                        try:
+                            self._answer(conn)
+                        except Exception:  # noqa: BLE001 - the server must outlive any request
+                            pass
+                        finally:
+                            conn.close()
+                now = time.monotonic()
+                for conn in [c for c, deadline in waiting.items() if deadline <= now]:
+                    selector.unregister(conn)
+                    del waiting[conn]
+                    conn.close()  # sent nothing in time
+                if not events:
+                    with state.lock:
+                        _sweep(now)
+        finally:
+            for conn in waiting:
+                conn.close()
+            selector.close()
+
+    def _answer(self, conn: socket.socket) -> None:
+        self.answering = True  # before serve() releases anything: see linger()
+        try:
+            request = conn.recv(MAX_REQUEST + 1)
+            self.requests += 1
+            try:
+                reply, fds, holders = serve(request)
+            except ValueError:
+                return  # malformed: nothing
+            socket.send_fds(conn, [reply], fds[:_MAX_FDS_PER_MESSAGE])
+            for start in range(_MAX_FDS_PER_MESSAGE, len(fds), _MAX_FDS_PER_MESSAGE):
+                socket.send_fds(conn, [b"+"], fds[start : start + _MAX_FDS_PER_MESSAGE])
+            del holders  # every fd stays open until the kernel has taken its copy
+        finally:
+            self.answering = False
+
+
+def _welcome(conn: socket.socket, uid: int) -> bool:
+    """A new connection from a peer of our uid, set up for its request; False to drop it."""
+    try:
+        cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        _pid, peer_uid, _gid = struct.unpack("3i", cred)
+        # replies are small: a peer that does not read them makes sending time out
+        conn.settimeout(_REQUEST_SECONDS)
+    except OSError:
+        return False
+    return peer_uid == uid
+
+
+def linger() -> None:
+    """At the exit of a multiprocessing child: wait until the batches this process holds are
+    released (delivered, acknowledged) or expired, and the server has sent its last reply, so
+    that its receivers can still fetch."""
+    while True:
+        server = state.server
+        if server is None or server.pid != os.getpid():
+            return
+        with state.lock:
+            now = time.monotonic()
+            live = [b.deadline for b in state.batches.values() if b.members and b.deadline > now]
+        if not live and not server.answering:
+            return
+        time.sleep(0.005)
+
+
+def _register_linger(_state=None) -> None:
+    """In a multiprocessing child, run linger() among multiprocessing's exit handlers, after
+    the queues' feeder threads are joined (their exitpriority is -5). Registered when this
+    module is imported in a child, and by multiprocessing's bootstrap of a forked child (which
+    clears the exit handlers it inherited)."""
+    # (a spawn or forkserver child imports this while unpickling its Process object, before
+    # its bootstrap sets parent_process(); it is "inheriting" then, and keeps its handlers)
+    child = getattr(multiprocessing.current_process(), "_inheriting", False)
+    if child or multiprocessing.parent_process() is not None:
+        _mp_util.Finalize(None, linger, exitpriority=-100)
+
+
+# ---- receiver: fetching, extras, acknowledgements --------------------------------------------
+
+
+class ReceivedBatch:
+    """A message's batch as its receiver sees it: the proof for fetches, acknowledged (unless
+    a fetch released it) once the message is unpickled and this object is gone."""
+
+    __slots__ = ("address", "id", "secret", "__weakref__")
+
+    def __init__(self, address: bytes, batch_id: int, secret: bytes) -> None:
+        self.address, self.id, self.secret = address, batch_id, secret
+
+    @property
+    def proof(self) -> tuple:
+        return (self.id, self.secret)
+
+
+def _received_batch(address, batch_id, secret) -> ReceivedBatch:
+    if not (isinstance(address, bytes) and isinstance(batch_id, int)
+            and isinstance(secret, bytes) and len(secret) == SECRET_BYTES):
+        raise pickle.UnpicklingError("bad pyshm batch in the pickle")
+    batch = ReceivedBatch(address, batch_id, secret)
+    weakref.finalize(batch, _message_done, address, batch_id, secret)
+    return batch
+
+
+_released: set = set()  # (address, batch id) released by a fetch while the message was read
+
+
+def _message_done(address: bytes, batch_id: int, secret: bytes) -> None:
+    """The message carrying this batch is unpickled: acknowledge it unless already released."""
+    with state.lock:
+        if (address, batch_id) in _released:
+            _released.discard((address, batch_id))
+            return
+        queue_ack(address, (batch_id, secret))
+
+
+def note_released(batch: ReceivedBatch) -> None:
+    with state.lock:
+        _released.add((batch.address, batch.id))
+
+
+def queue_ack(address: bytes, proof: tuple) -> None:
+    """Acknowledge `proof` to `address` soon, from the janitor (ours: at once)."""
+    with state.lock:
+        if address == own_address():
+            release_batch(*proof)
+            return
+        state.acks.setdefault(address, []).append(proof)
+        ensure_janitor()
+
+
+def take_acks(address: bytes) -> list:
+    """Acknowledgements due to `address`, to piggyback on a request there (lock held)."""
+    acks = state.acks.pop(address, [])
+    if len(acks) > MAX_ITEMS:
+        state.acks[address] = acks[MAX_ITEMS:]
+        del acks[MAX_ITEMS:]
+    return acks
+
+
+def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extras: int = 0,
+          acks: list = ()) -> tuple:
+    """One round trip to the sender at `address`.
+
+    Returns (fd or None for each of `fetches`, [(key, readonly, fd)] extras, released flag).
+    The caller closes every fd. DeliveryError when the sender cannot be reached.
+    """
+    if not isinstance(address, bytes) or not address.startswith(_ADDRESS_PREFIX):
+        raise pickle.UnpicklingError(f"bad pyshm sender address {address!r}")
+    received: list = []
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(_REPLY_TIMEOUT)
+        try:
+            _connect(sock, address)
+        except OSError as exc:
+            raise DeliveryError(
+                f"pyshm: the process that sent this memory has exited or was killed before this "
+                f"process fetched it ({exc.strerror}); a sender that exits normally waits for its "
+                "receivers, one that is killed cannot"
+            ) from None
+        if fetches:
+            state.fetches += 1
+        sock.sendall(build_request(proof, fetches, list(acks), max_extras))
+        reply, fds, flags, _ = socket.recv_fds(
+            sock, 65536, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
+        )
+        received.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise DeliveryError(f"pyshm: fds sent by another process were dropped: no fd left in "
+                                f"this process (RLIMIT_NOFILE, {errno.errorcode[errno.EMFILE]})")
+        n = len(fetches)
+        tail = reply[n + 1 :]
+        if len(reply) < n + 1 or len(tail) % _EXTRA.size or len(tail) > max_extras * _EXTRA.size:
+            raise DeliveryError("pyshm: malformed reply from the sending process")
+        status, released = reply[:n], bool(reply[n] & RELEASED)
+        extra_info = [_EXTRA.unpack_from(tail, i) for i in range(0, len(tail), _EXTRA.size)]
+        wanted = sum(1 for ok in status if ok) + len(extra_info)
+        while len(received) < wanted:
+            _, more, flags, _ = socket.recv_fds(sock, 16, _MAX_FDS_PER_MESSAGE,
+                                                socket.MSG_CMSG_CLOEXEC)
+            received.extend(more)
+            if not more or flags & socket.MSG_CTRUNC:
+                raise DeliveryError("pyshm: fds from the sending process were dropped (no fd "
+                                    "left in this process, or the sender went away)")
+        if len(received) != wanted:
+            raise DeliveryError("pyshm: malformed reply from the sending process")
+        it = iter(received)
+        asked = [next(it) if ok else None for ok in status]
+        extras = [((dev, ino), bool(ro), fd) for (dev, ino, ro), fd in zip(extra_info, it)]
+        return asked, extras, released
+    except OSError as exc:  # reset, timed out: the sender went away or is stuck
+        for fd in received:
+            os.close(fd)
+        raise DeliveryError(f"pyshm: the process that sent this memory stopped answering "
+                            f"({exc.strerror or exc})") from None
+    except BaseException:
+        for fd in received:
+            os.close(fd)
+        raise
+    finally:
+        sock.close()
+
+
+def _connect(sock: socket.socket, address: bytes) -> None:
+    """connect(), waiting while the server's backlog is full (EAGAIN on a socket with a
+    timeout: many receivers at once), up to _REPLY_TIMEOUT."""
+    deadline = time.monotonic() + _REPLY_TIMEOUT
+    delay = 0.001
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
+def ensure_janitor() -> None:
+    """Start the thread that closes unused extras and sends acknowledgements (lock held)."""
+    if state.janitor is None:
+        state.janitor = threading.Thread(target=_janitor, name="pyshm-janitor", daemon=True)
+        state.janitor.start()
+
+
+def _janitor() -> None:
+    me = threading.current_thread()
+    while True:
+        time.sleep(JANITOR_SECONDS)
+        stale = []
+        with state.lock:
+            if state.janitor is not me:
+                return
+            now = time.monotonic()
+            for key, (fd, deadline, _) in list(state.prefetched.items()):
+                if deadline < now:
+                    del state.prefetched[key]
+                    stale.append(fd)
+            acks, state.acks = state.acks, {}
+            done = not state.prefetched
+            if done:
+                state.janitor = None
+        for fd in stale:
+            os.close(fd)
+        for address, proofs in acks.items():
+            for start in range(0, len(proofs), MAX_ITEMS):
+                try:
+                    fetch(address, [], acks=proofs[start : start + MAX_ITEMS])
+                except (OSError, pickle.UnpicklingError):
+                    break  # the sender is gone: nothing to release
+        if done:
+            return
+
+
+def _after_fork_in_child() -> None:
+    old = state
+    if old.server is not None:
+        try:
+            old.server.sock.close()
+        except OSError:
+            pass
+    old.server = None
+    old.lock = threading.RLock()
+    old.secrets = {}
+    old.live = weakref.WeakValueDictionary()
+    old.ranges = {}
+    old.shared_keys = set()
+    old.batches = {}
+    old.local = threading.local()
+    for fd, _, _ in old.prefetched.values():
+        os.close(fd)
+    old.prefetched = {}
+    old.acks = {}
+    old.janitor = None
+    _released.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+_register_linger()
+_mp_util.register_after_fork(state, _register_linger)

@@ -1,0 +1,513 @@
+"""The fd channel (pyshm._channel): who can fetch memory, senders that exit at once, no write
+undone by an implicit share, memory coming back as itself, bounded holds, a server that
+survives every request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import gc
+import mmap
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import pyshm
+from pyshm import _channel, reduction
+from pyshm.arrays import _owner_of
+
+from shm_harness import start_with_pipe
+
+METHODS = ["fork", "spawn", "forkserver"]
+TRIALS = int(os.environ.get("PYSHM_EXIT_TRIALS", "100"))
+
+
+def _token_of(array):
+    """(key, address, secret) of `array`'s token, as a receiver of its pickle would hold."""
+    _, args = reduction._reduce_ndarray(array)
+    _, (token,) = args[1].__reduce__()
+    return token[0], token[1], token[6]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+# ---- 1. only the holder of the pickle can fetch -------------------------------------------------
+
+ATTACKER = textwrap.dedent(
+    """
+    import json, os, secrets, socket, sys
+    from pyshm import _channel as C
+
+    victim = int(sys.argv[1])
+    control = json.loads(sys.argv[2])  # one real (dev, ino, secret hex): proves the probe works
+    # the socket's name is public: /proc/net/unix lists abstract names with '@'
+    names = [line.split()[-1] for line in open("/proc/net/unix")
+             if line.split()[-1].startswith("@pyshm-%d-" % victim)]
+    assert names, "no socket found"
+    address = b"\\0" + names[0][1:].encode()
+    # memfd keys are guessable: our own memfd's inode is a neighbour of the victim's
+    fd = os.memfd_create("probe")
+    st = os.fstat(fd)
+    os.close(fd)
+    got = 0
+
+    def ask(fetches, proof=None, acks=()):
+        global got
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10)
+        s.connect(address)
+        s.sendall(C.build_request(proof, fetches, list(acks), C.MAX_EXTRAS))
+        try:
+            msg, fds, _, _ = socket.recv_fds(s, 65536, 253)
+        except OSError:
+            fds = []
+        for f in fds:
+            os.close(f)
+        got += len(fds)
+        s.close()
+        return len(fds)
+
+    keys = [(st.st_dev, ino) for ino in range(max(1, st.st_ino - 3000), st.st_ino + 10)]
+    for secret in (bytes(16), b"\\xff" * 16, secrets.token_bytes(16)):
+        for start in range(0, len(keys), C.MAX_ITEMS):
+            chunk = keys[start:start + C.MAX_ITEMS]
+            ask([(k, secret) for k in chunk])
+            # with a guessed batch proof too (batch ids are small integers)
+            ask([(k, secret) for k in chunk[:1]], proof=(start // C.MAX_ITEMS + 1, secret))
+    for batch in range(1, 300):
+        ask([(keys[0], bytes(16))], proof=(batch, bytes(16)), acks=[(batch, bytes(16))])
+    # garbage, an empty request, a huge one
+    for junk in (b"", b"x", os.urandom(100), C.MAGIC + os.urandom(2000)):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(address)
+        if junk:
+            s.sendall(junk)
+        s.close()
+    guessed = got
+    dev, ino, secret = control
+    control_fds = ask([((dev, ino), bytes.fromhex(secret))])
+    print(json.dumps({"guessed": guessed, "control": control_fds}))
+    """
+)
+
+
+def test_an_unrelated_process_that_knows_the_socket_gets_nothing():
+    small = pyshm.empty(512, np.uint8, shared=True)  # a slab
+    small[:] = 1
+    inplace = pyshm.share_memory_(pyshm.zeros(100_000, np.uint8))  # a memfd of its own
+    readonly = pyshm.share_readonly(pyshm.copy(np.zeros(70_000, np.uint8)))
+    payload = ForkingPickler.dumps([small, inplace, readonly])  # pickled, never sent
+    control = pyshm.share_memory_(pyshm.zeros(80_000, np.uint8))
+    key, _, secret = _token_of(control)
+    done = subprocess.run(
+        [sys.executable, "-c", ATTACKER, str(os.getpid()),
+         f'[{key[0]}, {key[1]}, "{secret.hex()}"]'],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    result = json.loads(done.stdout)
+    assert result["control"] == 1  # the probe works: with the real secret, the fd comes
+    assert result["guessed"] == 0  # without it, nothing, whatever was guessed
+    assert (small == 1).all() and not inplace.any() and not readonly.any()
+    # the server is alive and serves the holder of the pickle
+    assert _channel.state.server.thread.is_alive()
+    parent_end, child = start_with_pipe(mp.get_context("fork"), _load_and_sum)
+    parent_end.send_bytes(payload)
+    assert parent_end.recv() == 512
+    child.join(30)
+
+
+def _load_and_sum(conn):
+    arrays = pickle.loads(conn.recv_bytes())
+    conn.send(int(sum(int(a.sum()) for a in arrays)))
+
+
+def test_a_readonly_token_never_yields_a_writable_fd():
+    ro = pyshm.share_readonly(pyshm.copy(np.arange(100_000, dtype=np.uint8)))
+    key, address, secret = _token_of(ro)
+    assert secret == _channel.state.secrets[key][1]  # the token carries the read-only secret
+    (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+    finally:
+        os.close(fd)
+    # the read-only secret of memory that is not sealed yields nothing
+    writable = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    wkey, waddress, wsecret = _token_of(writable)
+    ro_secret = _channel.state.secrets[wkey][1]
+    (none,), _, _ = _channel.fetch(waddress, [(wkey, ro_secret)])
+    assert none is None
+    (fd,), _, _ = _channel.fetch(waddress, [(wkey, wsecret)])  # the writable one does
+    assert fd is not None
+    os.close(fd)
+
+
+def test_readonly_memory_in_an_unsealed_memfd_is_not_sent():
+    writable = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    storage = pyshm.storage_of(writable)
+    view = pyshm.Storage.attach(storage.fd, storage.nbytes, readonly=True)
+    with pytest.raises(pickle.PicklingError, match="not sealed"):
+        ForkingPickler.dumps(view)
+    with pytest.raises(pickle.PicklingError, match="not sealed"):
+        ForkingPickler.dumps(view.asarray())
+    view.close()
+
+
+def _fetch_request(key, secret, proof=None):
+    return _channel.build_request(proof, [(key, secret)], [], _channel.MAX_EXTRAS)
+
+
+def test_extras_need_the_batch_proof_and_a_released_batch_gives_nothing():
+    arrays = [pyshm.share_memory_(pyshm.zeros(70_000, np.uint8)) for _ in range(3)]
+    tickets = [reduction._export(pyshm.storage_of(a)._as_parameter_, _owner_of(a))
+               for a in arrays]
+    # begin a batch the way pickle does (mark first, then tickets, from one frame)
+    _, (address, batch_id, batch_secret) = _channel.mark().__reduce__()
+    state = _channel.state
+    batch = state.batches[batch_id]
+    for t in tickets:
+        batch.members[t.key] = [t.holder, False]
+    key0, _, secret0 = tickets[0].fields[0], None, tickets[0].fields[6]
+    # a wrong batch secret: the fd asked for, no extras, the batch stays
+    reply, fds, _ = _channel.serve(_fetch_request(key0, secret0, (batch_id, bytes(16))))
+    assert len(fds) == 1 and reply[1] == 0 and batch_id in state.batches
+    # the right one: the other two come along, the batch is released
+    reply, fds, _ = _channel.serve(_fetch_request(key0, secret0, (batch_id, batch_secret)))
+    assert len(fds) == 3 and reply[1] & _channel.RELEASED and batch_id not in state.batches
+    # replayed after release: no extras
+    reply, fds, _ = _channel.serve(_fetch_request(key0, secret0, (batch_id, batch_secret)))
+    assert len(fds) == 1  # (serve() lends the storages' own fds: never closed here)
+    # a wrong item secret: nothing at all
+    reply, fds, _ = _channel.serve(_fetch_request(key0, bytes(16)))
+    assert fds == [] and reply[0] == 0
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_request_parser_takes_anything(data):
+    """Random and mutated requests: serve() answers or raises ValueError, and hands out an fd
+    only for an item whose secret it issued."""
+    a, (key, _, secret) = _fuzz_target()
+    valid = _fetch_request(key, secret)
+    kind = data.draw(st.sampled_from(["random", "flip", "cut", "splice"]))
+    if kind == "random":
+        request = data.draw(st.binary(max_size=300))
+    elif kind == "flip":
+        i = data.draw(st.integers(0, len(valid) - 1))
+        request = valid[:i] + bytes([valid[i] ^ data.draw(st.integers(1, 255))]) + valid[i + 1:]
+    elif kind == "cut":
+        request = valid[: data.draw(st.integers(0, len(valid)))]
+    else:
+        request = valid + data.draw(st.binary(min_size=1, max_size=64))
+    try:
+        reply, fds, _ = _channel.serve(request)
+    except ValueError:
+        return
+    if fds:
+        proof, fetches, _, _ = _channel.parse_request(request)
+        assert (key, secret) in fetches  # only the issued secret opens it
+        assert all(os.fstat(fd).st_ino == key[1] for fd in fds)
+    assert (a == 0).all()
+
+
+_FUZZ: list = []
+
+
+def _fuzz_target():
+    """One exported array for the parser test (made on first use: spawned workers import this
+    module, and an export made at import would hold a batch in each of them)."""
+    if not _FUZZ:
+        a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+        _FUZZ.append((a, _token_of(a)))
+    return _FUZZ[0]
+
+
+def test_the_server_survives_a_blast_of_garbage():
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, address, secret = _token_of(a)
+    rng = np.random.default_rng(5)
+    for i in range(300):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(address)
+        junk = rng.bytes(int(rng.integers(0, 3000)))
+        if i % 3 == 0:
+            junk = _channel.MAGIC + junk
+        if junk:
+            s.sendall(junk)
+        s.close()
+    (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+    assert fd is not None and _channel.state.server.thread.is_alive()
+    os.close(fd)
+
+
+# ---- 2. a sender may exit as soon as it has sent -------------------------------------------------
+
+
+def make_array(i):
+    n = [100, 20_000, 300_000][i % 3]  # a slab, a memfd of its own, a chunked share
+    a = pyshm.empty(n, np.int32, shared=True) if i % 2 else pyshm.empty(n, np.int32)
+    a[:] = i
+    return a
+
+
+def _check_results(results):
+    assert len(results) == TRIALS
+    for i, r in enumerate(results):
+        assert pyshm.is_shared(r), i  # by reference, not a copy
+        assert r.shape == ([100, 20_000, 300_000][i % 3],) and (r == i).all(), i
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_pool_workers_that_exit_after_each_task(method):
+    with mp.get_context(method).Pool(2, maxtasksperchild=1) as p:
+        results = [r.get(60) for r in [p.apply_async(make_array, (i,)) for i in range(TRIALS)]]
+    _check_results(results)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])  # (fork: refused by the stdlib)
+def test_executor_workers_that_exit_after_each_task(method):
+    with cf.ProcessPoolExecutor(2, mp_context=mp.get_context(method),
+                                max_tasks_per_child=1) as ex:
+        results = list(ex.map(make_array, range(TRIALS), timeout=120))
+    _check_results(results)
+
+
+def put_and_end(queue, i):
+    queue.put(make_array(i) if i % 2 else pyshm.share_memory_(make_array(i)))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_producers_that_put_and_end(method):
+    ctx = mp.get_context(method)
+    queue = ctx.Queue()
+    results = {}
+    for start in range(0, TRIALS, 4):
+        procs = [ctx.Process(target=put_and_end, args=(queue, i))
+                 for i in range(start, min(start + 4, TRIALS))]
+        for proc in procs:
+            proc.start()
+        for _ in procs:
+            r = queue.get(timeout=60)
+            results[int(r[0])] = r
+        for proc in procs:
+            proc.join(60)
+            assert proc.exitcode == 0
+    _check_results([results[i] for i in range(TRIALS)])
+
+
+def send_and_die(conn):
+    a = pyshm.empty(50_000, np.uint8, shared=True)
+    conn.send_bytes(ForkingPickler.dumps(a))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dead_senders_payload():
+    parent_end, child = start_with_pipe(mp.get_context("fork"), send_and_die)
+    payload = parent_end.recv_bytes()
+    child.join(30)
+    assert child.exitcode == -signal.SIGKILL
+    return payload
+
+
+def test_memory_of_a_killed_sender_raises_delivery_error_not_oserror():
+    payload = _dead_senders_payload()
+    with pytest.raises(pyshm.DeliveryError) as info:
+        pickle.loads(payload)
+    assert not isinstance(info.value, OSError)
+    assert "killed" in str(info.value)
+
+
+class _Replay:
+    """Unpickles as the payload it carries (what a worker returning memory it cannot deliver
+    looks like to the parent)."""
+
+    def __init__(self, payload):
+        self.payload = payload
+
+    def __reduce__(self):
+        return pickle.loads, (self.payload,)
+
+
+def return_replay(payload):
+    return _Replay(payload)
+
+
+def test_an_executor_does_not_wedge_on_undeliverable_memory():
+    payload = _dead_senders_payload()
+    ex = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+    try:
+        future = ex.submit(return_replay, payload)
+        with pytest.raises(cf.process.BrokenProcessPool) as info:
+            future.result(timeout=60)
+        assert "DeliveryError" in repr(info.value.__cause__) + str(info.value.__cause__)
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+# ---- 3. no write undone by an implicit share ------------------------------------------------------
+
+
+def test_queue_put_of_an_unshared_array_never_undoes_writes(capfd):
+    ctx = mp.get_context("fork")
+    for trial in range(20):
+        queue = ctx.Queue()
+        a = pyshm.zeros(1 << 20, np.int64)  # 8 MiB, private
+        queue.put(a)
+        for _ in range(5):
+            np.add(a, 1, out=a)  # writes right after put() returned
+        queue.close()
+        queue.join_thread()  # the feeder has pickled it (or refused) by now
+        assert (a == 5).all(), trial  # every write is there
+        assert not pyshm.is_shared(a)  # refused in the feeder: nothing changed
+    err = capfd.readouterr().err
+    assert err.count("pyshm.share_memory_(array)") >= 20
+
+
+def test_queue_put_of_a_shared_array_loses_no_write():
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    parent_end, child = start_with_pipe(ctx, _sum_after_go, queue)
+    for _ in range(20):
+        a = pyshm.share_memory_(pyshm.zeros(1 << 20, np.int64))
+        queue.put(a)
+        for _ in range(5):
+            np.add(a, 1, out=a)
+        parent_end.send("go")
+        assert parent_end.recv() == 5 * (1 << 20)
+        assert (a == 5).all()
+    queue.put(None)
+    child.join(30)
+    assert child.exitcode == 0
+
+
+def _sum_after_go(conn, queue):
+    while True:
+        a = queue.get()
+        if a is None:
+            return
+        conn.recv()  # "go": the parent's writes after put() are done
+        conn.send(int(a.sum()))
+        del a
+
+
+def ident(x):
+    return x
+
+
+def test_executor_submit_of_an_unshared_array_is_refused_at_result():
+    a = pyshm.zeros(1000, np.int64)
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as ex:
+        future = ex.submit(ident, a)
+        with pytest.raises(pickle.PicklingError, match=r"share_memory_"):
+            future.result(timeout=60)
+    assert not pyshm.is_shared(a)
+
+
+# ---- 4. memory comes back as itself ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_arena_tensors_come_back_as_themselves(method):
+    arena = pyshm.Arena([4096, 4096], [0, 0], [1, 1], shared=True).allocate()
+    x, y = arena.array(0), arena.array(1)
+    x[:] = 1
+    y[:] = 2
+    with mp.get_context(method).Pool(1) as p:
+        back_y = p.apply(ident, (y,))
+        back_xy = p.apply(ident, ([x, y],))
+    assert back_y.ctypes.data == y.ctypes.data and (back_y == 2).all()
+    assert [b.ctypes.data for b in back_xy] == [x.ctypes.data, y.ctypes.data]
+    back_y[0] = 9
+    assert y[0] == 9 and x[0] == 1
+
+
+def test_views_of_one_memfd_come_back_as_themselves():
+    whole = pyshm.share_memory_(pyshm.zeros(3 * 4096, np.uint8))
+    storage = pyshm.storage_of(whole)
+    parts = [pyshm.Storage.attach(storage.fd, 4096, offset=i * 4096) for i in range(3)]
+    arrays = [part.asarray() for part in parts]
+    with mp.get_context("fork").Pool(1) as p:
+        back = p.apply(ident, (arrays[::-1],))
+    assert [b.ctypes.data for b in back] == [a.ctypes.data for a in arrays[::-1]]
+
+
+# ---- 5. bounded holds ----------------------------------------------------------------------------
+
+
+def _shmem_kib():
+    for line in open("/proc/meminfo"):
+        if line.startswith("Shmem:"):
+            return int(line.split()[1])
+    raise AssertionError("no Shmem in /proc/meminfo")
+
+
+def receive_twice_then_drop(conn):
+    a = conn.recv()
+    b = conn.recv()
+    ok = a.ctypes.data == b.ctypes.data and int(a[-1]) == 3
+    del a, b
+    gc.collect()
+    conn.send((ok, reduction.segment_count()))
+    conn.recv()
+
+
+def test_memory_sent_twice_and_dropped_is_freed_within_a_second():
+    parent_end, child = start_with_pipe(mp.get_context("spawn"), receive_twice_then_drop)
+    pyshm.trim_pool()
+    before = _shmem_kib()
+    a = pyshm.share_memory_(pyshm.empty(64 << 20, np.uint8))
+    a[:] = 3
+    parent_end.send(a)
+    parent_end.send(a)
+    ok, segments = parent_end.recv()
+    assert ok and segments == 0
+    owner = weakref.ref(_owner_of(a))
+    del a
+    gc.collect()
+    deadline = time.monotonic() + 1.5
+    while owner() is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert owner() is None, "still held more than a second after both sides dropped it"
+    deadline = time.monotonic() + 2.0
+    while _shmem_kib() - before >= 32 << 10 and time.monotonic() < deadline:
+        pyshm.trim_pool()  # (libshm may keep a freed memfd for reuse)
+        time.sleep(0.05)
+    assert _shmem_kib() - before < 32 << 10  # 64 MiB back (within other processes' noise)
+    parent_end.send("done")
+    child.join(30)
+
+
+def test_memory_nobody_fetches_is_freed_after_the_keepalive(monkeypatch):
+    monkeypatch.setattr(_channel, "KEEPALIVE_SECONDS", 0.5)
+    a = pyshm.share_memory_(pyshm.empty(100_000, np.uint8))
+    ForkingPickler.dumps(a)  # pickled, never delivered
+    owner = weakref.ref(_owner_of(a))
+    del a
+    gc.collect()
+    assert owner() is not None  # held for a receiver that may still come
+    deadline = time.monotonic() + 5
+    while owner() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert owner() is None
+
