@@ -241,17 +241,19 @@ class Ticket:
 
     def __reduce__(self):
         frame = id(sys._getframe(1))
-        with state.lock:
-            batch = getattr(state.local, "batch", None)
-            solo = None
-            if batch is None or batch.frame != frame or state.batches.get(batch.id) is not batch:
+        batch = getattr(state.local, "batch", None)
+        solo = None
+        # (no lock on this path: only this thread adds to its current batch, and nobody can
+        # ask for the batch before its message, still being pickled here, is sent)
+        if batch is None or batch.frame != frame or state.batches.get(batch.id) is not batch:
+            with state.lock:
                 batch = _new_batch(0)  # not this message's pickler call: a batch of its own
-                solo = (batch.id, batch.secret)
-            member = batch.members.get(self.key)
-            if member is None:
-                batch.members[self.key] = [self.holder, self.readonly]
-            elif not self.readonly:
-                member[1] = False
+            solo = (batch.id, batch.secret)
+        member = batch.members.get(self.key)
+        if member is None:
+            batch.members[self.key] = [self.holder, self.readonly]
+        elif not self.readonly:
+            member[1] = False
         return tuple, ((*self.fields, solo),)
 
 
