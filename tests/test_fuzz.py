@@ -47,7 +47,7 @@ def _missing(what: str) -> None:
 
 
 def _need(target: str) -> None:
-    if target == "csv":
+    if target in fuzz.PY_TARGETS:
         if importlib.util.find_spec("atheris") is None:
             _missing("atheris")
     elif fuzz.clang() is None:
@@ -66,7 +66,8 @@ def binaries(build_dir):
     for target in fuzz.C_TARGETS:
         if fuzz.clang() is not None:
             out[target] = fuzz.build_target(target, build_dir)
-    out["csv"] = None
+    for target in fuzz.PY_TARGETS:
+        out[target] = None
     return out
 
 
@@ -79,7 +80,7 @@ def fuzz_runs(binaries, tmp_path_factory):
     """Run every available target for SECONDS, two at a time; target -> (rc, log, artifacts)."""
     work = tmp_path_factory.mktemp("fuzz-runs")
     todo = [t for t in fuzz.TARGETS if t in binaries and
-            (t != "csv" or importlib.util.find_spec("atheris") is not None)]
+            (t not in fuzz.PY_TARGETS or importlib.util.find_spec("atheris") is not None)]
     results, running = {}, []
     while todo or running:
         while todo and len(running) < 2:
@@ -102,7 +103,7 @@ def fuzz_runs(binaries, tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("target", ["plan", "attach", "arena", "csv"])
+@pytest.mark.parametrize("target", ["plan", "attach", "arena", "csv", "request"])
 def test_fuzz_target_finds_nothing(target, fuzz_runs, capsys):
     _need(target)
     rc, log, artifacts = fuzz_runs[target]
@@ -118,12 +119,12 @@ def test_fuzz_target_finds_nothing(target, fuzz_runs, capsys):
     bad = [p for p in found if not p.name.startswith("slow-unit")]
     assert rc == 0 and not bad, (
         f"{summary}\nexit {rc}; reproducer(s): {[str(p) for p in bad]}\n"
-        f"replay: {fuzz.csv_command(bad, []) if target == 'csv' else f'fuzz_{target} FILE'}\n"
+        f"replay: {fuzz.py_command(target, bad, []) if target in fuzz.PY_TARGETS else f'fuzz_{target} FILE'}\n"
         f"--- log tail ---\n{_tail(log)}")
     assert int(st.get("number_of_executed_units", "0")) > 0, _tail(log)
 
 
-@pytest.mark.parametrize("target", ["plan", "attach", "arena", "csv"])
+@pytest.mark.parametrize("target", ["plan", "attach", "arena", "csv", "request"])
 def test_seed_corpus_replays_cleanly(target, binaries):
     _need(target)
     files = sorted((FUZZ_DIR / "corpus" / target).glob("*"))
@@ -134,7 +135,7 @@ def test_seed_corpus_replays_cleanly(target, binaries):
 
 @pytest.mark.skipif(os.environ.get("PYSHM_FUZZ_CRASHES") != "1",
                     reason="known, unfixed bugs: set PYSHM_FUZZ_CRASHES=1 to replay them")
-@pytest.mark.parametrize("target", ["plan", "attach", "arena", "csv"])
+@pytest.mark.parametrize("target", ["plan", "attach", "arena", "csv", "request"])
 def test_known_crashes_still_reproduce(target, build_dir):
     """Each file in tests/fuzz/crashes/<target> still crashes the strict build; once one does
     not, its bug is fixed: drop its KNOWN_BUGS switch and move the file to the corpus."""
@@ -142,7 +143,8 @@ def test_known_crashes_still_reproduce(target, build_dir):
     files = sorted((FUZZ_DIR / "crashes" / target).glob("*"))
     if not files:
         pytest.skip(f"no known crashes for {target}")
-    exe = None if target == "csv" else fuzz.build_target(target, build_dir, strict=True)
+    exe = None if target in fuzz.PY_TARGETS else fuzz.build_target(target, build_dir,
+                                                                    strict=True)
     fixed = [f.name for f in files
              if fuzz.run_files(target, exe, [f], strict=True).returncode == 0]
     assert not fixed, f"fixed now (update tools/fuzz.py KNOWN_BUGS): {fixed}"

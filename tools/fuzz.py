@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 FUZZ_DIR = ROOT / "tests" / "fuzz"
 C_TARGETS = ["plan", "attach", "arena"]
-PY_TARGETS = ["csv"]
+PY_TARGETS = ["csv", "request"]
 TARGETS = C_TARGETS + PY_TARGETS
 
 CFLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-g", "-O1",
@@ -43,10 +43,11 @@ KNOWN_BUGS: Dict[str, List[str]] = {
     "arena": [],
     # (the Python target has no such switches: a known bug there is fixed, not stepped around)
     "csv": [],
+    "request": [],
 }
 
 # Per-target libFuzzer options (input size bounds keep iterations fast).
-MAX_LEN = {"plan": 4096, "attach": 256, "arena": 1024, "csv": 4096}
+MAX_LEN = {"plan": 4096, "attach": 256, "arena": 1024, "csv": 4096, "request": 2048}
 
 ENV = {
     "ASAN_OPTIONS": "abort_on_error=1:detect_leaks=1:allocator_may_return_null=1",
@@ -117,13 +118,15 @@ def libfuzzer_args(target: str, seconds: int, artifacts: Path) -> List[str]:
             "-print_final_stats=1"]
 
 
-def csv_command(corpus_or_files: Sequence[Path], args: Sequence[str]) -> List[str]:
-    return [sys.executable, str(FUZZ_DIR / "fuzz_csv.py"), *args, *map(str, corpus_or_files)]
+def py_command(target: str, corpus_or_files: Sequence[Path], args: Sequence[str]) -> List[str]:
+    """The command line of Python (atheris) target `target`: tests/fuzz/fuzz_<target>.py."""
+    return [sys.executable, str(FUZZ_DIR / f"fuzz_{target}.py"), *args,
+            *map(str, corpus_or_files)]
 
 
 def env_for(target: str, strict: bool = False) -> Dict[str, str]:
     env = dict(os.environ, **ENV)
-    if target == "csv":
+    if target in PY_TARGETS:
         if env.get("PYSHM_LIBRARY"):  # a source checkout with a built library
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
@@ -134,7 +137,8 @@ def start(target: str, exe: Optional[Path], corpus: Path, seconds: int, artifact
     """Start one bounded fuzzing run over `corpus` (new inputs are added to it)."""
     artifacts.mkdir(parents=True, exist_ok=True)
     args = [*libfuzzer_args(target, seconds, artifacts), *extra]
-    cmd = csv_command([corpus], args) if target == "csv" else [str(exe), *args, str(corpus)]
+    cmd = (py_command(target, [corpus], args) if target in PY_TARGETS
+           else [str(exe), *args, str(corpus)])
     env = env_for(target, strict)
     handle = open(log, "w")
     return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=str(artifacts))
@@ -144,7 +148,8 @@ def run_files(target: str, exe: Optional[Path], files: Sequence[Path], timeout: 
               strict: bool = False) -> subprocess.CompletedProcess:
     """Run the target once on each of `files` (regression; no fuzzing)."""
     args = ["-timeout=10", "-rss_limit_mb=2048"]
-    cmd = csv_command(files, args) if target == "csv" else [str(exe), *args, *map(str, files)]
+    cmd = (py_command(target, files, args) if target in PY_TARGETS
+           else [str(exe), *args, *map(str, files)])
     env = env_for(target, strict)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -182,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         corpus.mkdir(parents=True, exist_ok=True)
         for seed in sorted((FUZZ_DIR / "corpus" / target).glob("*")):
             shutil.copy(seed, corpus / seed.name)
-        exe = None if target == "csv" else build_target(target, build, args.strict)
+        exe = None if target in PY_TARGETS else build_target(target, build, args.strict)
         artifacts = cache / "artifacts" / target
         log = cache / f"{target}.log"
         extra = [f"-jobs={args.jobs}", f"-workers={args.jobs}"] if args.jobs > 1 else []
