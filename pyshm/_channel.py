@@ -561,7 +561,8 @@ def _received_batch(address, batch_id, secret) -> ReceivedBatch:
             and isinstance(secret, bytes) and len(secret) == SECRET_BYTES):
         raise pickle.UnpicklingError("bad pyshm batch in the pickle")
     batch = ReceivedBatch(address, batch_id, secret)
-    weakref.finalize(batch, _message_done, address, batch_id, secret)
+    done = weakref.finalize(batch, _message_done, address, batch_id, secret)
+    done.atexit = False  # (at exit there is nobody left to acknowledge to)
     return batch
 
 
