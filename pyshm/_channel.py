@@ -317,6 +317,7 @@ def drop_holds() -> None:
 
 
 def held_batches() -> int:
+    """How many batches still hold memory for a receiver (not delivered, not expired)."""
     with state.lock:
         now = time.monotonic()
         return sum(1 for b in state.batches.values() if b.members and b.deadline > now)
@@ -423,12 +424,10 @@ class _Server:
             raise
         sock.settimeout(1.0)
         self.sock = sock
-        self.requests = 0
         self.answering = False  # between reading a request and sending its last fd (linger)
         self.thread = threading.Thread(target=self._run, name="pyshm-fd-server", daemon=True)
         self.thread.start()
-        if not any(f._callback is linger for f in list(_mp_util._finalizer_registry.values())):
-            _register_linger()  # (pyshm imported before a fork that cleared its handler)
+        _register_linger()  # (again: a fork may have cleared it; linger() twice is harmless)
 
     def _run(self) -> None:
         """Serve until the socket is closed; survive everything else. Connections wait for
@@ -486,7 +485,6 @@ class _Server:
         self.answering = True  # before serve() releases anything: see linger()
         try:
             request = conn.recv(MAX_REQUEST + 1)
-            self.requests += 1
             try:
                 reply, fds, holders = serve(request)
             except ValueError:
@@ -519,10 +517,7 @@ def linger() -> None:
         server = state.server
         if server is None or server.pid != os.getpid():
             return
-        with state.lock:
-            now = time.monotonic()
-            live = [b.deadline for b in state.batches.values() if b.members and b.deadline > now]
-        if not live and not server.answering:
+        if not held_batches() and not server.answering:
             return
         time.sleep(0.005)
 
