@@ -218,7 +218,8 @@ def share_memory_(array: Any) -> Any:
     the arena's buffer, which cannot be shared in place without the array losing its storage;
     create the arena with ``shared=True`` or share ``pyshm.copy(array, shared=True)``.
     """
-    owner = _owner_of(array)
+    base = getattr(array, "base", None)
+    owner = base if type(base) is ArrayOwner else _owner_of(array)
     if owner is None:
         raise TypeError(
             f"share_memory_ needs an array whose memory pyshm owns (got {type(array).__name__} "

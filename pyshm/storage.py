@@ -250,7 +250,13 @@ def _share_in_place(handle: int, what: str, error: Optional[type] = None,
     exception class to raise instead of ShmBufferError (EBUSY).
     """
     try:
-        (share or lib.lshm_storage_share)(handle)
+        if share is None:
+            rc = _ffi.share_unchecked(handle)
+            if rc >= 0:
+                return
+            _ffi.raise_for(rc, "lshm_storage_share")
+        else:
+            share(handle)
     except _ffi.ShmBufferError as exc:
         message = (
             f"{what}: this memory is a slice of a private pyshm.Arena's buffer, which cannot be "

@@ -63,6 +63,9 @@ int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset);
 /* Reserve the pages of [0, size) (fallocate), so exhaustion is an error here and not a SIGBUS
  * later; a file system without fallocate (EOPNOTSUPP) is accepted as is. */
 int lshm__os_reserve(int fd, uint64_t size);
+/* Best effort: allocate [offset, offset + len) of fd's pages now, in one call, ignoring every
+ * error (a later write of those pages reports the real one). An optimisation only. */
+void lshm__os_allocate_ahead(int fd, uint64_t offset, uint64_t len);
 /* Allocate every page of the mapping [addr, addr + len) of fd at `offset` (MADV_POPULATE_WRITE;
  * fallocate of the range on kernels without it), so a copy into it cannot SIGBUS. */
 int lshm__os_populate_write(int fd, uint64_t offset, void *addr, size_t len);

@@ -195,6 +195,11 @@ int lshm__os_punch_hole(int fd, uint64_t offset, uint64_t len) {
     return -errno;
 }
 
+void lshm__os_allocate_ahead(int fd, uint64_t offset, uint64_t len) {
+    if (len > 0)
+        (void)fallocate(fd, 0, (off_t)offset, (off_t)len);
+}
+
 int lshm__os_reserve(int fd, uint64_t size) {
     LSHM_OS_FAULT("fallocate");
     return fallocate_range(fd, 0, size);

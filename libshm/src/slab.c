@@ -53,7 +53,17 @@ struct lshm__slab_memfd {
     int fd;                  /* memfd of LSHM__SLAB_BYTES, sealed against shrink/grow */
     uint64_t dev, ino;       /* its identity (fstat), for lshm_slab_find */
     _Atomic unsigned char seal_sealed; /* lshm__slab_fd added F_SEAL_SEAL (fd handed out) */
+    uint64_t next_share; /* where the last share into it ended (slabs_lock) */
+    uint64_t ready_end;  /* pages below this were allocated ahead of their shares (slabs_lock) */
 };
+
+/* Shares that walk up a slab one storage after the other (create many, then share each: the
+ * usual pattern) get the memfd's pages allocated READY_AHEAD bytes at a time, in one fallocate
+ * each, instead of one page allocation inside every pwrite (about 0.5 of a 4 KiB share's
+ * 12 us). Pages allocated ahead and never shared into are zero-filled: a receiver of the memfd
+ * reads zeros there, never a private storage's bytes. At most READY_AHEAD bytes per memfd are
+ * allocated that no share used, when a walk stops. */
+#define READY_AHEAD ((uint64_t)64 << 10)
 
 struct lshm__slab {
     char *base;                 /* LSHM__SLAB_BYTES of memory, page-aligned */
@@ -146,6 +156,8 @@ static int memfd_new(lshm__slab_memfd **out) {
     m->fd = fd;
     m->dev = info.dev;
     m->ino = info.ino;
+    m->next_share = UINT64_MAX; /* a walk needs two shares in a row */
+    m->ready_end = 0;
     *out = m;
     return 0;
 
@@ -301,11 +313,24 @@ int lshm__slab_share(lshm_storage *s) {
     if (created)
         rc = memfd_new(&slab->memfd);
     lshm__slab_memfd *m = slab->memfd;
-    if (rc == 0)
+    uint64_t end = offset + s->capacity, ahead_from = 0, ahead_to = 0;
+    if (rc == 0) {
         lshm__ref_retain(&m->refcount);
+        if (offset == m->next_share && end > m->ready_end) {
+            ahead_from = offset > m->ready_end ? offset : m->ready_end;
+            ahead_to = offset + READY_AHEAD;
+            if (ahead_to > LSHM__SLAB_BYTES)
+                ahead_to = LSHM__SLAB_BYTES;
+            if (ahead_to < end)
+                ahead_to = end;
+            m->ready_end = ahead_to;
+        }
+        m->next_share = end;
+    }
     pthread_mutex_unlock(&slabs_lock);
     if (rc != 0)
         return rc;
+    lshm__os_allocate_ahead(m->fd, ahead_from, ahead_to - ahead_from);
     void *mapped = NULL;
     rc = lshm__os_pwrite_all(m->fd, data, s->capacity, offset);
     if (rc == 0)
