@@ -158,7 +158,7 @@ class _State:
         self.lock = threading.RLock()
         # sender
         self.secrets: dict = {}  # key -> (writable secret, read-only secret)
-        self.live: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+        self.live: dict = {}  # key -> weakref to the first live holder (dead ones: swept)
         self.ranges: dict = {}  # (key, size, offset, nbytes) -> weakref to its holder
         self.shared_keys: set = set()  # keys exported from several storages (slabs, arenas)
         self.batches: dict = {}  # id -> _Batch
@@ -194,25 +194,32 @@ def own_address() -> Optional[bytes]:
 def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
            readonly: bool) -> tuple:
     """Make memfd `key` fetchable while `holder` (which keeps it open) lives; returns
-    (server address, the secret for a token: the read-only one if `readonly`)."""
+    (server address, the secret for a token: the read-only one if `readonly`, the weak
+    reference registered for the range: while ``state.ranges`` still holds that very object,
+    holder is registered as this range's and the secret is valid, so a caller may reuse the
+    token)."""
+    ref = weakref.ref(holder)
     with state.lock:
-        _sweep(time.monotonic())
+        now = time.monotonic()
+        if now >= state.next_sweep:
+            _sweep(now)
         pair = state.secrets.get(key)
         if pair is None:
             pair = state.secrets[key] = (secrets.token_bytes(SECRET_BYTES),
                                          secrets.token_bytes(SECRET_BYTES))
         live = state.live.get(key)
-        if live is None:
-            state.live[key] = holder
-        elif live is not holder:
+        first = live() if live is not None else None
+        if first is None:
+            state.live[key] = ref
+        elif first is not holder:
             state.shared_keys.add(key)
-        state.ranges[(key, size, offset, nbytes)] = weakref.ref(holder)
+        state.ranges[(key, size, offset, nbytes)] = ref
         server = state.server
         if server is None:
             server = state.server = _Server()
             for hook in _on_server_start:
                 hook()
-        return server.address, pair[1 if readonly else 0]
+        return server.address, pair[1 if readonly else 0], ref
 
 
 class _Mark:
@@ -284,6 +291,8 @@ def _sweep(now: float) -> None:
         _drop(batch_id)
     for where in [w for w, ref in state.ranges.items() if ref() is None]:
         del state.ranges[where]
+    for key in [k for k, ref in state.live.items() if ref() is None]:
+        del state.live[key]
     held = {key for b in state.batches.values() for key in b.members}
     alive = {where[0] for where in state.ranges}
     for key in [k for k in state.secrets if k not in held and k not in alive
@@ -328,7 +337,8 @@ def lookup(key: tuple) -> Optional[Any]:
     with state.lock:
         if key not in state.secrets:
             return None  # never exported from here
-        holder = state.live.get(key)
+        live = state.live.get(key)
+        holder = live() if live is not None else None
         if holder is None:
             for batch in state.batches.values():
                 member = batch.members.get(key)
@@ -340,7 +350,7 @@ def lookup(key: tuple) -> Optional[Any]:
             if holder is None:
                 state.shared_keys.discard(key)
             else:
-                state.live[key] = holder
+                state.live[key] = weakref.ref(holder)
         return holder
 
 
@@ -723,7 +733,7 @@ def _after_fork_in_child() -> None:
     old.server = None
     old.lock = threading.RLock()
     old.secrets = {}
-    old.live = weakref.WeakValueDictionary()
+    old.live = {}
     old.ranges = {}
     old.shared_keys = set()
     old.batches = {}

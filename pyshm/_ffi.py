@@ -372,6 +372,7 @@ _TABLE = [
     ("lshm_storage_share_readonly", c_int, [_storage_p], True),
     ("lshm_slab_stats", c_int, [POINTER(SlabCounters)], True),
     ("lshm_slab_find", c_int, [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(_storage_p)], True),
+    ("lshm_slab_knows", c_int, [c_uint64, c_uint64], False),
     ("lshm_pool_trim", c_int, [], False),
 ]
 
@@ -387,6 +388,7 @@ _GIL_HELD = frozenset({
     "lshm_segment_data",
     "lshm_segment_size",
     "lshm_segment_flags",
+    "lshm_storage_create_view",  # (a malloc and two field writes)
 })
 
 for _name, _restype, _argtypes, _status in _TABLE:
@@ -397,9 +399,16 @@ for _name, _restype, _argtypes, _status in _TABLE:
     if _name in _GIL_HELD:
         _func = _pylib[_name]
         _func.restype, _func.argtypes = _restype, _argtypes
+        if _status:
+            _func.errcheck = _check_status
         setattr(lib, _name, _func)
 
 # lshm_storage_share without the errcheck, for callers that check the status themselves (the
 # in-place share of a small array costs about 12 us, and the errcheck's Python frame 0.15 of it)
 share_unchecked = lib["lshm_storage_share"]
 share_unchecked.restype, share_unchecked.argtypes = c_int, [_storage_p]
+# lshm_slab_find without the errcheck: receivers ask it about every slab memfd they are sent,
+# and "not one of ours" (-ENOENT) is the usual answer, not an error worth an exception
+slab_find_unchecked = lib["lshm_slab_find"]
+slab_find_unchecked.restype = c_int
+slab_find_unchecked.argtypes = [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(_storage_p)]

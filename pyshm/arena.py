@@ -304,8 +304,7 @@ class Arena:
                 )
             # The slice goes to later allocs: the owner gives up its reference (the bytes stay
             # mapped: the owner keeps a reference to the buffer) and forgets the storage.
-            owner._finalizer()
-            owner._handle = None
+            owner._release()
         lib.lshm_arena_free(self._as_parameter_, handle)
         del self._live[handle]
 

@@ -97,7 +97,7 @@ import numpy as np
 from . import _channel, _ffi
 from ._channel import KEEPALIVE_SECONDS, DeliveryError, fetch_count  # noqa: F401 - public
 from ._ffi import lib
-from .arrays import ArrayOwner, _owner_of, _wrap
+from .arrays import data_address, ArrayOwner, _owner_of, _wrap
 from .storage import Storage, _share_in_place
 
 __all__ = [
@@ -130,13 +130,21 @@ class _Mapping:
     long as something uses the mapping.
     """
 
-    __slots__ = ("segment", "key", "size", "fd_kept", "_finalizer", "__weakref__")
+    __slots__ = ("segment", "key", "size", "fd_kept", "sealed", "data", "ours", "_finalizer",
+                 "__weakref__")
 
-    def __init__(self, segment: int, key: tuple, fd_kept: bool) -> None:
+    def __init__(self, segment: int, key: tuple, fd_kept: bool, sealed: bool) -> None:
         self.segment = segment
         self.key = key
         self.size = lib.lshm_segment_size(segment)
         self.fd_kept = fd_kept
+        # sealed against writes when it came; for good: a writable fd is handed out with
+        # F_SEAL_SEAL, so nobody can add that seal later
+        self.sealed = sealed
+        self.data = lib.lshm_segment_data(segment) or 0
+        # one of our own slab memfds, come back without its storage being found: only then can
+        # a later token naming it be a storage of ours (lshm_slab_knows says why that holds)
+        self.ours = self.size == SLAB_SIZE and bool(lib.lshm_slab_knows(key[0], key[1]))
         self._finalizer = weakref.finalize(self, _drop_segment, segment, fd_kept)
         self._finalizer.atexit = False
 
@@ -242,6 +250,14 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
         # in place, same address, atomic on failure; memory that cannot be shared in place is
         # refused here, in the sender
         _share_in_place(handle, "pickling for another process", pickle.PicklingError)
+        flags = lib.lshm_storage_flags(handle)
+    if mapping is not None and mapping.fd_kept and (
+            mapping.sealed or not flags & _ffi.STORAGE_READONLY):
+        # memory received, sent on: all its export info is known already (lshm_storage_export
+        # would make three syscalls to find it again); a view of the whole-memfd mapping
+        data = lib.lshm_storage_data(handle) or 0
+        return _ticket(handle, holder, flags, data, mapping.key, mapping.size,
+                       data - mapping.data, mapping.sealed)
     info = _ffi.ExportInfo()
     try:
         lib.lshm_storage_export(handle, byref(info))
@@ -265,11 +281,22 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
         key, size = mapping.key, mapping.size
     else:
         key, size = (info.dev, info.ino), info.file_size
-    offset = info.offset
+    return _ticket(handle, holder, flags, lib.lshm_storage_data(handle) or 0, key, size,
+                   info.offset, readonly)
+
+
+def _ticket(handle: int, holder: Any, flags: int, data: int, key: tuple, size: int,
+            offset: int, readonly: bool) -> "_channel.Ticket":
     nbytes = lib.lshm_storage_nbytes(handle)
-    address, secret = _channel.export(key, holder, size, offset, nbytes, readonly)
-    return _channel.Ticket(key, holder, readonly,
-                           (key, address, size, offset, nbytes, readonly, secret))
+    address, secret, ref = _channel.export(key, holder, size, offset, nbytes, readonly)
+    ticket = _channel.Ticket(key, holder, readonly,
+                             (key, address, size, offset, nbytes, readonly, secret))
+    if isinstance(holder, ArrayOwner):
+        # every later send of the same owner reuses the token while nothing it depends on
+        # changed (see _reduce_ndarray)
+        holder._token = (flags, (key, size, offset, nbytes), ref, data, key, readonly,
+                         ticket.fields)
+    return ticket
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,8 +334,8 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
         raise _ffi.ShmValueError(errno.EINVAL, f"received fd is not a memfd: {exc}") from None
-    if seals & _WRITE_SEALS:
-        readonly = True
+    sealed = bool(seals & _WRITE_SEALS)
+    readonly = readonly or sealed
     out = c_void_p()
     lib.lshm_segment_attach(fd, _ffi.STORAGE_READONLY if readonly else 0, byref(out))
     keep = _cache.kept_fds < _fd_budget()
@@ -316,7 +343,7 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
         _cache.kept_fds += 1
     else:
         lib.lshm_segment_close_fd(out.value)
-    mapping = _Mapping(out.value, key, fd_kept=keep)
+    mapping = _Mapping(out.value, key, fd_kept=keep, sealed=sealed)
     _cache.mappings[key] = mapping
     if mapping.size <= SLAB_SIZE:
         _cache.recent.append(mapping)
@@ -324,10 +351,11 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
     return mapping
 
 
-def _own_memory(key: tuple, size: int, offset: int, nbytes: int,
-                readonly: bool) -> Optional[int]:
+def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
+                mapping: Optional[_Mapping] = None) -> Optional[int]:
     """A storage of this process for that byte range of memfd `key` (a new reference the
-    caller releases), or None: memory that left from here coming back (lock held)."""
+    caller releases), or None: memory that left from here coming back (lock held). `mapping`:
+    the cached mapping of `key`, if any."""
     ref = _state.ranges.get((key, size, offset, nbytes))
     holder = ref() if ref is not None else None
     if holder is not None:
@@ -339,12 +367,11 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int,
         segment = lib.lshm_storage_segment(_handle_of(holder))
         if segment and lib.lshm_segment_size(segment) == size:
             return _new_view(segment, offset, nbytes, readonly)
-    if size == SLAB_SIZE:  # ours, sent back by a forked child that inherited it
+    if size == SLAB_SIZE and (mapping is None or mapping.ours):
+        # ours, sent back by a forked child that inherited it
         out = c_void_p()
-        try:
-            lib.lshm_slab_find(key[0], key[1], offset, nbytes, byref(out))
-        except _ffi.ShmError:
-            return None
+        if _ffi.slab_find_unchecked(key[0], key[1], offset, nbytes, byref(out)) != 0:
+            return None  # not one of our slabs' (or no live storage there)
         return out.value
     return None
 
@@ -355,12 +382,12 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], token: Any) -> tuple:
     proof = solo if solo is not None else (batch.proof if batch is not None else None)
     fd = None
     with _state.lock:
-        handle = _own_memory(key, size, offset, nbytes, readonly)
+        mapping = _cache.mappings.get(key)
+        handle = _own_memory(key, size, offset, nbytes, readonly, mapping)
         if handle is not None:
             if solo is not None:
                 _channel.queue_ack(address, solo)
             return None, handle
-        mapping = _cache.mappings.get(key)
         if mapping is None:
             entry = _state.prefetched.pop(key, None)
             if entry is not None:  # handed to us with an earlier fetch of this message
@@ -423,13 +450,47 @@ def _keep_extras(extras: list) -> None:
         _channel.ensure_janitor()
 
 
+def _fits(nbytes: int, shape: Any, dtype: Any, strides: Any, start: Any) -> bool:
+    """Whether an array of that layout lies inside a storage of `nbytes` bytes (what
+    np.ndarray(buffer=...) checks), for a layout that came in a pickle."""
+    if (type(shape) is not tuple or type(strides) is not tuple or len(shape) != len(strides)
+            or type(start) is not int):
+        return False
+    low = high = start
+    for dim, stride in zip(shape, strides):
+        if type(dim) is not int or type(stride) is not int or dim <= 0:
+            return False  # (an empty array is never sent by reference)
+        if stride < 0:
+            low += (dim - 1) * stride
+        else:
+            high += (dim - 1) * stride
+    return low >= 0 and high + dtype.itemsize <= nbytes
+
+
 def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
+    if not isinstance(dtype, np.dtype) or dtype.hasobject:
+        # (pointers read from shared memory would crash the receiver)
+        raise pickle.UnpicklingError(f"pyshm: no array of dtype {dtype!r} in shared memory")
     mapping, handle = _resolve(batch, token)
     try:
         nbytes = lib.lshm_storage_nbytes(handle)
-        flat = _wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
+        if _fits(nbytes, shape, dtype, strides, start):
+            # the array itself over the storage, in one step (the owner adopts our reference)
+            readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
+            owner = ArrayOwner(handle, shape, dtype, start, readonly, mapping, strides, True)
+            handle = None
+            array = np.asarray(owner)
+            if array.dtype == dtype:
+                if not writeable and array.flags.writeable:
+                    array.flags.writeable = False
+                return array
+            # a dtype the interface could not say exactly: through a flat view, as below
+            flat = _wrap(owner._handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
+        else:
+            flat = _wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
     finally:
-        lib.lshm_storage_release(handle)
+        if handle is not None:
+            lib.lshm_storage_release(handle)
     try:
         array = np.ndarray(shape, dtype, buffer=flat, offset=start, strides=strides)
     except (TypeError, ValueError) as exc:
@@ -452,14 +513,25 @@ def _rebuild_storage(batch, token) -> Storage:
 
 
 def _reduce_ndarray(array: np.ndarray):
-    owner = _owner_of(array)
+    base = array.base
+    owner = base if type(base) is ArrayOwner else _owner_of(array)
     if owner is None or array.size == 0:
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
     handle = owner._handle
-    mapping = owner._keep if isinstance(owner._keep, _Mapping) else None
-    ticket = _export(handle, owner, mapping)
-    data = lib.lshm_storage_data(handle) or 0
-    start = array.__array_interface__["data"][0] - data
+    token = owner._token
+    # The token made at this owner's last send still holds while the storage's flags are the
+    # same (shared, not resized, not sealed since) and the channel still has the range
+    # registered to this owner (not after a fork, nor once another holder took the range):
+    # then the secret and the server address are the same too.
+    if (token is not None and token[0] == lib.lshm_storage_flags(handle)
+            and _state.ranges.get(token[1]) is token[2]):
+        _, _, _, data, key, readonly, fields = token
+        ticket = _channel.Ticket(key, owner, readonly, fields)
+    else:
+        mapping = owner._keep if isinstance(owner._keep, _Mapping) else None
+        ticket = _export(handle, owner, mapping)
+        data = lib.lshm_storage_data(handle) or 0
+    start = data_address(array) - data
     return _rebuild_ndarray, (
         _channel.mark(),
         ticket,

@@ -452,6 +452,40 @@ def test_views_of_one_memfd_come_back_as_themselves():
     assert [b.ctypes.data for b in back] == [a.ctypes.data for a in arrays[::-1]]
 
 
+def test_a_token_made_before_a_fork_is_made_anew_in_the_child():
+    # a sender reuses an array's token while nothing changed; after fork() the child has a
+    # server, secrets and ranges of its own, so its tokens must name those, and what it sends
+    # back must still arrive as the parent's own arrays
+    small = pyshm.zeros(512, np.int64, shared=True)
+    big = pyshm.zeros(1 << 18, np.int64, shared=True)
+    ForkingPickler.dumps([small, big])  # tokens made (and kept) here
+    parent_address = _channel.own_address()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            payload = bytes(ForkingPickler.dumps([small, big]))
+            tokens = [args[1] for _, args in map(reduction._reduce_ndarray, (small, big))]
+            addresses = {t.fields[1] for t in tokens}
+            small[0], big[-1] = 7, 8
+            if addresses == {_channel.own_address()} and parent_address not in addresses:
+                os.write(w, len(payload).to_bytes(8, "little") + payload)
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    back = pickle.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    assert [b.ctypes.data for b in back] == [small.ctypes.data, big.ctypes.data]
+    assert small[0] == 7 and big[-1] == 8
+    assert pyshm.storage_of(back[0]) == pyshm.storage_of(small)
+
+
 # ---- 5. bounded holds ----------------------------------------------------------------------------
 
 

@@ -497,9 +497,24 @@ def test_hostile_payloads_raise(no_fd_leak, tmp_path):
     for token in bad_tokens:
         with pytest.raises((pickle.UnpicklingError, OSError, ValueError)):
             func(None, token, *args[2:])
-    # shape that does not fit the storage
-    with pytest.raises(pickle.UnpicklingError):
-        func(None, args[1], (1000,), *args[3:])
+    # layouts that do not fit the storage (100 bytes): too long, before its start, past its
+    # end, lengths that disagree, object dtype
+    token, _, dtype, strides, start, writeable = args[1:]
+    for shape, dt, st, at in [((1000,), dtype, strides, start), ((2,), dtype, (-1,), 0),
+                              ((2,), dtype, (10 ** 9,), 0), ((2, 3), dtype, (1,), 0),
+                              ((1,), dtype, (1,), -1), ((1,), dtype, (1,), 100),
+                              ((2,), np.dtype(np.int64), (8,), 90),
+                              ((np.int64(200),), dtype, (1,), 0), ((1,), np.dtype(object), (8,), 0)]:
+        with pytest.raises(pickle.UnpicklingError):
+            func(None, token, shape, dt, st, at, writeable)
+    # and those that do, read back exactly: reversed, strided, the last byte
+    a[:] = np.arange(100, dtype=np.uint8)
+    for shape, st, at, want in [((100,), (-1,), 99, a[::-1]), ((10,), (10,), 5, a[5::10]),
+                                ((1,), (1,), 99, a[99:]), ((5, 2), (20, 3), 1, None)]:
+        got = func(None, token, shape, dtype, st, at, writeable)
+        if want is None:
+            want = np.lib.stride_tricks.as_strided(a[1:], shape, st)
+        assert np.array_equal(got, want) and pyshm.storage_of(got) == pyshm.storage_of(a)
     # truncated pickle
     payload = ForkingPickler.dumps(a)
     for cut in (1, len(payload) // 2, len(payload) - 1):

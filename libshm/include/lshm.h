@@ -143,6 +143,12 @@ LSHM_API int lshm_slab_stats(lshm_slab_counters *out);
  * Errors: -EINVAL (NULL out), -ENOENT (no such storage, or offset not page-aligned). */
 LSHM_API int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
                             lshm_storage **out);
+/* 1 if the memfd identified by (dev, ino) is a slab memfd of this process (a slab's current
+ * one, or one a live storage was shared into), else 0. While the memfd stays open anywhere in
+ * this process, the answer 0 stays true: new slab memfds are new files. So a receiver that maps
+ * a memfd and gets 0 needs no lshm_slab_find for it while it keeps the mapping. O(pages of all
+ * slabs); thread-safe; never fails. */
+LSHM_API int lshm_slab_knows(uint64_t dev, uint64_t ino);
 
 /* Storage flags (lshm_storage_flags reports them; creators accept those marked "in"). */
 #define LSHM_STORAGE_RESIZABLE 0x1u /* in: lshm_storage_resize may change nbytes */

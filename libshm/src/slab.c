@@ -365,6 +365,22 @@ void lshm__slab_set_owner(lshm_storage *s) {
     pthread_mutex_unlock(&slabs_lock);
 }
 
+int lshm_slab_knows(uint64_t dev, uint64_t ino) {
+    int known = 0;
+    pthread_mutex_lock(&slabs_lock);
+    for (lshm__slab *slab = slabs; slab != NULL && !known; slab = slab->next) {
+        const lshm__slab_memfd *m = slab->memfd;
+        known = m != NULL && m->dev == dev && m->ino == ino;
+        for (size_t i = 0; i < slab->pages && !known; i++) {
+            const lshm_storage *s = slab->owner[i];
+            m = s != NULL ? s->slab_memfd : NULL;
+            known = m != NULL && m->dev == dev && m->ino == ino;
+        }
+    }
+    pthread_mutex_unlock(&slabs_lock);
+    return known;
+}
+
 int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
                    lshm_storage **out) {
     if (out == NULL)

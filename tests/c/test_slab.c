@@ -261,6 +261,79 @@ static void test_fork_partly_shared(void) {
     lshm_segment_release(seg);
 }
 
+static void identity_of(int fd, uint64_t *dev, uint64_t *ino) {
+    struct stat st;
+    ASSERT_EQ(fstat(fd, &st), 0);
+    *dev = st.st_dev;
+    *ino = st.st_ino;
+}
+
+/* lshm_slab_find gives back the very storage at a byte range of a slab memfd, and nothing
+ * else; lshm_slab_knows tells a slab memfd of this process from any other memfd, also in a
+ * forked child (whose inherited storages still live in the parent's memfd). */
+static void test_find_and_knows(void) {
+    lshm_storage *a, *b, *c, *found = NULL;
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &a));
+    ASSERT_OK(lshm_storage_create(2 * page, NULL, 0, &b));
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &c)); /* never shared */
+    ASSERT_OK(lshm_storage_share(a));
+    ASSERT_OK(lshm_storage_share(b));
+    uint64_t off_a, off_b, dev, ino;
+    int fd = fd_and_offset(a, &off_a);
+    ASSERT_EQ(fd_and_offset(b, &off_b), fd);
+    identity_of(fd, &dev, &ino);
+    ASSERT_EQ(lshm_slab_knows(dev, ino), 1);
+    ASSERT_OK(lshm_slab_find(dev, ino, off_a, page, &found));
+    ASSERT_EQ(found, a);
+    ASSERT_EQ(lshm_storage_refcount(a), 2); /* a new reference */
+    lshm_storage_release(found);
+    ASSERT_OK(lshm_slab_find(dev, ino, off_b, 2 * page, &found));
+    ASSERT_EQ(found, b);
+    lshm_storage_release(found);
+    found = NULL; /* (a failed find leaves *out alone) */
+    /* wrong size, a page inside b, an unaligned offset, c's unshared pages, past the end */
+    uint64_t off_c = off_a + (uint64_t)((char *)lshm_storage_data(c) - (char *)lshm_storage_data(a));
+    ASSERT_EQ(lshm_slab_find(dev, ino, off_b, page, &found), -ENOENT);
+    ASSERT_EQ(lshm_slab_find(dev, ino, off_b + page, page, &found), -ENOENT);
+    ASSERT_EQ(lshm_slab_find(dev, ino, off_a + 1, page, &found), -ENOENT);
+    ASSERT_EQ(lshm_slab_find(dev, ino, off_c, page, &found), -ENOENT);
+    ASSERT_EQ(lshm_slab_find(dev, ino, LSHM_SLAB_BYTES, page, &found), -ENOENT);
+    ASSERT_EQ(lshm_slab_find(dev, ino, off_a, page, NULL), -EINVAL);
+    ASSERT_EQ(found, NULL);
+    /* another memfd, of this process but not a slab's: unknown */
+    lshm_storage *big;
+    ASSERT_OK(lshm_storage_create(LSHM_SLAB_MAX_BYTES + page, NULL, 0, &big));
+    ASSERT_OK(lshm_storage_share(big));
+    uint64_t off_big, dev2, ino2;
+    identity_of(fd_and_offset(big, &off_big), &dev2, &ino2);
+    ASSERT_EQ(lshm_slab_knows(dev2, ino2), 0);
+    ASSERT_EQ(lshm_slab_find(dev2, ino2, 0, LSHM_SLAB_MAX_BYTES + page, &found), -ENOENT);
+    lshm_storage_release(big);
+    pid_t pid = fork();
+    ASSERT(pid >= 0);
+    if (pid == 0) {
+        /* the child shares into memfds of its own, but still finds a in the parent's */
+        lshm_storage *f = NULL;
+        int ok = lshm_slab_knows(dev, ino) == 1 && lshm_slab_find(dev, ino, off_a, page, &f) == 0 &&
+                 f == a && lshm_storage_share(c) == 0;
+        uint64_t off, cdev, cino;
+        int cfd = -1;
+        ok = ok && lshm_storage_fd(c, &cfd, &off) == 0;
+        if (ok) {
+            identity_of(cfd, &cdev, &cino);
+            ok = cino != ino && lshm_slab_knows(cdev, cino) == 1;
+        }
+        _exit(ok ? 0 : 1);
+    }
+    int status;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    lshm_storage_release(a);
+    lshm_storage_release(b);
+    lshm_storage_release(c);
+    ASSERT_EQ(lshm_slab_find(dev, ino, off_a, page, &found), -ENOENT); /* released */
+}
+
 /* Every fault point of a slab share leaves the storage as it was, no fd behind, and its bytes
  * nowhere in the memfd. */
 static void test_fault_atomicity(void) {
@@ -357,6 +430,7 @@ int main(void) {
     RUN_TEST(test_fork_partly_shared);
     RUN_TEST(test_fault_atomicity);
     RUN_TEST(test_readonly);
+    RUN_TEST(test_find_and_knows);
     lshm_slab_counters counters;
     ASSERT_OK(lshm_slab_stats(&counters));
     ASSERT_EQ(counters.slabs, 1); /* only the current slab is kept when empty */
