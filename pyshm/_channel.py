@@ -197,7 +197,8 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
     (server address, the secret for a token: the read-only one if `readonly`, the weak
     reference registered for the range: while ``state.ranges`` still holds that very object,
     holder is registered as this range's and the secret is valid, so a caller may reuse the
-    token)."""
+    token; the key object to put in tokens: one per memfd, so that pickle writes it once per
+    message)."""
     ref = weakref.ref(holder)
     with state.lock:
         now = time.monotonic()
@@ -206,7 +207,7 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
         pair = state.secrets.get(key)
         if pair is None:
             pair = state.secrets[key] = (secrets.token_bytes(SECRET_BYTES),
-                                         secrets.token_bytes(SECRET_BYTES))
+                                         secrets.token_bytes(SECRET_BYTES), key)
         live = state.live.get(key)
         first = live() if live is not None else None
         if first is None:
@@ -219,7 +220,7 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
             server = state.server = _Server()
             for hook in _on_server_start:
                 hook()
-        return server.address, pair[1 if readonly else 0], ref
+        return server.address, pair[1 if readonly else 0], ref, pair[2]
 
 
 class _Mark:

@@ -222,6 +222,9 @@ class ExportInfo(ctypes.Structure):
         ("ino", c_uint64),
         ("file_size", c_uint64),
         ("readonly", c_int),
+        ("flags", c_uint),
+        ("data", c_void_p),
+        ("nbytes", c_size_t),
     ]
 
 
@@ -407,6 +410,18 @@ for _name, _restype, _argtypes, _status in _TABLE:
 # in-place share of a small array costs about 12 us, and the errcheck's Python frame 0.15 of it)
 share_unchecked = lib["lshm_storage_share"]
 share_unchecked.restype, share_unchecked.argtypes = c_int, [_storage_p]
+# lshm_storage_create_view without the errcheck, with the GIL held (see _GIL_HELD): once per
+# array received
+create_view_unchecked = _pylib["lshm_storage_create_view"]
+create_view_unchecked.restype = c_int
+create_view_unchecked.argtypes = [_segment_p, c_uint64, c_size_t, c_uint, POINTER(_storage_p)]
+
+# lshm_storage_export without the errcheck: pickling asks it about every array, and "not
+# shared yet" (-ENODATA) is an answer there
+export_unchecked = lib["lshm_storage_export"]
+export_unchecked.restype = c_int
+export_unchecked.argtypes = [_storage_p, POINTER(ExportInfo)]
+
 # lshm_slab_find without the errcheck: receivers ask it about every slab memfd they are sent,
 # and "not one of ours" (-ENOENT) is the usual answer, not an error worth an exception
 slab_find_unchecked = lib["lshm_slab_find"]

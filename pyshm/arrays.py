@@ -33,6 +33,11 @@ __all__ = [
 ShapeLike = Union[int, Sequence[int]]
 
 
+# typestr of the plain dtypes seen (no fields, no subarray: typestr says all of them), as
+# dtype.str builds a new string every time
+_TYPESTRS: dict = {}
+
+
 class ArrayOwner:
     """The ``base`` of every pyshm array: one reference to a C storage, plus the array layout.
 
@@ -54,15 +59,19 @@ class ArrayOwner:
         self._keep = keep
         self._token = None  # the last token it was sent with (pyshm.reduction)
         data = lib.lshm_storage_data(self._handle) or 0
+        typestr = _TYPESTRS.get(dtype)
         interface = {
             "version": 3,
             "shape": shape,
-            "typestr": dtype.str,
+            "typestr": typestr or dtype.str,
             "data": (data + offset, readonly),
             "strides": strides,
         }
-        if dtype.fields is not None or dtype.subdtype is not None:
-            interface["descr"] = dtype.descr  # (typestr alone says only "void" for these)
+        if typestr is None:
+            if dtype.fields is not None or dtype.subdtype is not None:
+                interface["descr"] = dtype.descr  # (typestr alone says only "void" for these)
+            elif len(_TYPESTRS) < 256:
+                _TYPESTRS[dtype] = interface["typestr"]
         self.__array_interface__ = interface
 
     def _release(self) -> None:

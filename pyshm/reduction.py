@@ -188,8 +188,10 @@ def segment_count() -> int:
 
 def _new_view(segment: int, offset: int, nbytes: int, readonly: bool) -> int:
     out = c_void_p()
-    flags = _ffi.STORAGE_READONLY if readonly else 0
-    lib.lshm_storage_create_view(segment, offset, nbytes, flags, byref(out))
+    rc = _ffi.create_view_unchecked(segment, offset, nbytes,
+                                    _ffi.STORAGE_READONLY if readonly else 0, byref(out))
+    if rc < 0:
+        _ffi.raise_for(rc, "lshm_storage_create_view")
     return out.value
 
 
@@ -237,8 +239,18 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
     the receiver has it (pyshm._channel). `mapping`: the cached segment `handle` views (memory
     received), whose key and size are known already.
     """
-    flags = lib.lshm_storage_flags(handle)
-    if not flags & _ffi.STORAGE_SHARED:
+    if mapping is not None and mapping.fd_kept:
+        flags = lib.lshm_storage_flags(handle)
+        if mapping.sealed or not flags & _ffi.STORAGE_READONLY:
+            # memory received, sent on: all its export info is known already
+            # (lshm_storage_export would make three syscalls to find it again); a view of the
+            # whole-memfd mapping
+            data = lib.lshm_storage_data(handle) or 0
+            return _ticket(handle, holder, flags, data, lib.lshm_storage_nbytes(handle),
+                           mapping.key, mapping.size, data - mapping.data, mapping.sealed)
+    info = _ffi.ExportInfo()
+    rc = _ffi.export_unchecked(handle, byref(info))
+    if rc == -errno.ENODATA and not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
         if _on_async_pickler_thread():
             raise pickle.PicklingError(
                 "pyshm: this array is not shared yet, and multiprocessing is pickling it on a "
@@ -250,25 +262,16 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
         # in place, same address, atomic on failure; memory that cannot be shared in place is
         # refused here, in the sender
         _share_in_place(handle, "pickling for another process", pickle.PicklingError)
-        flags = lib.lshm_storage_flags(handle)
-    if mapping is not None and mapping.fd_kept and (
-            mapping.sealed or not flags & _ffi.STORAGE_READONLY):
-        # memory received, sent on: all its export info is known already (lshm_storage_export
-        # would make three syscalls to find it again); a view of the whole-memfd mapping
-        data = lib.lshm_storage_data(handle) or 0
-        return _ticket(handle, holder, flags, data, mapping.key, mapping.size,
-                       data - mapping.data, mapping.sealed)
-    info = _ffi.ExportInfo()
-    try:
-        lib.lshm_storage_export(handle, byref(info))
-    except _ffi.ShmError as exc:
-        if exc.errno == errno.EBADF:
-            raise pickle.PicklingError(
-                "this pyshm array was received from another process and its fd was closed to "
-                "stay under RLIMIT_NOFILE, so it cannot be sent on; raise 'ulimit -n' or send a "
-                "copy (pyshm.copy(array, shared=True))"
-            ) from exc
-        raise
+        rc = _ffi.export_unchecked(handle, byref(info))
+    if rc == -errno.EBADF:
+        raise pickle.PicklingError(
+            "this pyshm array was received from another process and its fd was closed to "
+            "stay under RLIMIT_NOFILE, so it cannot be sent on; raise 'ulimit -n' or send a "
+            "copy (pyshm.copy(array, shared=True))"
+        )
+    if rc < 0:
+        _ffi.raise_for(rc, "lshm_storage_export")
+    flags = info.flags
     readonly = bool(flags & _ffi.STORAGE_READONLY)
     if readonly and not info.readonly:
         raise pickle.PicklingError(
@@ -281,14 +284,13 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
         key, size = mapping.key, mapping.size
     else:
         key, size = (info.dev, info.ino), info.file_size
-    return _ticket(handle, holder, flags, lib.lshm_storage_data(handle) or 0, key, size,
-                   info.offset, readonly)
+    return _ticket(handle, holder, flags, info.data or 0, info.nbytes, key, size, info.offset,
+                   readonly)
 
 
-def _ticket(handle: int, holder: Any, flags: int, data: int, key: tuple, size: int,
-            offset: int, readonly: bool) -> "_channel.Ticket":
-    nbytes = lib.lshm_storage_nbytes(handle)
-    address, secret, ref = _channel.export(key, holder, size, offset, nbytes, readonly)
+def _ticket(handle: int, holder: Any, flags: int, data: int, nbytes: int, key: tuple,
+            size: int, offset: int, readonly: bool) -> "_channel.Ticket":
+    address, secret, ref, key = _channel.export(key, holder, size, offset, nbytes, readonly)
     ticket = _channel.Ticket(key, holder, readonly,
                              (key, address, size, offset, nbytes, readonly, secret))
     if isinstance(holder, ArrayOwner):
@@ -305,6 +307,15 @@ def _ticket(handle: int, holder: Any, flags: int, data: int, key: tuple, size: i
 
 
 def _check_token(token: Any) -> tuple:
+    # the usual token, as a pyshm sender makes it, checked without converting anything
+    if type(token) is tuple and len(token) == 8:
+        key, address, size, offset, nbytes, readonly, secret, solo = token
+        if (solo is None and type(key) is tuple and len(key) == 2 and type(key[0]) is int
+                and type(key[1]) is int and type(size) is int and type(offset) is int
+                and type(nbytes) is int and type(secret) is bytes
+                and len(secret) == _channel.SECRET_BYTES and 0 <= offset
+                and 0 <= nbytes and offset + nbytes <= size):
+            return key, address, size, offset, nbytes, bool(readonly), secret, None
     try:
         key, address, size, offset, nbytes, readonly, secret, solo = token
         key = (int(key[0]), int(key[1]))
@@ -480,7 +491,7 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
             owner = ArrayOwner(handle, shape, dtype, start, readonly, mapping, strides, True)
             handle = None
             array = np.asarray(owner)
-            if array.dtype == dtype:
+            if array.dtype is dtype or array.dtype == dtype:
                 if not writeable and array.flags.writeable:
                     array.flags.writeable = False
                 return array
@@ -530,7 +541,7 @@ def _reduce_ndarray(array: np.ndarray):
     else:
         mapping = owner._keep if isinstance(owner._keep, _Mapping) else None
         ticket = _export(handle, owner, mapping)
-        data = lib.lshm_storage_data(handle) or 0
+        data = owner._token[3]  # (set by _ticket)
     start = data_address(array) - data
     return _rebuild_ndarray, (
         _channel.mark(),

@@ -351,6 +351,9 @@ def test_export_info_matches_the_fd():
         assert (info.dev, info.ino, info.file_size) == (st.st_dev, st.st_ino, st.st_size)
         assert info.offset == storage.fd_offset
         assert info.readonly == readonly
+        handle = storage._as_parameter_
+        assert (info.flags, info.data, info.nbytes) == (
+            _ffi.lib.lshm_storage_flags(handle), array.ctypes.data, array.nbytes)
         assert bool(fcntl.fcntl(info.fd, fcntl.F_GET_SEALS) & reduction.F_SEAL_FUTURE_WRITE) \
             == bool(readonly)
     unshared = pyshm.storage_of(pyshm.empty(10, np.uint8))

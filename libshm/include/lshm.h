@@ -220,6 +220,9 @@ typedef struct lshm_export_info {
     uint64_t dev, ino;  /* the memfd's st_dev and st_ino: its identity */
     uint64_t file_size; /* the memfd's size in bytes */
     int readonly;       /* the memfd is sealed against writes (receivers map it read-only) */
+    unsigned flags;     /* the storage's flags, data and nbytes, as the accessors return them */
+    void *data;         /* (one call instead of four for a binding that pays per call) */
+    size_t nbytes;
 } lshm_export_info;
 
 /* lshm_storage_fd plus the memfd's identity, size and write seal in one call. For a storage

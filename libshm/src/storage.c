@@ -362,7 +362,8 @@ int lshm_storage_export(lshm_storage *s, lshm_export_info *out) {
     int rc = lshm_storage_fd(s, &fd, &offset);
     if (rc != 0)
         return rc;
-    lshm_export_info info = {fd, offset, 0, 0, LSHM_SLAB_BYTES, 0};
+    lshm_export_info info = {fd, offset, 0, 0, LSHM_SLAB_BYTES, 0,
+                             lshm_storage_flags(s), lshm_storage_data(s), s->nbytes};
     if (s->origin != LSHM__ORIGIN_SLAB || !lshm__slab_identity(s, &info.dev, &info.ino)) {
         lshm__fd_info fi; /* one memfd of its own, a segment's, or a slab storage's own */
         if ((rc = lshm__os_fd_info(fd, &fi)) != 0)

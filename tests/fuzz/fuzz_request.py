@@ -37,7 +37,7 @@ TICKETS = [reduction._export(pyshm.storage_of(a)._as_parameter_, _owner_of(a)) f
 KEYS = [t.key for t in TICKETS]
 ISSUED = {}  # (key, secret) -> read-only?
 for t in TICKETS:
-    rw, ro = C.state.secrets[t.key]
+    rw, ro = C.state.secrets[t.key][:2]
     ISSUED[(t.key, rw)] = False
     ISSUED[(t.key, ro)] = True
 SEALED = {k: bool(fcntl.fcntl(pyshm.storage_of(a).fd, fcntl.F_GET_SEALS) & C.WRITE_SEALS)
