@@ -27,7 +27,7 @@ from .arena import Arena
 from .arrays import copy, empty, is_shared, share_memory_, storage_of, zeros
 from .planner import Plan, lower_bound, plan
 from .storage import Storage, trim_pool
-from ._channel import DeliveryError
+from ._channel import DeliveryError, Undelivered
 from .reduction import register as _register_reducers, share_readonly
 
 _register_reducers()
@@ -54,6 +54,7 @@ __all__ = [
     "ShmBufferError",
     "ShmPermissionError",
     "DeliveryError",
+    "Undelivered",
     "LIBRARY_PATH",
     "__version__",
 ]

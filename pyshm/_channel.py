@@ -100,6 +100,52 @@ class DeliveryError(pickle.UnpicklingError):
     result pipe for a closed pipe)."""
 
 
+class Undelivered:
+    """Stands in for an array or Storage whose memory could not be delivered, where raising
+    :class:`DeliveryError` would wedge the caller: in ``multiprocessing.Pool``'s result-handler
+    thread, any exception while unpickling a result kills that thread, and every later
+    ``.get()`` of the pool hangs. So a Pool result arrives, and the first use of this object
+    (an attribute, ``numpy.asarray``, indexing, ``len``, ``bool``, iteration) raises the
+    :class:`DeliveryError`; ``error`` holds it. Everywhere else unpickling raises it directly.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: DeliveryError) -> None:
+        object.__setattr__(self, "error", error)
+
+    def _raise(self, *args: Any, **kwargs: Any) -> Any:
+        raise DeliveryError(str(self.error)) from self.error
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # (protocol probes: copy, pickle, numpy, repr)
+        return self._raise()
+
+    __array__ = __getitem__ = __setitem__ = __len__ = __iter__ = __bool__ = _raise
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __matmul__ = _raise
+    __truediv__ = __rtruediv__ = __floordiv__ = __mod__ = __pow__ = __neg__ = _raise
+    __lt__ = __le__ = __gt__ = __ge__ = __float__ = __int__ = __index__ = _raise
+    __array_interface__ = property(_raise)
+    __reduce__ = __reduce_ex__ = _raise  # (never sent on as if it were memory)
+
+    def __repr__(self) -> str:
+        return f"<pyshm.Undelivered: {self.error}>"
+
+
+# multiprocessing.Pool's result handler: an exception while it unpickles kills it (see above)
+_RESULT_HANDLERS = ("Pool._handle_results",)
+
+
+def undeliverable(error: DeliveryError) -> Any:
+    """What a rebuild whose memory cannot be delivered does with `error`: raise it, or, on a
+    thread that an exception would kill for good, return an :class:`Undelivered`."""
+    target = getattr(threading.current_thread(), "_target", None)
+    if getattr(target, "__qualname__", "") in _RESULT_HANDLERS:
+        return Undelivered(error)
+    raise error
+
+
 def parse_request(data: bytes) -> tuple:
     """(proof, fetches, acks, most extras) of a request; ValueError if malformed.
 

@@ -482,7 +482,10 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
     if not isinstance(dtype, np.dtype) or dtype.hasobject:
         # (pointers read from shared memory would crash the receiver)
         raise pickle.UnpicklingError(f"pyshm: no array of dtype {dtype!r} in shared memory")
-    mapping, handle = _resolve(batch, token)
+    try:
+        mapping, handle = _resolve(batch, token)
+    except DeliveryError as exc:
+        return _channel.undeliverable(exc)
     try:
         nbytes = lib.lshm_storage_nbytes(handle)
         if _fits(nbytes, shape, dtype, strides, start):
@@ -512,7 +515,10 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
 
 
 def _rebuild_storage(batch, token) -> Storage:
-    mapping, handle = _resolve(batch, token)
+    try:
+        mapping, handle = _resolve(batch, token)
+    except DeliveryError as exc:
+        return _channel.undeliverable(exc)
     storage = Storage._from_handle(handle)
     storage._keep = mapping
     return storage

@@ -365,6 +365,51 @@ def test_an_executor_does_not_wedge_on_undeliverable_memory():
         ex.shutdown(wait=True, cancel_futures=True)
 
 
+def _undelivered_is_loud(value):
+    assert isinstance(value, pyshm.Undelivered)
+    assert isinstance(value.error, pyshm.DeliveryError) and "killed" in str(value.error)
+    for use in (np.asarray, len, bool, lambda v: v[0], lambda v: v.shape, lambda v: v.sum(),
+                lambda v: v + 1, list, ForkingPickler.dumps):
+        with pytest.raises(pyshm.DeliveryError):
+            use(value)
+    assert "Undelivered" in repr(value)
+
+
+def test_the_multiprocessing_threads_pyshm_recognises_still_exist():
+    # pyshm tells multiprocessing's own threads by their target's name: a rename in a later
+    # Python would silently bring back a racy implicit share or a wedging Pool, so fail here
+    import multiprocessing.pool
+    import multiprocessing.queues
+
+    names = {multiprocessing.queues.Queue._feed.__qualname__,
+             multiprocessing.pool.Pool._handle_tasks.__qualname__}
+    assert names == set(reduction._ASYNC_PICKLERS)
+    assert multiprocessing.pool.Pool._handle_results.__qualname__ in _channel._RESULT_HANDLERS
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_pool_does_not_wedge_on_undeliverable_memory(method):
+    # multiprocessing.Pool's result handler dies on any exception while it unpickles a result,
+    # and then every later get() hangs: the result arrives, and raises where it is used
+    payload = _dead_senders_payload()
+    pool = mp.get_context(method).Pool(1)
+    try:
+        _undelivered_is_loud(pool.apply_async(return_replay, (payload,)).get(timeout=60))
+        back = pool.map(return_replay, [payload] * 3, chunksize=1)
+        assert len(back) == 3
+        for value in back:
+            _undelivered_is_loud(value)
+        # the pool still works, and ends cleanly
+        a = pyshm.zeros(1000, np.uint8, shared=True)
+        assert pool.apply_async(ident, (a,)).get(timeout=60).ctypes.data == a.ctypes.data
+    finally:
+        pool.terminate()
+        pool.join()
+    # elsewhere (here: a plain unpickle in the main thread) the error is raised at once
+    with pytest.raises(pyshm.DeliveryError):
+        pickle.loads(payload)
+
+
 # ---- 3. no write undone by an implicit share ------------------------------------------------------
 
 
