@@ -47,18 +47,22 @@ class ArrayOwner:
     to be created by users.
     """
 
-    __slots__ = ("_handle", "_keep", "__array_interface__", "_token", "__weakref__")
+    __slots__ = ("_handle", "_keep", "__array_interface__", "_token", "_facts", "__weakref__")
     # bound here, so that the release still works while the interpreter shuts down
     _c_release = lib.lshm_storage_release
 
     def __init__(self, handle: int, shape: tuple, dtype: np.dtype, offset: int, readonly: bool,
-                 keep: Any = None, strides: Optional[tuple] = None, adopt: bool = False):
+                 keep: Any = None, strides: Optional[tuple] = None, adopt: bool = False,
+                 data: Optional[int] = None):
         # Take our own reference first, so the storage cannot vanish under the array (adopt:
-        # the caller hands over a reference of its own instead).
+        # the caller hands over a reference of its own instead). data: the storage's data
+        # pointer, when the caller knows it.
         self._handle = handle if adopt else lib.lshm_storage_retain(handle)
         self._keep = keep
         self._token = None  # the last token it was sent with (pyshm.reduction)
-        data = lib.lshm_storage_data(self._handle) or 0
+        self._facts = None  # (flags, data, nbytes) of memory received (pyshm.reduction)
+        if data is None:
+            data = lib.lshm_storage_data(self._handle) or 0
         typestr = _TYPESTRS.get(dtype)
         interface = {
             "version": 3,

@@ -130,8 +130,8 @@ class _Mapping:
     long as something uses the mapping.
     """
 
-    __slots__ = ("segment", "key", "size", "fd_kept", "sealed", "data", "ours", "_finalizer",
-                 "__weakref__")
+    __slots__ = ("segment", "key", "size", "fd_kept", "sealed", "data", "flags", "ours",
+                 "_finalizer", "__weakref__")
 
     def __init__(self, segment: int, key: tuple, fd_kept: bool, sealed: bool) -> None:
         self.segment = segment
@@ -142,6 +142,7 @@ class _Mapping:
         # F_SEAL_SEAL, so nobody can add that seal later
         self.sealed = sealed
         self.data = lib.lshm_segment_data(segment) or 0
+        self.flags = lib.lshm_segment_flags(segment)  # (what its views' flags start from)
         # one of our own slab memfds, come back without its storage being found: only then can
         # a later token naming it be a storage of ours (lshm_slab_knows says why that holds)
         self.ours = self.size == SLAB_SIZE and bool(lib.lshm_slab_knows(key[0], key[1]))
@@ -240,14 +241,17 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
     received), whose key and size are known already.
     """
     if mapping is not None and mapping.fd_kept:
-        flags = lib.lshm_storage_flags(handle)
+        # memory received, sent on: all its export info is known already
+        # (lshm_storage_export would make three syscalls to find it again); a view of the
+        # whole-memfd mapping, whose flags, data and size its array may know (_rebuild_ndarray)
+        facts = getattr(holder, "_facts", None)
+        if facts is None:
+            facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
+                     lib.lshm_storage_nbytes(handle))
+        flags, data, nbytes = facts
         if mapping.sealed or not flags & _ffi.STORAGE_READONLY:
-            # memory received, sent on: all its export info is known already
-            # (lshm_storage_export would make three syscalls to find it again); a view of the
-            # whole-memfd mapping
-            data = lib.lshm_storage_data(handle) or 0
-            return _ticket(handle, holder, flags, data, lib.lshm_storage_nbytes(handle),
-                           mapping.key, mapping.size, data - mapping.data, mapping.sealed)
+            return _ticket(handle, holder, flags, data, nbytes, mapping.key, mapping.size,
+                           data - mapping.data, mapping.sealed)
     info = _ffi.ExportInfo()
     rc = _ffi.export_unchecked(handle, byref(info))
     if rc == -errno.ENODATA and not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
@@ -364,27 +368,31 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
 
 def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
                 mapping: Optional[_Mapping] = None) -> Optional[int]:
-    """A storage of this process for that byte range of memfd `key` (a new reference the
-    caller releases), or None: memory that left from here coming back (lock held). `mapping`:
-    the cached mapping of `key`, if any."""
+    """(a storage of this process for that byte range of memfd `key` (a new reference the
+    caller releases) or None, its (flags, data, nbytes) if known): memory that left from here
+    coming back (lock held). `mapping`: the cached mapping of `key`, if any."""
     ref = _state.ranges.get((key, size, offset, nbytes))
     holder = ref() if ref is not None else None
     if holder is not None:
-        return lib.lshm_storage_retain(_handle_of(holder))  # the very same storage
+        handle = lib.lshm_storage_retain(_handle_of(holder))  # the very same storage
+        token = getattr(holder, "_token", None)
+        if token is not None:  # its data and size, as its last export read them
+            return handle, (lib.lshm_storage_flags(handle), token[3], token[1][3])
+        return handle, None
     holder = _channel.lookup(key)
     if holder is not None:
         # another storage of the same memfd (a tensor of a shared arena, a Storage.attach
         # view): a view of the same pages at the same address
         segment = lib.lshm_storage_segment(_handle_of(holder))
         if segment and lib.lshm_segment_size(segment) == size:
-            return _new_view(segment, offset, nbytes, readonly)
+            return _new_view(segment, offset, nbytes, readonly), None
     if size == SLAB_SIZE and (mapping is None or mapping.ours):
         # ours, sent back by a forked child that inherited it
         out = c_void_p()
         if _ffi.slab_find_unchecked(key[0], key[1], offset, nbytes, byref(out)) != 0:
-            return None  # not one of our slabs' (or no live storage there)
-        return out.value
-    return None
+            return None, None  # not one of our slabs' (or no live storage there)
+        return out.value, None
+    return None, None
 
 
 def _resolve(batch: Optional[_channel.ReceivedBatch], token: Any) -> tuple:
@@ -394,11 +402,11 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], token: Any) -> tuple:
     fd = None
     with _state.lock:
         mapping = _cache.mappings.get(key)
-        handle = _own_memory(key, size, offset, nbytes, readonly, mapping)
+        handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
         if handle is not None:
             if solo is not None:
                 _channel.queue_ack(address, solo)
-            return None, handle
+            return None, handle, facts
         if mapping is None:
             entry = _state.prefetched.pop(key, None)
             if entry is not None:  # handed to us with an earlier fetch of this message
@@ -442,7 +450,11 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], token: Any) -> tuple:
         raise pickle.UnpicklingError(
             f"pyshm: memfd is {mapping.size} bytes, the sender said {size}"
         )
-    return mapping, _new_view(mapping.segment, offset, nbytes, readonly)
+    # (a view's flags, as lshm_storage_init_view sets them, its data and size: the caller
+    # need not ask libshm for them)
+    flags = _ffi.STORAGE_SHARED | mapping.flags | (_ffi.STORAGE_READONLY if readonly else 0)
+    return mapping, _new_view(mapping.segment, offset, nbytes, readonly), (
+        flags, mapping.data + offset, nbytes)
 
 
 def _keep_extras(extras: list) -> None:
@@ -483,16 +495,21 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
         # (pointers read from shared memory would crash the receiver)
         raise pickle.UnpicklingError(f"pyshm: no array of dtype {dtype!r} in shared memory")
     try:
-        mapping, handle = _resolve(batch, token)
+        mapping, handle, facts = _resolve(batch, token)
     except DeliveryError as exc:
         return _channel.undeliverable(exc)
     try:
-        nbytes = lib.lshm_storage_nbytes(handle)
+        if facts is None:
+            facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
+                     lib.lshm_storage_nbytes(handle))
+        flags, data, nbytes = facts
         if _fits(nbytes, shape, dtype, strides, start):
             # the array itself over the storage, in one step (the owner adopts our reference)
-            readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
-            owner = ArrayOwner(handle, shape, dtype, start, readonly, mapping, strides, True)
+            owner = ArrayOwner(handle, shape, dtype, start, bool(flags & _ffi.STORAGE_READONLY),
+                               mapping, strides, True, data)
             handle = None
+            if mapping is not None:
+                owner._facts = facts  # (for sending it on: see _export)
             array = np.asarray(owner)
             if array.dtype is dtype or array.dtype == dtype:
                 if not writeable and array.flags.writeable:
@@ -516,7 +533,7 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
 
 def _rebuild_storage(batch, token) -> Storage:
     try:
-        mapping, handle = _resolve(batch, token)
+        mapping, handle, _ = _resolve(batch, token)
     except DeliveryError as exc:
         return _channel.undeliverable(exc)
     storage = Storage._from_handle(handle)

@@ -261,6 +261,68 @@ def test_the_server_survives_a_blast_of_garbage():
     os.close(fd)
 
 
+def _fetch_in_a_loop(conn, address, key, secret, seconds):
+    """Keep a sender's server busy replying (real fetches, each one hands out an fd)."""
+    served = failed = 0
+    end = time.monotonic() + seconds
+    conn.send("go")
+    while time.monotonic() < end:
+        try:
+            (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+        except pyshm.DeliveryError:
+            failed += 1
+            continue
+        if fd is not None:
+            served += 1
+            os.close(fd)
+    conn.send((served, failed))
+
+
+def test_fork_while_the_server_is_replying():
+    # the server thread is in the middle of a reply (lock held, socket open) whenever we fork:
+    # every child must get a working channel of its own, and the parent's must go on serving
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, address, secret = _token_of(a)
+    conn, hammer = start_with_pipe(mp.get_context("spawn"), _fetch_in_a_loop, address, key,
+                                   secret, 6.0)
+    assert conn.recv() == "go"
+    rng = np.random.default_rng(7)
+    children = 0
+    while hammer.is_alive() and children < 40:
+        time.sleep(float(rng.uniform(0, 0.004)))
+        r, w = os.pipe()
+        done_r, done_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a sender of its own: pickles new memory, stays until it was fetched
+            try:
+                os.close(r)
+                os.close(done_w)
+                b = pyshm.zeros(20_000, np.int32, shared=True)
+                b[:] = children
+                os.write(w, bytes(ForkingPickler.dumps(b)))
+                os.close(w)
+                os.read(done_r, 1)
+            finally:
+                os._exit(0)
+        os.close(w)
+        os.close(done_r)
+        with os.fdopen(r, "rb") as f:
+            payload = f.read()
+        b = pickle.loads(payload)  # fetched from the child's own server
+        assert (b == children).all() and pyshm.is_shared(b)
+        assert _channel.fetch_count() > 0
+        os.write(done_w, b"x")
+        os.close(done_w)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        del b
+        children += 1
+    served, failed = conn.recv()
+    hammer.join(30)
+    assert children == 40 and served > 100 and failed == 0, (children, served, failed)
+    assert _channel.state.server.thread.is_alive()
+
+
 # ---- 2. a sender may exit as soon as it has sent -------------------------------------------------
 
 
