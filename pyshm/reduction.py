@@ -188,12 +188,16 @@ def segment_count() -> int:
 
 
 def _new_view(segment: int, offset: int, nbytes: int, readonly: bool) -> int:
-    out = c_void_p()
-    rc = _ffi.create_view_unchecked(segment, offset, nbytes,
-                                    _ffi.STORAGE_READONLY if readonly else 0, byref(out))
+    # (offset and nbytes come from a checked token: ints in [0, 2**63)). The lock: another
+    # thread may run between the call and reading the shared out-pointer.
+    with _state.lock:
+        rc = _ffi.create_view_unchecked(segment, offset, nbytes,
+                                        _ffi.STORAGE_READONLY if readonly else 0,
+                                        _ffi.create_view_out_ref)
+        view = _ffi.create_view_out.value
     if rc < 0:
         _ffi.raise_for(rc, "lshm_storage_create_view")
-    return out.value
+    return view
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,8 +256,7 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
         if mapping.sealed or not flags & _ffi.STORAGE_READONLY:
             return _ticket(handle, holder, flags, data, nbytes, mapping.key, mapping.size,
                            data - mapping.data, mapping.sealed)
-    info = _ffi.ExportInfo()
-    rc = _ffi.export_unchecked(handle, byref(info))
+    rc, info = _export_info(handle)
     if rc == -errno.ENODATA and not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
         if _on_async_pickler_thread():
             raise pickle.PicklingError(
@@ -266,7 +269,7 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
         # in place, same address, atomic on failure; memory that cannot be shared in place is
         # refused here, in the sender
         _share_in_place(handle, "pickling for another process", pickle.PicklingError)
-        rc = _ffi.export_unchecked(handle, byref(info))
+        rc, info = _export_info(handle)
     if rc == -errno.EBADF:
         raise pickle.PicklingError(
             "this pyshm array was received from another process and its fd was closed to "
@@ -275,21 +278,27 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
         )
     if rc < 0:
         _ffi.raise_for(rc, "lshm_storage_export")
-    flags = info.flags
+    _, offset, dev, ino, file_size, sealed, flags, data, nbytes = info
     readonly = bool(flags & _ffi.STORAGE_READONLY)
-    if readonly and not info.readonly:
+    if readonly and not sealed:
         raise pickle.PicklingError(
             "pyshm: this memory is read-only here but its memfd is not sealed against writes, "
             "so its fd would let a receiver write to it; send a sealed copy instead: "
             "pyshm.share_readonly(pyshm.copy(array))"
         )
-    readonly = readonly or bool(info.readonly)
+    readonly = readonly or bool(sealed)
     if mapping is not None:
         key, size = mapping.key, mapping.size
     else:
-        key, size = (info.dev, info.ino), info.file_size
-    return _ticket(handle, holder, flags, info.data or 0, info.nbytes, key, size, info.offset,
-                   readonly)
+        key, size = (dev, ino), file_size
+    return _ticket(handle, holder, flags, data or 0, nbytes, key, size, offset, readonly)
+
+
+def _export_info(handle: int) -> tuple:
+    """(status, the fields of lshm_export_info as a tuple) of lshm_storage_export(handle)."""
+    with _state.lock:  # (one shared ExportInfo: see _ffi.export_unchecked)
+        rc = _ffi.export_unchecked(handle, _ffi.export_info_ref)
+        return rc, _ffi.EXPORT_LAYOUT.unpack_from(_ffi.export_info)
 
 
 def _ticket(handle: int, holder: Any, flags: int, data: int, nbytes: int, key: tuple,
@@ -371,15 +380,19 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
     """(a storage of this process for that byte range of memfd `key` (a new reference the
     caller releases) or None, its (flags, data, nbytes) if known): memory that left from here
     coming back (lock held). `mapping`: the cached mapping of `key`, if any."""
-    ref = _state.ranges.get((key, size, offset, nbytes))
+    # (ranges and the channel's holders only know memfds exported from here, which all have
+    # secrets: a memfd received from elsewhere skips both)
+    ref = _state.ranges.get((key, size, offset, nbytes)) if key in _state.secrets else None
     holder = ref() if ref is not None else None
     if holder is not None:
         handle = lib.lshm_storage_retain(_handle_of(holder))  # the very same storage
         token = getattr(holder, "_token", None)
-        if token is not None:  # its data and size, as its last export read them
-            return handle, (lib.lshm_storage_flags(handle), token[3], token[1][3])
+        if token is not None:
+            # its flags, data and size, as its last export read them (none of them changes
+            # once it is exported: lshm_storage_seal_readonly then refuses)
+            return handle, (token[0], token[3], token[1][3])
         return handle, None
-    holder = _channel.lookup(key)
+    holder = _channel.lookup(key) if key in _state.secrets else None
     if holder is not None:
         # another storage of the same memfd (a tensor of a shared arena, a Storage.attach
         # view): a view of the same pages at the same address
@@ -479,6 +492,13 @@ def _fits(nbytes: int, shape: Any, dtype: Any, strides: Any, start: Any) -> bool
     if (type(shape) is not tuple or type(strides) is not tuple or len(shape) != len(strides)
             or type(start) is not int):
         return False
+    if len(shape) == 1:  # (the usual case, without the loop)
+        dim, stride = shape[0], strides[0]
+        if type(dim) is not int or type(stride) is not int or dim <= 0:
+            return False
+        span = (dim - 1) * stride
+        return (start + span if stride < 0 else start) >= 0 and (
+            (start if stride < 0 else start + span) + dtype.itemsize <= nbytes)
     low = high = start
     for dim, stride in zip(shape, strides):
         if type(dim) is not int or type(stride) is not int or dim <= 0:
