@@ -57,6 +57,7 @@ __all__ = [
 
 LIBRARY_NAME = "liblshm.so"
 EXPECTED_VERSION_MAJOR = 0
+EXPECTED_VERSION_MINOR = 2  # lshm_export_info grew in 0.2
 
 STORAGE_RESIZABLE = 0x1
 STORAGE_SHARED = 0x2
@@ -164,9 +165,10 @@ def _load() -> tuple[ctypes.CDLL, str]:
     version.restype = c_int
     version.argtypes = []
     found = version()
-    if found // 10000 != EXPECTED_VERSION_MAJOR:
+    if found // 10000 != EXPECTED_VERSION_MAJOR or found // 100 % 100 < EXPECTED_VERSION_MINOR:
         raise ImportError(
-            f"pyshm: {path} has version {found}, expected major {EXPECTED_VERSION_MAJOR}"
+            f"pyshm: {path} has version {found}, expected {EXPECTED_VERSION_MAJOR}."
+            f"{EXPECTED_VERSION_MINOR} or a later {EXPECTED_VERSION_MAJOR}.x"
         )
     return library, path
 

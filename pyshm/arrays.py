@@ -38,6 +38,30 @@ ShapeLike = Union[int, Sequence[int]]
 _TYPESTRS: dict = {}
 
 
+class _Reference:
+    """One reference to a C storage, released when this object goes.
+
+    An :class:`ArrayOwner` holds its reference through one of these rather than releasing it
+    in a ``__del__`` of its own: CPython clears an object's weak references only after its
+    ``__del__``, so a dying owner would still be reachable from the channel's weak references
+    (pyshm._channel) while its storage is being released. An owner without ``__del__`` has
+    its weak references cleared first, and then its slots, which releases this. (Cheaper than
+    a ``weakref.finalize``, which costs 3 us per array.)"""
+
+    __slots__ = ("handle",)
+    _c_release = lib.lshm_storage_release  # (still bound while the interpreter shuts down)
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def release(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle:
+            self._c_release(handle)
+
+    __del__ = release
+
+
 class ArrayOwner:
     """The ``base`` of every pyshm array: one reference to a C storage, plus the array layout.
 
@@ -47,22 +71,21 @@ class ArrayOwner:
     to be created by users.
     """
 
-    __slots__ = ("_handle", "_keep", "__array_interface__", "_token", "_facts", "__weakref__")
-    # bound here, so that the release still works while the interpreter shuts down
-    _c_release = lib.lshm_storage_release
+    __slots__ = ("_handle", "_ref", "_keep", "__array_interface__", "_token", "_facts",
+                 "__weakref__")
 
     def __init__(self, handle: int, shape: tuple, dtype: np.dtype, offset: int, readonly: bool,
                  keep: Any = None, strides: Optional[tuple] = None, adopt: bool = False,
                  data: Optional[int] = None):
-        # Take our own reference first, so the storage cannot vanish under the array (adopt:
-        # the caller hands over a reference of its own instead). data: the storage's data
-        # pointer, when the caller knows it.
-        self._handle = handle if adopt else lib.lshm_storage_retain(handle)
+        # The owner takes its own reference (adopt: the caller hands over one of its own
+        # instead), last: if anything here raises, the caller still has its reference and
+        # nothing is released twice. data: the storage's data pointer, when the caller knows it.
+        self._handle = self._ref = None
         self._keep = keep
         self._token = None  # the last token it was sent with (pyshm.reduction)
         self._facts = None  # (flags, data, nbytes) of memory received (pyshm.reduction)
         if data is None:
-            data = lib.lshm_storage_data(self._handle) or 0
+            data = lib.lshm_storage_data(handle) or 0
         typestr = _TYPESTRS.get(dtype)
         interface = {
             "version": 3,
@@ -77,17 +100,14 @@ class ArrayOwner:
             elif len(_TYPESTRS) < 256:
                 _TYPESTRS[dtype] = interface["typestr"]
         self.__array_interface__ = interface
+        self._ref = _Reference(handle if adopt else lib.lshm_storage_retain(handle))
+        self._handle = handle
 
     def _release(self) -> None:
         """Give up the owner's reference now (once; the arrays over it must not be used)."""
-        handle = getattr(self, "_handle", None)
         self._handle = None
-        if handle:
-            self._c_release(handle)
-
-    # (a __del__, not a weakref.finalize: this runs for every array pyshm makes or receives,
-    # and a finalizer costs 3 us more to set up)
-    __del__ = _release
+        if self._ref is not None:
+            self._ref.release()
 
     def storage(self) -> Storage:
         """A new :class:`Storage` handle (its own reference) on the same C storage."""

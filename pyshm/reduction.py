@@ -97,7 +97,7 @@ import numpy as np
 from . import _channel, _ffi
 from ._channel import KEEPALIVE_SECONDS, DeliveryError, fetch_count  # noqa: F401 - public
 from ._ffi import lib
-from .arrays import data_address, ArrayOwner, _owner_of, _wrap
+from .arrays import ArrayOwner, _owner_of, _wrap, data_address
 from .storage import Storage, _share_in_place
 
 __all__ = [
@@ -257,19 +257,9 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
             return _ticket(handle, holder, flags, data, nbytes, mapping.key, mapping.size,
                            data - mapping.data, mapping.sealed)
     rc, info = _export_info(handle)
-    if rc == -errno.ENODATA and not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
-        if _on_async_pickler_thread():
-            raise pickle.PicklingError(
-                "pyshm: this array is not shared yet, and multiprocessing is pickling it on a "
-                "thread of its own (a Queue's feeder, a Pool's task handler) while your code "
-                "may still be writing to it: sharing it in place now could undo those writes. "
-                "Share it before sending it: pyshm.share_memory_(array), or create it with "
-                "shared=True"
-            )
-        # in place, same address, atomic on failure; memory that cannot be shared in place is
-        # refused here, in the sender
-        _share_in_place(handle, "pickling for another process", pickle.PicklingError)
-        rc, info = _export_info(handle)
+    if rc == -errno.ENODATA:
+        _share_for_sending(handle)
+        rc, info = _export_info(handle)  # (shared by us or, meanwhile, by another thread)
     if rc == -errno.EBADF:
         raise pickle.PicklingError(
             "this pyshm array was received from another process and its fd was closed to "
@@ -292,6 +282,23 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
     else:
         key, size = (dev, ino), file_size
     return _ticket(handle, holder, flags, data or 0, nbytes, key, size, offset, readonly)
+
+
+def _share_for_sending(handle: int) -> None:
+    """Share an unshared storage in place because it is being pickled (implicit share)."""
+    if lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
+        return  # another thread did it meanwhile
+    if _on_async_pickler_thread():
+        raise pickle.PicklingError(
+            "pyshm: this array is not shared yet, and multiprocessing is pickling it on a "
+            "thread of its own (a Queue's feeder, a Pool's task handler) while your code "
+            "may still be writing to it: sharing it in place now could undo those writes. "
+            "Share it before sending it: pyshm.share_memory_(array), or create it with "
+            "shared=True"
+        )
+    # in place, same address, atomic on failure (idempotent: a concurrent share copies once);
+    # memory that cannot be shared in place is refused here, in the sender
+    _share_in_place(handle, "pickling for another process", pickle.PicklingError)
 
 
 def _export_info(handle: int) -> tuple:
@@ -523,14 +530,23 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
             facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
                      lib.lshm_storage_nbytes(handle))
         flags, data, nbytes = facts
+        owner = None
         if _fits(nbytes, shape, dtype, strides, start):
             # the array itself over the storage, in one step (the owner adopts our reference)
-            owner = ArrayOwner(handle, shape, dtype, start, bool(flags & _ffi.STORAGE_READONLY),
-                               mapping, strides, True, data)
+            try:
+                owner = ArrayOwner(handle, shape, dtype, start,
+                                   bool(flags & _ffi.STORAGE_READONLY), mapping, strides, True,
+                                   data)
+            except (TypeError, ValueError):
+                pass  # a dtype the interface cannot describe (dtype.descr refuses it): below
+        if owner is not None:
             handle = None
             if mapping is not None:
                 owner._facts = facts  # (for sending it on: see _export)
-            array = np.asarray(owner)
+            try:
+                array = np.asarray(owner)
+            except (TypeError, ValueError) as exc:
+                raise pickle.UnpicklingError(f"pyshm: bad array layout: {exc}") from None
             if array.dtype is dtype or array.dtype == dtype:
                 if not writeable and array.flags.writeable:
                     array.flags.writeable = False

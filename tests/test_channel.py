@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
@@ -591,6 +592,74 @@ def test_a_token_made_before_a_fork_is_made_anew_in_the_child():
     assert [b.ctypes.data for b in back] == [small.ctypes.data, big.ctypes.data]
     assert small[0] == 7 and big[-1] == 8
     assert pyshm.storage_of(back[0]) == pyshm.storage_of(small)
+
+
+def test_a_dying_array_is_never_handed_out_by_the_channel():
+    # an array's owner is reachable through the channel's weak references until the moment its
+    # storage is released; a fetch must never get a holder whose storage is going away
+    keep = pyshm.zeros(512, shared=True)  # keeps the slab's memfd alive, never exported
+    b = pyshm.zeros(512, shared=True)
+    ForkingPickler.dumps(b)
+    key = b.base._token[4]
+    _channel.drop_holds()
+    del b
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    stop = threading.Event()
+    seen = {"probes": 0, "dying": 0}
+
+    def churn():
+        for _ in range(4000):
+            a = pyshm.zeros(512, shared=True)
+            ForkingPickler.dumps(a)
+            _channel.drop_holds()
+            del a
+
+    def probe():
+        while not stop.is_set():
+            seen["probes"] += 1
+            holder = _channel.lookup(key)
+            if holder is not None and holder._handle is None:
+                seen["dying"] += 1
+
+    try:
+        prober = threading.Thread(target=probe)
+        prober.start()
+        churn()
+    finally:
+        stop.set()
+        prober.join()
+        sys.setswitchinterval(switch)
+    assert seen["probes"] > 1000 and seen["dying"] == 0, seen
+    del keep
+
+
+def test_two_threads_pickling_the_same_unshared_arrays():
+    # both may find an array unshared; one shares it, the other must still export it
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    arrays = [pyshm.zeros(8192, np.uint8) for _ in range(1500)]
+    errors = []
+    barrier = threading.Barrier(2)
+
+    def run():
+        barrier.wait()
+        for a in arrays:
+            try:
+                ForkingPickler.dumps(a)
+            except Exception as exc:  # noqa: BLE001 - any failure is the bug
+                errors.append(repr(exc))
+
+    try:
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == [] and all(pyshm.is_shared(a) for a in arrays)
+    _channel.drop_holds()
 
 
 # ---- 5. bounded holds ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import mmap
 import multiprocessing as mp
 import os
@@ -26,7 +27,8 @@ import numpy as np
 import pytest
 
 import pyshm
-from pyshm import _channel, reduction
+from pyshm import _channel, _ffi, reduction
+from pyshm.arrays import _owner_of
 
 from shm_harness import start_with_pipe
 
@@ -474,6 +476,24 @@ def _token(array):
     return func, [None, token, *args[2:]]
 
 
+def test_a_dtype_the_array_interface_cannot_describe_comes_back_whole():
+    # overlapping fields: dtype.descr refuses them, so the receiver takes the flat path; the
+    # storage keeps exactly its references
+    overlapping = np.dtype({"names": ["a", "b"], "formats": ["<i4", "<i4"],
+                            "offsets": [0, 0], "itemsize": 4})
+    base = pyshm.zeros(16, np.uint8, shared=True)
+    view = base.view(overlapping)
+    handle = _owner_of(base)._handle
+    refs = _ffi.lib.lshm_storage_refcount(handle)
+    back = pickle.loads(ForkingPickler.dumps(view))
+    assert back.dtype == overlapping and back.ctypes.data == view.ctypes.data
+    base[:4] = 7
+    assert back["a"][0] == back["b"][0] == int.from_bytes(bytes([7] * 4), "little")
+    del back
+    gc.collect()
+    assert _ffi.lib.lshm_storage_refcount(handle) == refs
+
+
 def test_hostile_payloads_raise(no_fd_leak, tmp_path):
     a = pyshm.empty(100, np.uint8, shared=True)
     func, args = _token(a)
@@ -507,6 +527,9 @@ def test_hostile_payloads_raise(no_fd_leak, tmp_path):
                               ((np.int64(200),), dtype, (1,), 0), ((1,), np.dtype(object), (8,), 0)]:
         with pytest.raises(pickle.UnpicklingError):
             func(None, token, shape, dt, st, at, writeable)
+    # a layout that fits but numpy cannot make (too many items): refused, not a ValueError
+    with pytest.raises(pickle.UnpicklingError):
+        func(None, token, (2 ** 40, 2 ** 40), dtype, (0, 0), 0, writeable)
     # and those that do, read back exactly: reversed, strided, the last byte
     a[:] = np.arange(100, dtype=np.uint8)
     for shape, st, at, want in [((100,), (-1,), 99, a[::-1]), ((10,), (10,), 5, a[5::10]),

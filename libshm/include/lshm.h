@@ -50,7 +50,7 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------ */
 
 #define LSHM_VERSION_MAJOR 0
-#define LSHM_VERSION_MINOR 1
+#define LSHM_VERSION_MINOR 2
 #define LSHM_VERSION_PATCH 0
 /* Encoded as major * 10000 + minor * 100 + patch. */
 #define LSHM_VERSION_NUMBER (LSHM_VERSION_MAJOR * 10000 + LSHM_VERSION_MINOR * 100 + LSHM_VERSION_PATCH)
@@ -220,6 +220,7 @@ typedef struct lshm_export_info {
     uint64_t dev, ino;  /* the memfd's st_dev and st_ino: its identity */
     uint64_t file_size; /* the memfd's size in bytes */
     int readonly;       /* the memfd is sealed against writes (receivers map it read-only) */
+    /* since 0.2 (the struct grew: code built against 0.1 must not use a 0.2 library) */
     unsigned flags;     /* the storage's flags, data and nbytes, as the accessors return them */
     void *data;         /* (one call instead of four for a binding that pays per call) */
     size_t nbytes;
