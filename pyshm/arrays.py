@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -38,28 +39,23 @@ ShapeLike = Union[int, Sequence[int]]
 _TYPESTRS: dict = {}
 
 
-class _Reference:
-    """One reference to a C storage, released when this object goes.
+# ArrayOwner weak reference -> the C reference it holds. The reference is given back by the
+# weak reference's callback, as weakref.finalize would (0.2 us instead of 3): CPython clears
+# every weak reference to a dying owner before it runs callbacks, so the channel's weak
+# references (pyshm._channel) never see an owner whose storage is being released, and in a
+# garbage cycle the release runs in the same phase as the other finalizers (an Arena's among
+# them), before any __del__. The dict keeps the weak references reachable, which is what
+# makes CPython call them for cyclic garbage too.
+_REFERENCES: dict = {}
 
-    An :class:`ArrayOwner` holds its reference through one of these rather than releasing it
-    in a ``__del__`` of its own: CPython clears an object's weak references only after its
-    ``__del__``, so a dying owner would still be reachable from the channel's weak references
-    (pyshm._channel) while its storage is being released. An owner without ``__del__`` has
-    its weak references cleared first, and then its slots, which releases this. (Cheaper than
-    a ``weakref.finalize``, which costs 3 us per array.)"""
 
-    __slots__ = ("handle",)
-    _c_release = lib.lshm_storage_release  # (still bound while the interpreter shuts down)
+def _released(ref: "weakref.ref") -> None:
+    handle = _REFERENCES.pop(ref, None)
+    if handle:
+        _c_release(handle)
 
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
 
-    def release(self) -> None:
-        handle, self.handle = self.handle, None
-        if handle:
-            self._c_release(handle)
-
-    __del__ = release
+_c_release = lib.lshm_storage_release  # (bound here: still callable while shutting down)
 
 
 class ArrayOwner:
@@ -73,6 +69,7 @@ class ArrayOwner:
 
     __slots__ = ("_handle", "_ref", "_keep", "__array_interface__", "_token", "_facts",
                  "__weakref__")
+    # _ref: the weak reference whose callback gives the C reference back (see _REFERENCES)
 
     def __init__(self, handle: int, shape: tuple, dtype: np.dtype, offset: int, readonly: bool,
                  keep: Any = None, strides: Optional[tuple] = None, adopt: bool = False,
@@ -100,14 +97,16 @@ class ArrayOwner:
             elif len(_TYPESTRS) < 256:
                 _TYPESTRS[dtype] = interface["typestr"]
         self.__array_interface__ = interface
-        self._ref = _Reference(handle if adopt else lib.lshm_storage_retain(handle))
+        ref = weakref.ref(self, _released)
+        _REFERENCES[ref] = handle if adopt else lib.lshm_storage_retain(handle)
+        self._ref = ref
         self._handle = handle
 
     def _release(self) -> None:
         """Give up the owner's reference now (once; the arrays over it must not be used)."""
         self._handle = None
         if self._ref is not None:
-            self._ref.release()
+            _released(self._ref)
 
     def storage(self) -> Storage:
         """A new :class:`Storage` handle (its own reference) on the same C storage."""

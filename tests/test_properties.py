@@ -977,6 +977,34 @@ class RecordingArenaMachine(RuleBasedStateMachine):
 
 TestStorageMachine = StorageMachine.TestCase
 TestStorageMachine.settings = PROFILE
+
+
+class _Draws:
+    """Replays recorded draws for a rule that takes st.data()."""
+
+    def __init__(self, values):
+        self.values = list(values)
+
+    def draw(self, strategy):
+        return self.values.pop(0)
+
+
+def test_a_shared_arena_replaced_while_its_arrays_die_leaves_nothing():
+    # found by the machine above (2026-12-01): an owner that released its storage in a __del__
+    # ran after the Arena's finalizer when both died in one garbage cycle, so the arena could
+    # not be destroyed and its memfd stayed mapped; the release now runs as a weak-reference
+    # callback, in the same phase as the arena's
+    state = StorageMachine()
+    state.arena_create(shared=False, sizes=[4096, 65536])
+    state.create(kind="zeros_shared", n=1048576, seed=165, view_now=False)
+    state.view(data=_Draws([2, "slice", 158677, 806509, 4096, "dtype"]), i=5, mv=True,
+               nested=False)
+    state.arena_create(shared=True, sizes=[65536, 65536, 5000, 4096])
+    state.create(kind="resizable", n=65536, seed=23, view_now=True)
+    state.arena_allocate(seed=96)
+    state.view(data=_Draws([0]), i=29, mv=False, nested=False)
+    state.arena_create(shared=False, sizes=[1048579, 65536, 65536])
+    state.teardown()
 TestRecordingArenaMachine = RecordingArenaMachine.TestCase
 TestRecordingArenaMachine.settings = PROFILE
 
