@@ -137,11 +137,17 @@ class Undelivered:
 _RESULT_HANDLERS = ("Pool._handle_results",)
 
 
+def on_thread_of(names: tuple) -> bool:
+    """Whether this thread runs one of multiprocessing's own thread functions, named by
+    qualified name (CPython-internal names: a test checks that they still exist)."""
+    target = getattr(threading.current_thread(), "_target", None)
+    return getattr(target, "__qualname__", "") in names
+
+
 def undeliverable(error: DeliveryError) -> Any:
     """What a rebuild whose memory cannot be delivered does with `error`: raise it, or, on a
     thread that an exception would kill for good, return an :class:`Undelivered`."""
-    target = getattr(threading.current_thread(), "_target", None)
-    if getattr(target, "__qualname__", "") in _RESULT_HANDLERS:
+    if on_thread_of(_RESULT_HANDLERS):
         return Undelivered(error)
     raise error
 

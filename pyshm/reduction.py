@@ -86,7 +86,6 @@ import fcntl
 import os
 import pickle
 import resource
-import threading
 import weakref
 from ctypes import byref, c_int, c_uint64, c_void_p
 from multiprocessing.reduction import ForkingPickler
@@ -231,12 +230,6 @@ _channel._fd_of = _fd_of_holder
 _ASYNC_PICKLERS = ("Queue._feed", "Pool._handle_tasks")
 
 
-def _on_async_pickler_thread() -> bool:
-    thread = threading.current_thread()
-    target = getattr(thread, "_target", None)
-    return getattr(target, "__qualname__", "") in _ASYNC_PICKLERS
-
-
 def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket":
     """Make storage `handle` sendable; returns the ticket that becomes its token.
 
@@ -288,7 +281,7 @@ def _share_for_sending(handle: int) -> None:
     """Share an unshared storage in place because it is being pickled (implicit share)."""
     if lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
         return  # another thread did it meanwhile
-    if _on_async_pickler_thread():
+    if _channel.on_thread_of(_ASYNC_PICKLERS):
         raise pickle.PicklingError(
             "pyshm: this array is not shared yet, and multiprocessing is pickling it on a "
             "thread of its own (a Queue's feeder, a Pool's task handler) while your code "
@@ -327,28 +320,24 @@ def _ticket(handle: int, holder: Any, flags: int, data: int, nbytes: int, key: t
 
 
 def _check_token(token: Any) -> tuple:
-    # the usual token, as a pyshm sender makes it, checked without converting anything
-    if type(token) is tuple and len(token) == 8:
-        key, address, size, offset, nbytes, readonly, secret, solo = token
-        if (solo is None and type(key) is tuple and len(key) == 2 and type(key[0]) is int
-                and type(key[1]) is int and type(size) is int and type(offset) is int
-                and type(nbytes) is int and type(secret) is bytes
-                and len(secret) == _channel.SECRET_BYTES and 0 <= offset
-                and 0 <= nbytes and offset + nbytes <= size):
-            return key, address, size, offset, nbytes, bool(readonly), secret, None
+    """The fields of a token from a pickle, checked (UnpicklingError if malformed); a token
+    as pyshm senders make it (ints already) is checked without converting anything."""
     try:
         key, address, size, offset, nbytes, readonly, secret, solo = token
-        key = (int(key[0]), int(key[1]))
-        size, offset, nbytes = int(size), int(offset), int(nbytes)
+        if not (type(key) is tuple and len(key) == 2 and type(key[0]) is int
+                and type(key[1]) is int and type(size) is int and type(offset) is int
+                and type(nbytes) is int):
+            key = (int(key[0]), int(key[1]))
+            size, offset, nbytes = int(size), int(offset), int(nbytes)
         if solo is not None:
             solo = (int(solo[0]), solo[1])
     except (TypeError, ValueError, IndexError):
         raise pickle.UnpicklingError(f"bad pyshm token {token!r}") from None
-    if not isinstance(secret, bytes) or len(secret) != _channel.SECRET_BYTES or (
+    if type(secret) is not bytes or len(secret) != _channel.SECRET_BYTES or (
         solo is not None and not (isinstance(solo[1], bytes) and 0 < solo[0] < 1 << 64)
     ):
         raise pickle.UnpicklingError("bad pyshm token: malformed secret")
-    if min(size, offset, nbytes) < 0 or offset + nbytes > size:
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
         raise pickle.UnpicklingError(
             f"bad pyshm token: {nbytes} bytes at offset {offset} of a {size}-byte memfd"
         )
@@ -389,7 +378,8 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
     coming back (lock held). `mapping`: the cached mapping of `key`, if any."""
     # (ranges and the channel's holders only know memfds exported from here, which all have
     # secrets: a memfd received from elsewhere skips both)
-    ref = _state.ranges.get((key, size, offset, nbytes)) if key in _state.secrets else None
+    exported = key in _state.secrets
+    ref = _state.ranges.get((key, size, offset, nbytes)) if exported else None
     holder = ref() if ref is not None else None
     if holder is not None:
         handle = lib.lshm_storage_retain(_handle_of(holder))  # the very same storage
@@ -399,7 +389,7 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
             # once it is exported: lshm_storage_seal_readonly then refuses)
             return handle, (token[0], token[3], token[1][3])
         return handle, None
-    holder = _channel.lookup(key) if key in _state.secrets else None
+    holder = _channel.lookup(key) if exported else None
     if holder is not None:
         # another storage of the same memfd (a tensor of a shared arena, a Storage.attach
         # view): a view of the same pages at the same address

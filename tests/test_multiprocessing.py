@@ -494,6 +494,18 @@ def test_a_dtype_the_array_interface_cannot_describe_comes_back_whole():
     assert _ffi.lib.lshm_storage_refcount(handle) == refs
 
 
+def test_views_are_sent_at_their_own_offset():
+    # the sender reads a view's data pointer inside numpy's object (a probed offset): every
+    # view must come back at its own address, with its own strides
+    base = pyshm.zeros(4096, np.uint8, shared=True)
+    base[:] = np.arange(4096) % 251
+    two_d = base.reshape(64, 64)
+    for view in (base[100:], base[::-1], base[7::3], base[4095:], two_d[3:, ::-2], two_d.T):
+        back = pickle.loads(ForkingPickler.dumps(view))
+        assert back.ctypes.data == view.ctypes.data
+        assert np.array_equal(back, view) and back.strides == view.strides
+
+
 def test_hostile_payloads_raise(no_fd_leak, tmp_path):
     a = pyshm.empty(100, np.uint8, shared=True)
     func, args = _token(a)
