@@ -226,6 +226,7 @@ class _State:
 
 
 state = _State()
+_monotonic = time.monotonic
 _fd_of: Callable[[Any], int] = lambda holder: -1  # set by pyshm.reduction
 _on_server_start: list = []
 
@@ -253,7 +254,7 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
     message)."""
     ref = weakref.ref(holder)
     with state.lock:
-        now = time.monotonic()
+        now = _monotonic()
         if now >= state.next_sweep:
             _sweep(now)
         pair = state.secrets.get(key)
@@ -292,7 +293,8 @@ class _Mark:
 
 class Ticket:
     """One memfd named in a token; its reduction enlists the memory in the current batch and
-    becomes the token the receiver resolves."""
+    becomes the token the receiver resolves. `fields`: the token, ending in None (no batch of
+    its own; see __reduce__)."""
 
     __slots__ = ("key", "holder", "readonly", "fields")
 
@@ -314,7 +316,7 @@ class Ticket:
             batch.members[self.key] = [self.holder, self.readonly]
         elif not self.readonly:
             member[1] = False
-        return tuple, ((*self.fields, solo),)
+        return tuple, (self.fields if solo is None else (*self.fields[:-1], solo),)
 
 
 def mark() -> _Mark:

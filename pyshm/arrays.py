@@ -58,6 +58,25 @@ def _released(ref: "weakref.ref") -> None:
 _c_release = lib.lshm_storage_release  # (bound here: still callable while shutting down)
 
 
+def array_interface(shape: tuple, dtype: np.dtype, address: int, readonly: bool,
+                    strides: Optional[tuple]) -> dict:
+    """The ``__array_interface__`` of an array of that layout at `address`."""
+    typestr = _TYPESTRS.get(dtype)
+    interface = {
+        "version": 3,
+        "shape": shape,
+        "typestr": typestr or dtype.str,
+        "data": (address, readonly),
+        "strides": strides,
+    }
+    if typestr is None:
+        if dtype.fields is not None or dtype.subdtype is not None:
+            interface["descr"] = dtype.descr  # (typestr alone says only "void" for these)
+        elif len(_TYPESTRS) < 256:
+            _TYPESTRS[dtype] = interface["typestr"]
+    return interface
+
+
 class ArrayOwner:
     """The ``base`` of every pyshm array: one reference to a C storage, plus the array layout.
 
@@ -68,7 +87,7 @@ class ArrayOwner:
     """
 
     __slots__ = ("_handle", "_ref", "_keep", "__array_interface__", "_token", "_facts",
-                 "__weakref__")
+                 "_sent", "__weakref__")
     # _ref: the weak reference whose callback gives the C reference back (see _REFERENCES)
 
     def __init__(self, handle: int, shape: tuple, dtype: np.dtype, offset: int, readonly: bool,
@@ -81,22 +100,11 @@ class ArrayOwner:
         self._keep = keep
         self._token = None  # the last token it was sent with (pyshm.reduction)
         self._facts = None  # (flags, data, nbytes) of memory received (pyshm.reduction)
+        self._sent = None  # (weak reference to the array last sent, its start: pyshm.reduction)
         if data is None:
             data = lib.lshm_storage_data(handle) or 0
-        typestr = _TYPESTRS.get(dtype)
-        interface = {
-            "version": 3,
-            "shape": shape,
-            "typestr": typestr or dtype.str,
-            "data": (data + offset, readonly),
-            "strides": strides,
-        }
-        if typestr is None:
-            if dtype.fields is not None or dtype.subdtype is not None:
-                interface["descr"] = dtype.descr  # (typestr alone says only "void" for these)
-            elif len(_TYPESTRS) < 256:
-                _TYPESTRS[dtype] = interface["typestr"]
-        self.__array_interface__ = interface
+        self.__array_interface__ = array_interface(shape, dtype, data + offset, readonly,
+                                                   strides)
         ref = weakref.ref(self, _released)
         _REFERENCES[ref] = handle if adopt else lib.lshm_storage_retain(handle)
         self._ref = ref

@@ -30,10 +30,12 @@ the wire protocol, who gets which fd, holds, acknowledgements, exit). A receiver
 the memfd up in its per-process weak cache of mappings; only on a miss does it fetch the fd,
 check that it is that memfd, map it whole **once** (``lshm_segment_attach``) and cache it.
 Every array received from that memfd, however many times it is sent, is a view of that one
-mapping (same address for the same bytes). Memory that comes back to the process it left is
-found by its byte range and is the very same storage (a ``Pool`` result returning its argument
-is the original array at the original address, an arena's tensor is that tensor), and forked
-children inherit the parent's cache, so they need no fd at all. One round trip per message: the
+mapping (same address for the same bytes); its own libshm storage (a view of the mapping) is
+made only if something asks for it (``storage_of``, a Storage of it). Memory that comes back
+to the process it left is found by its byte range and is the very same storage (a ``Pool``
+result returning its argument unchanged is a new view of the original array, at the original
+address; an arena's tensor is that tensor), and forked children inherit the parent's cache,
+so they need no fd at all. One round trip per message: the
 first fetch of a message also brings the fds of its other memfds.
 
 Implicit shares: an unshared array is shared in place when it is pickled on the caller's own
@@ -96,7 +98,15 @@ import numpy as np
 from . import _channel, _ffi
 from ._channel import KEEPALIVE_SECONDS, DeliveryError, fetch_count  # noqa: F401 - public
 from ._ffi import lib
-from .arrays import ArrayOwner, _owner_of, _wrap, data_address
+from .arrays import (
+    _REFERENCES,
+    ArrayOwner,
+    _owner_of,
+    _released,
+    _wrap,
+    array_interface,
+    data_address,
+)
 from .storage import Storage, _share_in_place
 
 __all__ = [
@@ -230,12 +240,13 @@ _channel._fd_of = _fd_of_holder
 _ASYNC_PICKLERS = ("Queue._feed", "Pool._handle_tasks")
 
 
-def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket":
-    """Make storage `handle` sendable; returns the ticket that becomes its token.
+def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket":
+    """Make the storage of `holder` (an ArrayOwner or a Storage) sendable; returns the ticket
+    that becomes its token.
 
     `holder` keeps the storage (and so its memfd) alive; the message's batch holds it until
-    the receiver has it (pyshm._channel). `mapping`: the cached segment `handle` views (memory
-    received), whose key and size are known already.
+    the receiver has it (pyshm._channel). `mapping`: the cached segment the storage views
+    (memory received), whose key and size are known already.
     """
     if mapping is not None and mapping.fd_kept:
         # memory received, sent on: all its export info is known already
@@ -243,12 +254,14 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
         # whole-memfd mapping, whose flags, data and size its array may know (_rebuild_ndarray)
         facts = getattr(holder, "_facts", None)
         if facts is None:
+            handle = _handle_of(holder)
             facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
                      lib.lshm_storage_nbytes(handle))
         flags, data, nbytes = facts
         if mapping.sealed or not flags & _ffi.STORAGE_READONLY:
-            return _ticket(handle, holder, flags, data, nbytes, mapping.key, mapping.size,
+            return _ticket(holder, flags, data, nbytes, mapping.key, mapping.size,
                            data - mapping.data, mapping.sealed)
+    handle = _handle_of(holder)
     rc, info = _export_info(handle)
     if rc == -errno.ENODATA:
         _share_for_sending(handle)
@@ -274,7 +287,7 @@ def _export(handle: int, holder: Any, mapping: Optional[_Mapping] = None) -> "_c
         key, size = mapping.key, mapping.size
     else:
         key, size = (dev, ino), file_size
-    return _ticket(handle, holder, flags, data or 0, nbytes, key, size, offset, readonly)
+    return _ticket(holder, flags, data or 0, nbytes, key, size, offset, readonly)
 
 
 def _share_for_sending(handle: int) -> None:
@@ -301,11 +314,11 @@ def _export_info(handle: int) -> tuple:
         return rc, _ffi.EXPORT_LAYOUT.unpack_from(_ffi.export_info)
 
 
-def _ticket(handle: int, holder: Any, flags: int, data: int, nbytes: int, key: tuple,
+def _ticket(holder: Any, flags: int, data: int, nbytes: int, key: tuple,
             size: int, offset: int, readonly: bool) -> "_channel.Ticket":
     address, secret, ref, key = _channel.export(key, holder, size, offset, nbytes, readonly)
     ticket = _channel.Ticket(key, holder, readonly,
-                             (key, address, size, offset, nbytes, readonly, secret))
+                             (key, address, size, offset, nbytes, readonly, secret, None))
     if isinstance(holder, ArrayOwner):
         # every later send of the same owner reuses the token while nothing it depends on
         # changed (see _reduce_ndarray)
@@ -507,10 +520,107 @@ def _fits(nbytes: int, shape: Any, dtype: Any, strides: Any, start: Any) -> bool
     return low >= 0 and high + dtype.itemsize <= nbytes
 
 
+_HANDLE = ArrayOwner.__dict__["_handle"]  # the slots a _ReceivedOwner fills itself
+_REF = ArrayOwner.__dict__["_ref"]
+
+
+class _ReceivedOwner(ArrayOwner):
+    """The owner of an array received from a memfd mapped here (_rebuild_quickly).
+
+    The mapping it keeps holds the memory; its C storage (a view of the mapping, one libshm
+    call and a lock) is made the first time something asks for ``_handle`` (a Storage of it,
+    a fresh export that needs libshm): an array that is only read, written and sent on never
+    needs one.
+    """
+
+    __slots__ = ("_view",)
+
+    def __init__(self, mapping: _Mapping, offset: int, nbytes: int, readonly: bool,
+                 shape: tuple, dtype: np.dtype, strides: tuple, start: int) -> None:
+        _HANDLE.__set__(self, None)
+        _REF.__set__(self, None)
+        self._keep = mapping
+        self._token = self._sent = None
+        self._view = (offset, nbytes, readonly)
+        # (a view's flags, as lshm_storage_init_view sets them, data and size)
+        flags = _ffi.STORAGE_SHARED | mapping.flags | (_ffi.STORAGE_READONLY if readonly else 0)
+        data = mapping.data + offset
+        self._facts = (flags, data, nbytes)
+        self.__array_interface__ = array_interface(
+            shape, dtype, data + start, bool(flags & _ffi.STORAGE_READONLY), strides)
+
+    @property
+    def _handle(self) -> Optional[int]:
+        handle = _HANDLE.__get__(self)
+        if handle is None and self._view is not None:
+            with _state.lock:  # (two threads asking at once make one view)
+                handle = _HANDLE.__get__(self)
+                if handle is None and self._view is not None:
+                    offset, nbytes, readonly = self._view
+                    handle = _new_view(self._keep.segment, offset, nbytes, readonly)
+                    ref = weakref.ref(self, _released)
+                    _REFERENCES[ref] = handle
+                    _REF.__set__(self, ref)
+                    _HANDLE.__set__(self, handle)
+        return handle
+
+    @_handle.setter
+    def _handle(self, value: Optional[int]) -> None:  # (ArrayOwner._release: None, for good)
+        self._view = None
+        _HANDLE.__set__(self, value)
+
+
+def _rebuild_quickly(token, shape, dtype, strides, start, writeable) -> Optional[np.ndarray]:
+    """The two usual cases of _rebuild_ndarray, or None (then the general path decides, and
+    says what is wrong with a bad token): an array of ours coming back as it left, and an
+    array from a memfd mapped here already. Only what a checked token would say is used."""
+    try:
+        key, _, size, offset, nbytes, readonly, secret, solo = token
+        if solo is not None or type(secret) is not bytes or len(secret) != _channel.SECRET_BYTES:
+            return None
+        ref = _cache.mappings.data.get(key)  # (WeakValueDictionary.get, without its frame)
+        mapping = ref() if ref is not None else None
+        if key in _state.secrets:
+            # exported from here: ours if the range is still registered to an owner; quickly
+            # when that owner last sent this very layout (it comes back as a view of itself)
+            ref = _state.ranges.get((key, size, offset, nbytes))
+            holder = ref() if ref is not None else None
+            if holder is not None:
+                sent = getattr(holder, "_sent", None)
+                array = sent[0]() if sent is not None else None
+                if (array is None or sent[1] != start or array.shape != shape
+                        or array.strides != strides or array.dtype != dtype
+                        or array.flags.writeable != writeable):
+                    return None
+                return array.view()
+            # not a range of ours: memory received (mapped here), sent on, come back; its
+            # other holders here are views of that mapping (_own_memory would make the same)
+    except (TypeError, ValueError):
+        return None
+    if (mapping is None or mapping.ours or type(size) is not int or type(offset) is not int
+            or type(nbytes) is not int or not 0 <= offset <= offset + nbytes <= size
+            or size != mapping.size or not _fits(nbytes, shape, dtype, strides, start)):
+        return None
+    # a view of a memfd received before (not ours: mapping.ours says a slab of ours came back)
+    try:
+        array = np.asarray(_ReceivedOwner(mapping, offset, nbytes, bool(readonly), shape,
+                                          dtype, strides, start))
+    except (TypeError, ValueError, OverflowError):
+        return None  # (the general path says why)
+    if array.dtype is not dtype and array.dtype != dtype:
+        return None
+    if not writeable and array.flags.writeable:
+        array.flags.writeable = False
+    return array
+
+
 def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
     if not isinstance(dtype, np.dtype) or dtype.hasobject:
         # (pointers read from shared memory would crash the receiver)
         raise pickle.UnpicklingError(f"pyshm: no array of dtype {dtype!r} in shared memory")
+    array = _rebuild_quickly(token, shape, dtype, strides, start, writeable)
+    if array is not None:
+        return array
     try:
         mapping, handle, facts = _resolve(batch, token)
     except DeliveryError as exc:
@@ -535,7 +645,7 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
                 owner._facts = facts  # (for sending it on: see _export)
             try:
                 array = np.asarray(owner)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise pickle.UnpicklingError(f"pyshm: bad array layout: {exc}") from None
             if array.dtype is dtype or array.dtype == dtype:
                 if not writeable and array.flags.writeable:
@@ -550,7 +660,7 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
             lib.lshm_storage_release(handle)
     try:
         array = np.ndarray(shape, dtype, buffer=flat, offset=start, strides=strides)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise pickle.UnpicklingError(f"pyshm: array does not fit its storage: {exc}") from None
     if not writeable and array.flags.writeable:
         array.flags.writeable = False
@@ -574,24 +684,27 @@ def _rebuild_storage(batch, token) -> Storage:
 
 def _reduce_ndarray(array: np.ndarray):
     base = array.base
-    owner = base if type(base) is ArrayOwner else _owner_of(array)
+    owner = base if type(base) is ArrayOwner or type(base) is _ReceivedOwner else _owner_of(array)
     if owner is None or array.size == 0:
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
-    handle = owner._handle
     token = owner._token
     # The token made at this owner's last send still holds while the storage's flags are the
-    # same (shared, not resized, not sealed since) and the channel still has the range
-    # registered to this owner (not after a fork, nor once another holder took the range):
-    # then the secret and the server address are the same too.
-    if (token is not None and token[0] == lib.lshm_storage_flags(handle)
+    # same (shared, not resized, not sealed since: those of a view of memory received never
+    # change) and the channel still has the range registered to this owner (not after a
+    # fork, nor once another holder took the range): then the secret and the server address
+    # are the same too.
+    if (token is not None and (owner._facts is not None
+                               or token[0] == lib.lshm_storage_flags(owner._handle))
             and _state.ranges.get(token[1]) is token[2]):
         _, _, _, data, key, readonly, fields = token
         ticket = _channel.Ticket(key, owner, readonly, fields)
     else:
         mapping = owner._keep if isinstance(owner._keep, _Mapping) else None
-        ticket = _export(handle, owner, mapping)
+        ticket = _export(owner, mapping)
         data = owner._token[3]  # (set by _ticket)
     start = data_address(array) - data
+    if type(array) is np.ndarray:
+        owner._sent = (weakref.ref(array), start)  # (so that it can come back as itself)
     return _rebuild_ndarray, (
         _channel.mark(),
         ticket,
@@ -610,7 +723,7 @@ def _reduce_storage(storage: Storage):
     mapping = storage._keep if isinstance(storage._keep, _Mapping) else None
     holder = Storage._from_handle(lib.lshm_storage_retain(handle))
     holder._keep = storage._keep
-    return _rebuild_storage, (_channel.mark(), _export(handle, holder, mapping))
+    return _rebuild_storage, (_channel.mark(), _export(holder, mapping))
 
 
 def reduce_storage_by_value(storage: Storage, protocol: int):
@@ -632,6 +745,9 @@ def register() -> None:
     """Register the reducers with multiprocessing (done when pyshm is imported)."""
     ForkingPickler.register(np.ndarray, _reduce_ndarray)
     ForkingPickler.register(Storage, _reduce_storage)
+    # (the objects in every token: called directly, not through object.__reduce_ex__)
+    ForkingPickler.register(_channel.Ticket, _channel.Ticket.__reduce__)
+    ForkingPickler.register(_channel._Mark, _channel._Mark.__reduce__)
 
 
 # --------------------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def _fetch_request(key, secret, proof=None):
 
 def test_extras_need_the_batch_proof_and_a_released_batch_gives_nothing():
     arrays = [pyshm.share_memory_(pyshm.zeros(70_000, np.uint8)) for _ in range(3)]
-    tickets = [reduction._export(pyshm.storage_of(a)._as_parameter_, _owner_of(a))
+    tickets = [reduction._export(_owner_of(a))
                for a in arrays]
     # begin a batch the way pickle does (mark first, then tickets, from one frame)
     _, (address, batch_id, batch_secret) = _channel.mark().__reduce__()

@@ -506,6 +506,118 @@ def test_views_are_sent_at_their_own_offset():
         assert np.array_equal(back, view) and back.strides == view.strides
 
 
+def storages_made_on_demand(arrays):
+    """In the receiver, for arrays of a memfd mapped here already (the second one): their C
+    storages are made when first asked for, once even when two threads ask at once, and
+    given back when the array goes; the array is sent back after a write."""
+    from pyshm import arrays as pyshm_arrays
+
+    _, b = arrays
+    before = len(pyshm_arrays._REFERENCES)
+    storages: list = []
+
+    def ask():
+        for _ in range(200):
+            storages.append(pyshm.storage_of(b))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    made = len(pyshm_arrays._REFERENCES) - before
+    same = all(st == storages[0] for st in storages)
+    refs = _ffi.lib.lshm_storage_refcount(_owner_of(b)._handle)
+    for st in storages:
+        st.close()
+    refs_after = _ffi.lib.lshm_storage_refcount(_owner_of(b)._handle)
+    b[0] = 99
+    probe = b[1:]  # a view, sent and dropped: its owner's reference goes with it
+    del probe
+    gc.collect()
+    return made, same, refs - refs_after, pyshm.is_shared(b), b
+
+
+def test_arrays_of_a_memfd_mapped_already_make_their_storage_on_demand(pool):
+    a = pyshm.zeros(64, np.int64, shared=True)
+    b = pyshm.zeros(64, np.int64, shared=True)  # the same slab: mapped when `a` arrives
+    pool.apply(first_element, (a,))
+    made, same, released, shared, back = pool.apply(storages_made_on_demand, ([a, b],))
+    assert (made, same, released, shared) == (1, True, 400, True)
+    assert b[0] == 99 and back.ctypes.data == b.ctypes.data
+
+
+def make_readonly_and_reshape(array):
+    array.flags.writeable = False
+    return array, array.reshape(8, 8)
+
+
+def test_own_arrays_come_back_as_themselves(pool):
+    a = pyshm.zeros(64, np.int64, shared=True)
+    back = pool.apply(add_one, (a,))
+    # the layout it left with: a new view of the very array
+    assert back is not a and back.base is a and (a == 1).all()
+    back[1] = 5
+    assert a[1] == 5
+    # not writeable, or another layout, over the same storage: new arrays at the same address
+    readonly, square = pool.apply(make_readonly_and_reshape, (a,))
+    assert not readonly.flags.writeable and a.flags.writeable
+    assert readonly.ctypes.data == square.ctypes.data == a.ctypes.data
+    assert square.shape == (8, 8) and square[0, 1] == 5
+    assert pyshm.storage_of(square) == pyshm.storage_of(a)
+    # the array that was sent is gone (its storage is not): the same bytes come back
+    view = a[2:]
+    payload = ForkingPickler.dumps(view)
+    del view
+    gc.collect()
+    again = pickle.loads(payload)
+    assert again.ctypes.data == a.ctypes.data + 16 and again.shape == (62,)
+    assert pyshm.storage_of(again) == pyshm.storage_of(a)
+
+
+HOSTILE_LAYOUTS = [((1000,), "u1", (1,), 0), ((2,), "u1", (-1,), 0), ((2,), "u1", (10 ** 9,), 0),
+                   ((2, 3), "u1", (1,), 0), ((1,), "u1", (1,), -1), ((1,), "u1", (1,), 100),
+                   ((2,), "i8", (8,), 90), ((1,), "u1", (1,), 2 ** 70), ((1,), "u1", (1.0,), 0),
+                   ((1,), "O", (8,), 0)]
+
+
+def rebuild_hostile(args):
+    """In a receiver that has the memfd mapped already: each hostile token or layout raises
+    UnpicklingError (never a crash or an array); a good one still works."""
+    array, token = args
+    out = []
+    key, address, size, offset, nbytes, readonly, secret, _ = token
+    tokens = [(key, address, size + 4096, offset, nbytes, readonly, secret, None),
+              (key, address, size, size - 10, 100, readonly, secret, None),
+              (key, address, size, offset, -1, readonly, secret, None),
+              (key, address, size, offset, nbytes, readonly, b"short", None),
+              ([1, 2], address, size, offset, nbytes, readonly, secret, None)]
+    for bad in tokens:
+        try:
+            reduction._rebuild_ndarray(None, bad, (100,), np.dtype(np.uint8), (1,), 0, True)
+            out.append("made")
+        except pickle.UnpicklingError:
+            out.append("refused")
+    for shape, dt, st, at in HOSTILE_LAYOUTS:
+        try:
+            reduction._rebuild_ndarray(None, token, shape, np.dtype(dt), st, at, True)
+            out.append("made")
+        except pickle.UnpicklingError:
+            out.append("refused")
+    good = reduction._rebuild_ndarray(None, token, (50,), np.dtype(np.uint8), (2,), 0, True)
+    return out, int(good[1]), good.ctypes.data == array.ctypes.data, type(good.base).__name__
+
+
+def test_hostile_layouts_in_a_receiver_that_has_the_memfd_mapped(pool):
+    a = pyshm.empty(100, np.uint8, shared=True)
+    a[:] = np.arange(100)
+    _, args = _token(a)
+    token = tuple(args[1][:-1]) + (None,)  # the message's batch, not one of its own
+    out, second, same, owner = pool.apply(rebuild_hostile, ((a, token),))
+    assert out == ["refused"] * len(out) and len(out) == 5 + len(HOSTILE_LAYOUTS)
+    assert second == 2 and same and owner == "_ReceivedOwner"  # (the receiver's quick path)
+
+
 def test_hostile_payloads_raise(no_fd_leak, tmp_path):
     a = pyshm.empty(100, np.uint8, shared=True)
     func, args = _token(a)
@@ -730,7 +842,7 @@ def test_an_idle_client_stalls_nobody():
 def test_the_server_survives_a_closed_storage_it_was_serving():
     storage = pyshm.Storage(100_000)
     storage.share_memory_()
-    ticket = reduction._export(storage._as_parameter_, storage)
+    ticket = reduction._export(storage)
     _, (token,) = ticket.__reduce__()
     key, address, secret = token[0], token[1], token[6]
     storage.close()  # the holder the server knows is closed now

@@ -33,7 +33,7 @@ ARRAYS = [
     pyshm.share_memory_(pyshm.zeros(80_000, np.uint8)),
     pyshm.share_readonly(pyshm.copy(np.zeros(90_000, np.uint8))),
 ]
-TICKETS = [reduction._export(pyshm.storage_of(a)._as_parameter_, _owner_of(a)) for a in ARRAYS]
+TICKETS = [reduction._export(_owner_of(a)) for a in ARRAYS]
 KEYS = [t.key for t in TICKETS]
 ISSUED = {}  # (key, secret) -> read-only?
 for t in TICKETS:
