@@ -9,7 +9,12 @@
  *           (lshm_storage_create / lshm_storage_release).
  * allocator Where a storage's bytes come from. The default allocator hands out whole pages
  *           (page-aligned, size rounded up to a page) that the storage owns, which is what lets a
- *           storage be turned into shared memory *in place* (same data pointer).
+ *           storage be turned into shared memory *in place* (same data pointer). From 2 MiB on
+ *           they start at a 2 MiB boundary (also after a resize that grows them) and are
+ *           advised MADV_HUGEPAGE, so that transparent huge pages back every whole 2 MiB where
+ *           the kernel allows it (THP "madvise" or "always"); a refusal leaves small pages and
+ *           is never an error. LSHM_HUGE=0 in the environment (read at the first such storage
+ *           of the process) keeps small pages and no alignment.
  * segment   A refcounted memfd (anonymous shared memory, never named) plus one mapping of it.
  *           Sealed against shrink and grow, pages reserved up front, fd opened O_CLOEXEC.
  *           Many storages may view slices of one segment (one fd, one mapping for all of them).

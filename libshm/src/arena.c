@@ -243,7 +243,7 @@ static int buffer_ensure(lshm_arena *a, uint64_t size, int *reused) {
         if ((rc = lshm__round_pages((size_t)size, &len)) != 0)
             goto fail;
         void *p = NULL;
-        if (len > 0 && (rc = lshm__os_map_anon(len, &p)) != 0)
+        if (len > 0 && (rc = lshm__os_map_anon_pages(len, &p)) != 0)
             goto fail;
         buf->data = p;
         buf->map_len = len;

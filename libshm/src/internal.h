@@ -90,6 +90,16 @@ int lshm__os_map_anon(size_t len, void **out);
 int lshm__os_map_anon_fixed(void *addr, size_t len);
 /* mremap(MREMAP_MAYMOVE) of an anonymous private mapping. */
 int lshm__os_remap(void *old, size_t old_len, size_t new_len, void **out);
+/* A huge page: the size transparent huge pages come in on x86-64 and arm64 (4 KiB base). */
+#define LSHM__HUGE_BYTES ((size_t)2 << 20)
+/* Whether libshm asks for huge pages: yes unless the environment says LSHM_HUGE=0 (read once). */
+int lshm__os_huge_wanted(void);
+/* A storage's private pages (len a multiple of the page size): map_anon, except that from
+ * LSHM__HUGE_BYTES on the range starts 2 MiB-aligned and is advised MADV_HUGEPAGE, so that
+ * the kernel backs it with huge pages where THP allows (a refusal leaves small pages, never
+ * an error). remap_pages grows or shrinks such a range keeping both (the bytes move along). */
+int lshm__os_map_anon_pages(size_t len, void **out);
+int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out);
 /* munmap and close cannot fail in a way a caller can act on; they assert in debug builds. */
 void lshm__os_unmap(void *addr, size_t len);
 void lshm__os_close(int fd);

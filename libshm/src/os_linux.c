@@ -16,7 +16,9 @@
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -36,6 +38,16 @@
         int fault_ = LSHM_FAULT(site);                                                        \
         if (fault_ != 0)                                                                      \
             return LSHM_FAIL(fault_, "%s: injected fault (%s)", site, lshm_strerror(fault_)); \
+    } while (0)
+
+/* The same, for a wrapper that must undo something it did before the failing step. */
+#define LSHM_OS_FAULT_CLEANUP(site, cleanup)                                                  \
+    do {                                                                                      \
+        int fault_ = LSHM_FAULT(site);                                                        \
+        if (fault_ != 0) {                                                                    \
+            cleanup;                                                                          \
+            return LSHM_FAIL(fault_, "%s: injected fault (%s)", site, lshm_strerror(fault_)); \
+        }                                                                                     \
     } while (0)
 
 /* sysconf is cheap but not free, and the page size and CPU count do not change while we run
@@ -274,6 +286,66 @@ int lshm__os_map_anon_fixed(void *addr, size_t len) {
                          strerror(e));
     }
     assert(p == addr);
+    return 0;
+}
+
+int lshm__os_huge_wanted(void) {
+    static _Atomic int wanted = -1; /* -1: not read yet */
+    int w = atomic_load_explicit(&wanted, memory_order_relaxed);
+    if (w < 0) {
+        const char *env = getenv("LSHM_HUGE");
+        w = !(env != NULL && strcmp(env, "0") == 0);
+        atomic_store_explicit(&wanted, w, memory_order_relaxed);
+    }
+    return w;
+}
+
+/* Best effort: THP "never", prctl(PR_SET_THP_DISABLE) or an old kernel make this a no-op or
+ * EINVAL, and small pages are what the range then gets. */
+static void advise_huge(void *addr, size_t len) {
+    (void)madvise(addr, len, MADV_HUGEPAGE);
+}
+
+int lshm__os_map_anon_pages(size_t len, void **out) {
+    const size_t huge = LSHM__HUGE_BYTES;
+    if (len < huge || len > SIZE_MAX - huge || !lshm__os_huge_wanted())
+        return lshm__os_map_anon(len, out);
+    /* Map a huge page more than needed, then unmap what lies before the first 2 MiB boundary
+     * and after the range: one mapping of exactly len bytes, 2 MiB-aligned. */
+    void *p = NULL;
+    size_t over = len + huge - lshm__os_page_size();
+    int rc = lshm__os_map_anon(over, &p);
+    if (rc != 0)
+        return rc;
+    uintptr_t start = (uintptr_t)p, aligned = (start + huge - 1) & ~(uintptr_t)(huge - 1);
+    if (aligned > start)
+        lshm__os_unmap(p, aligned - start);
+    if (start + over > aligned + len)
+        lshm__os_unmap((void *)(aligned + len), start + over - (aligned + len));
+    advise_huge((void *)aligned, len);
+    *out = (void *)aligned;
+    return 0;
+}
+
+int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out) {
+    if (new_len <= old_len || new_len < LSHM__HUGE_BYTES || !lshm__os_huge_wanted())
+        return lshm__os_remap(old, old_len, new_len, out); /* shrinking never moves */
+    /* Growing past 2 MiB: move the pages onto a fresh aligned range (mremap MREMAP_FIXED
+     * replaces it), so the storage stays aligned wherever the kernel would have put it. */
+    void *q = NULL;
+    int rc = lshm__os_map_anon_pages(new_len, &q);
+    if (rc != 0)
+        return rc;
+    LSHM_OS_FAULT_CLEANUP("mremap", lshm__os_unmap(q, new_len));
+    void *p = mremap(old, old_len, new_len, MREMAP_MAYMOVE | MREMAP_FIXED, q);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        lshm__os_unmap(q, new_len);
+        return LSHM_FAIL(-e, "mremap(%p, %zu -> %zu bytes, to %p): %s", old, old_len, new_len,
+                         q, strerror(e));
+    }
+    advise_huge(p, new_len); /* (the moved pages keep the flags of their old mapping) */
+    *out = p;
     return 0;
 }
 

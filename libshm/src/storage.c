@@ -119,7 +119,7 @@ static int alloc_bytes(const lshm_allocator *allocator, size_t nbytes, void **da
         return 0;
     }
     if (allocator == NULL) {
-        rc = lshm__os_map_anon(cap, data);
+        rc = lshm__os_map_anon_pages(cap, data);
         if (rc != 0)
             return rc;
         *capacity = cap;
@@ -383,7 +383,8 @@ lshm_segment *lshm_storage_segment(const lshm_storage *s) {
 
 /* ---- resize and copy ----------------------------------------------------------------------- */
 
-/* Default pages: mremap keeps the bytes and may move; new pages are zero already. */
+/* Default pages: mremap keeps the bytes and may move (from 2 MiB on, to a 2 MiB-aligned range);
+ * new pages are zero already. */
 static int resize_pages(lshm_storage *s, void *data, size_t nbytes, size_t cap) {
     void *p = NULL;
     int rc = 0;
@@ -392,9 +393,9 @@ static int resize_pages(lshm_storage *s, void *data, size_t nbytes, size_t cap) 
     else if (cap == 0)
         lshm__os_unmap(data, s->capacity);
     else if (s->capacity == 0)
-        rc = lshm__os_map_anon(cap, &p);
+        rc = lshm__os_map_anon_pages(cap, &p);
     else
-        rc = lshm__os_remap(data, s->capacity, cap, &p);
+        rc = lshm__os_remap_pages(data, s->capacity, cap, &p);
     if (rc != 0)
         return rc;
     /* Bytes past the old size inside the old last page may hold what an earlier, larger size

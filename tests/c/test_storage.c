@@ -3,10 +3,15 @@
  * many), refcounts, heap create/release, caller and WHOLE_PAGES allocators, foreign memory,
  * bad input, resize and copy. Sharing has its own test programs.
  */
+#ifndef LSHM_TESTING
+#define LSHM_TESTING /* the fault-injection hooks of internal.h */
+#endif
+#include "internal.h"
 #include "task.h"
 
 #include <errno.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -317,6 +322,43 @@ static void test_resize(void) {
     ASSERT_ERR(lshm_storage_resize(NULL, 20), -EINVAL);
 }
 
+/* From 2 MiB on, default-allocator pages start at a 2 MiB boundary (so that transparent huge
+ * pages can back them whole) and stay aligned when a resize grows them; a failure on the way
+ * (the aligned range cannot be mapped, the pages cannot move) changes nothing. */
+static void test_huge_alignment(void) {
+    const size_t huge = (size_t)2 << 20;
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(4 * huge + 100, NULL, 0, &s));
+    ASSERT_EQ((uintptr_t)lshm_storage_data(s) % huge, 0);
+    ASSERT(all_bytes(lshm_storage_data(s), 4 * huge + 100, 0));
+    lshm_storage_release(s);
+
+    ASSERT_OK(lshm_storage_create(3 * page, NULL, LSHM_STORAGE_RESIZABLE, &s));
+    memset(lshm_storage_data(s), 9, 3 * page);
+    int maps = count_mappings(NULL, SIZE_MAX, 0);
+    for (int point = 1; point <= 2; point++) { /* map the aligned range; move the pages */
+        void *before = lshm_storage_data(s);
+        lshm__fault_arm(point, -ENOMEM);
+        ASSERT_ERR(lshm_storage_resize(s, 3 * huge), -ENOMEM);
+        lshm__fault_arm(0, 0);
+        ASSERT_PTR_EQ(lshm_storage_data(s), before);
+        ASSERT_UINT_EQ(lshm_storage_nbytes(s), 3 * page);
+        ASSERT(all_bytes(before, 3 * page, 9));
+        ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 0), maps);
+    }
+    lshm__fault_arm(0, 0);
+    ASSERT_OK(lshm_storage_resize(s, 3 * huge));
+    ASSERT_EQ(lshm__fault_points_hit(), 2); /* (the two points failed above, nothing else) */
+    unsigned char *p = lshm_storage_data(s);
+    ASSERT_EQ((uintptr_t)p % huge, 0);
+    ASSERT(all_bytes(p, 3 * page, 9));
+    ASSERT(all_bytes(p + 3 * page, 3 * huge - 3 * page, 0));
+    ASSERT_OK(lshm_storage_resize(s, huge + page)); /* shrinking stays in place */
+    ASSERT_PTR_EQ(lshm_storage_data(s), p);
+    ASSERT(all_bytes(p, 3 * page, 9));
+    lshm_storage_release(s);
+}
+
 /* Resize never frees or moves memory under another reference (issue 9): while the storage is
  * retained (an array over it holds a reference) resize refuses with -EBUSY and changes
  * nothing, for growth past the mapping (mremap would move it), shrinking (would unmap) and
@@ -392,6 +434,7 @@ int main(void) {
     RUN_TEST(test_foreign);
     RUN_TEST(test_bad_input);
     RUN_TEST(test_resize);
+    RUN_TEST(test_huge_alignment);
     RUN_TEST(test_resize_busy);
     RUN_TEST(test_copy);
     return 0;

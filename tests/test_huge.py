@@ -1,0 +1,142 @@
+"""Huge pages for private storages: from 2 MiB on, a storage of libshm's default allocator
+starts at a 2 MiB boundary and asks for transparent huge pages (MADV_HUGEPAGE); smaller ones,
+``LSHM_HUGE=0`` and ``prctl(PR_SET_THP_DISABLE)`` give small pages, never an error.
+
+What is checked is what the kernel says about the mapping (/proc/self/smaps: its range, the
+``hg`` VmFlag that MADV_HUGEPAGE sets, ``AnonHugePages``), the bytes, and the mappings left.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import pyshm
+
+HUGE = 2 << 20
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str:
+    try:
+        text = open(THP).read()
+    except OSError:
+        return "absent"
+    return text.split("[")[1].split("]")[0]
+
+
+def mapping_of(address: int) -> dict:
+    """The /proc/self/smaps entry of the mapping holding `address`: its range and fields."""
+    found: dict = {}
+    current = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            low, high = (int(x, 16) for x in head[0].split("-"))
+            current = low <= address < high
+            if current:
+                found["range"] = (low, high)
+        elif current:
+            found[head[0].rstrip(":")] = head[1:]
+    return found
+
+
+def huge_kib(entry: dict) -> int:
+    return int(entry.get("AnonHugePages", ["0"])[0])
+
+
+def test_storages_from_2_mib_on_are_aligned_and_ask_for_huge_pages():
+    small = pyshm.empty(HUGE - 4096, np.uint8)
+    entry = mapping_of(small.ctypes.data)
+    assert "hg" not in entry["VmFlags"]
+    for nbytes in (HUGE, 8 << 20, 39_000_000):
+        array = pyshm.empty(nbytes, np.uint8)
+        assert array.ctypes.data % HUGE == 0
+        array[:] = 7
+        entry = mapping_of(array.ctypes.data)
+        assert "hg" in entry["VmFlags"]
+        # the mapping is the storage's pages and nothing more: no head or tail left over
+        low, high = entry["range"]
+        assert low <= array.ctypes.data and array.ctypes.data + nbytes <= high
+        if thp_mode() in ("always", "madvise"):
+            # every whole 2 MiB of it may be a huge page, never more than its size
+            assert 0 < huge_kib(entry) * 1024 <= nbytes
+        assert (array == 7).all()
+
+
+def test_aligned_storages_leave_no_mappings_behind():
+    before = len(open("/proc/self/maps").readlines())
+    for _ in range(200):
+        array = pyshm.empty(3 << 20, np.uint8)
+        array[::4096] = 1
+        del array
+    assert len(open("/proc/self/maps").readlines()) <= before + 2
+
+
+def test_resizing_past_2_mib_keeps_the_bytes_and_aligns():
+    # (a resize needs no array over the storage: each array is dropped before it)
+    want = np.arange(100_000) % 251
+    storage = pyshm.Storage(100_000, resizable=True)
+    storage.asarray()[:] = want
+    storage.resize_(9 << 20)
+    assert storage.data_ptr % HUGE == 0
+    data = storage.asarray()
+    assert (data[:100_000] == want).all() and not data[100_000:].any()
+    del data
+    assert "hg" in mapping_of(storage.data_ptr)["VmFlags"]
+    start = storage.data_ptr
+    storage.resize_(5 << 20)  # shrinking stays where it is
+    assert storage.data_ptr == start and (storage.asarray()[:100_000] == want).all()
+    storage.close()
+
+
+def test_shared_in_place_after_an_aligned_start_keeps_its_address():
+    array = pyshm.empty(6 << 20, np.uint8)
+    array[:] = 3
+    address = array.ctypes.data
+    pyshm.share_memory_(array)
+    assert array.ctypes.data == address and (array == 3).all()
+
+
+CHILD = textwrap.dedent(
+    """
+    import ctypes, sys
+    import numpy as np
+    if sys.argv[1] == "prctl":
+        PR_SET_THP_DISABLE = 41
+        assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0
+    import pyshm
+    sys.path.insert(0, sys.argv[2])
+    from test_huge import huge_kib, mapping_of
+    array = pyshm.empty(8 << 20, np.uint8)
+    array[:] = 5
+    entry = mapping_of(array.ctypes.data)
+    storage = pyshm.Storage(4096, resizable=True)
+    storage.resize_(4 << 20)
+    pyshm.share_memory_(array)
+    print(huge_kib(entry), "hg" in entry["VmFlags"], int(array.sum()) == 5 * (8 << 20))
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["LSHM_HUGE=0", "prctl"])
+def test_huge_pages_off_gives_small_pages_and_no_error(how):
+    env = dict(os.environ)
+    if how == "LSHM_HUGE=0":
+        env["LSHM_HUGE"] = "0"
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, "env" if how != "prctl" else "prctl",
+         os.path.dirname(__file__)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    kib, advised, right = done.stdout.split()
+    assert kib == "0" and right == "True"
+    if how == "LSHM_HUGE=0":
+        assert advised == "False"  # not even asked (under PR_SET_THP_DISABLE the kernel says no)
+
