@@ -1,5 +1,6 @@
-"""Huge pages for private storages: from 2 MiB on, a storage of libshm's default allocator
-starts at a 2 MiB boundary and asks for transparent huge pages (MADV_HUGEPAGE); smaller ones,
+"""Huge pages: from 2 MiB on, a private storage of libshm's default allocator starts at a
+2 MiB boundary and asks for transparent huge pages (MADV_HUGEPAGE), and a storage created
+shared has every whole 2 MiB of its memfd in a huge page (MADV_COLLAPSE); smaller ones,
 ``LSHM_HUGE=0`` and ``prctl(PR_SET_THP_DISABLE)`` give small pages, never an error.
 
 What is checked is what the kernel says about the mapping (/proc/self/smaps: its range, the
@@ -103,6 +104,50 @@ def test_shared_in_place_after_an_aligned_start_keeps_its_address():
     assert array.ctypes.data == address and (array == 3).all()
 
 
+def shmem_huge_kib(entry: dict) -> int:
+    return int(entry.get("ShmemPmdMapped", ["0"])[0])
+
+
+def shmem_collapse_allowed() -> bool:
+    """MADV_COLLAPSE of shmem: Linux 6.1 or later, THP present, shmem_enabled not "deny"."""
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+    except OSError:
+        return False
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    return "[deny]" not in mode and "[force]" not in mode and release >= (6, 1)
+
+
+def add_seven(array):
+    array += 7
+    return int(array[-1])
+
+
+def test_shared_arrays_from_2_mib_on_are_in_huge_pages():
+    for nbytes in (HUGE, 8 << 20, 39_000_000):
+        array = pyshm.empty(nbytes, np.uint8, shared=True)
+        assert array.ctypes.data % HUGE == 0
+        entry = mapping_of(array.ctypes.data)
+        if shmem_collapse_allowed():
+            # every whole 2 MiB of the memfd is one huge page, mapped as one
+            assert shmem_huge_kib(entry) * 1024 == nbytes // HUGE * HUGE
+        # memory: the memfd's pages and no more (a tail short of 2 MiB is in small pages)
+        blocks = os.fstat(pyshm.storage_of(array).fd).st_blocks * 512
+        assert nbytes <= blocks <= 1.06 * nbytes
+        assert not array.any()
+        array[:] = 3
+        assert (array == 3).all()
+
+
+def test_a_huge_page_array_reaches_a_worker_and_back():
+    import multiprocessing as mp
+
+    array = pyshm.zeros(6 << 20, np.uint8, shared=True)
+    with mp.get_context("fork").Pool(1) as pool:
+        assert pool.apply(add_seven, (array,)) == 7
+    assert (array == 7).all()
+
+
 CHILD = textwrap.dedent(
     """
     import ctypes, sys
@@ -112,14 +157,18 @@ CHILD = textwrap.dedent(
         assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) == 0
     import pyshm
     sys.path.insert(0, sys.argv[2])
-    from test_huge import huge_kib, mapping_of
+    from test_huge import huge_kib, mapping_of, shmem_huge_kib
     array = pyshm.empty(8 << 20, np.uint8)
     array[:] = 5
     entry = mapping_of(array.ctypes.data)
     storage = pyshm.Storage(4096, resizable=True)
     storage.resize_(4 << 20)
     pyshm.share_memory_(array)
-    print(huge_kib(entry), "hg" in entry["VmFlags"], int(array.sum()) == 5 * (8 << 20))
+    shared = pyshm.zeros(8 << 20, np.uint8, shared=True)
+    shared[:] = 1
+    kib = huge_kib(entry) + shmem_huge_kib(mapping_of(shared.ctypes.data))
+    right = int(array.sum()) == 5 * (8 << 20) and int(shared.sum()) == 8 << 20
+    print(kib, "hg" in entry["VmFlags"], right)
     """
 )
 

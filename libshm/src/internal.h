@@ -99,6 +99,11 @@ int lshm__os_huge_wanted(void);
  * the kernel backs it with huge pages where THP allows (a refusal leaves small pages, never
  * an error). remap_pages grows or shrinks such a range keeping both (the bytes move along). */
 int lshm__os_map_anon_pages(size_t len, void **out);
+/* A fresh memfd of `size` bytes (size sealed), its pages reserved (no SIGBUS later) and mapped
+ * whole (map_len: size rounded up to pages; nothing mapped for 0) read-write into *out. From
+ * 2 MiB on the mapping is 2 MiB-aligned and each whole 2 MiB of the file gets a huge page where
+ * the kernel allows it (MADV_COLLAPSE; refusals leave small pages, never an error). */
+int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out);
 int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out);
 /* munmap and close cannot fail in a way a caller can act on; they assert in debug builds. */
 void lshm__os_unmap(void *addr, size_t len);

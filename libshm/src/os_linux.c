@@ -28,6 +28,10 @@
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
 
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25 /* Linux 6.1 */
+#endif
+
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010 /* Linux 5.1; older libc headers lack the name */
 #endif
@@ -306,12 +310,13 @@ static void advise_huge(void *addr, size_t len) {
     (void)madvise(addr, len, MADV_HUGEPAGE);
 }
 
-int lshm__os_map_anon_pages(size_t len, void **out) {
+/* Anonymous private pages at a 2 MiB-aligned address (len >= LSHM__HUGE_BYTES): map a huge
+ * page more than needed, then unmap what lies before the first 2 MiB boundary and after the
+ * range, leaving one mapping of exactly len bytes. */
+static int map_anon_aligned(size_t len, void **out) {
     const size_t huge = LSHM__HUGE_BYTES;
-    if (len < huge || len > SIZE_MAX - huge || !lshm__os_huge_wanted())
-        return lshm__os_map_anon(len, out);
-    /* Map a huge page more than needed, then unmap what lies before the first 2 MiB boundary
-     * and after the range: one mapping of exactly len bytes, 2 MiB-aligned. */
+    if (len > SIZE_MAX - huge)
+        return lshm__os_map_anon(len, out); /* (fails: no such range) */
     void *p = NULL;
     size_t over = len + huge - lshm__os_page_size();
     int rc = lshm__os_map_anon(over, &p);
@@ -322,8 +327,53 @@ int lshm__os_map_anon_pages(size_t len, void **out) {
         lshm__os_unmap(p, aligned - start);
     if (start + over > aligned + len)
         lshm__os_unmap((void *)(aligned + len), start + over - (aligned + len));
-    advise_huge((void *)aligned, len);
     *out = (void *)aligned;
+    return 0;
+}
+
+int lshm__os_map_anon_pages(size_t len, void **out) {
+    if (len < LSHM__HUGE_BYTES || !lshm__os_huge_wanted())
+        return lshm__os_map_anon(len, out);
+    int rc = map_anon_aligned(len, out);
+    if (rc == 0)
+        advise_huge(*out, len);
+    return rc;
+}
+
+/* Best effort: give each whole 2 MiB of [0, len) of a fresh memfd mapped at addr (aligned) a
+ * huge page. MADV_COLLAPSE needs one page present per 2 MiB (a 1-byte write of a zero), and
+ * works whatever shmem_enabled says but "deny"; THP disabled, an old kernel or fragmentation
+ * (EINVAL, EAGAIN, ENOMEM) leave small pages, which the caller reserves then. */
+static void collapse_huge(int fd, void *addr, size_t len) {
+    static const char zero = 0;
+    for (size_t off = 0; off < len; off += LSHM__HUGE_BYTES)
+        if (pwrite(fd, &zero, 1, (off_t)off) != 1)
+            return;
+    if (len > 0)
+        (void)madvise(addr, len, MADV_COLLAPSE);
+}
+
+int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out) {
+    const size_t huge = LSHM__HUGE_BYTES;
+    int rc;
+    if (map_len < huge || !lshm__os_huge_wanted()) {
+        if ((rc = lshm__os_reserve(fd, size)) == 0 && map_len > 0)
+            rc = lshm__os_map_fd(fd, 0, map_len, 0, NULL, out);
+        return rc;
+    }
+    void *at = NULL, *p = NULL;
+    if ((rc = map_anon_aligned(map_len, &at)) != 0)
+        return rc;
+    if ((rc = lshm__os_map_fd(fd, 0, map_len, 0, at, &p)) != 0) {
+        lshm__os_unmap(at, map_len);
+        return rc;
+    }
+    collapse_huge(fd, p, (size_t)(size / huge * huge));
+    if ((rc = lshm__os_reserve(fd, size)) != 0) { /* the rest, in small pages */
+        lshm__os_unmap(p, map_len);
+        return rc;
+    }
+    *out = p;
     return 0;
 }
 

@@ -64,9 +64,7 @@ int lshm_segment_create(size_t nbytes, unsigned flags, lshm_segment **out) {
         goto fail_close;
     if ((rc = lshm__os_seal_size(fd)) != 0)
         goto fail_close;
-    if ((rc = lshm__os_reserve(fd, nbytes)) != 0)
-        goto fail_close;
-    if (nbytes > 0 && (rc = lshm__os_map_fd(fd, 0, map_len, 0, NULL, &data)) != 0)
+    if ((rc = lshm__os_map_new_memfd(fd, nbytes, map_len, &data)) != 0)
         goto fail_close;
     return segment_new(fd, data, nbytes, map_len, 0, out);
 

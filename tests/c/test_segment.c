@@ -52,6 +52,26 @@ static void test_create(void) {
     ASSERT_UINT_EQ(lshm_segment_size(NULL), 0);
 }
 
+/* A segment large enough for huge pages: 2 MiB-aligned mapping, collapsed, then reserved. */
+#define HUGE_SEGMENT ((size_t)(5 << 20) + 100)
+
+/* From 2 MiB on a new segment is mapped at a 2 MiB boundary (huge pages map whole), reads
+ * zeros, and has every page reserved (no SIGBUS later), huge pages or not. */
+static void test_create_huge(void) {
+    lshm_segment *seg;
+    ASSERT_OK(lshm_segment_create(HUGE_SEGMENT, 0, &seg));
+    unsigned char *p = lshm_segment_data(seg);
+    ASSERT_EQ((uintptr_t)p % ((size_t)2 << 20), 0);
+    ASSERT(all_bytes(p, HUGE_SEGMENT, 0));
+    struct stat st;
+    ASSERT_OK(fstat(lshm_segment_fd(seg), &st));
+    ASSERT_GE((uint64_t)st.st_blocks * 512, HUGE_SEGMENT);
+    ASSERT_EQ(count_mappings(p, HUGE_SEGMENT, 1), 1);
+    memset(p, 0xab, HUGE_SEGMENT);
+    ASSERT(all_bytes(p + HUGE_SEGMENT - 100, 100, 0xab));
+    lshm_segment_release(seg);
+}
+
 static void test_views(void) {
     lshm_segment *seg;
     ASSERT_OK(lshm_segment_create(3 * page, 0, &seg));
@@ -314,6 +334,11 @@ static int op_create_shared(int fd, void **out) {
     return lshm_storage_create_shared(page, 0, (lshm_storage **)out);
 }
 
+static int op_segment_create_huge(int fd, void **out) {
+    (void)fd;
+    return lshm_segment_create(HUGE_SEGMENT, 0, (lshm_segment **)out);
+}
+
 static void free_segment(void *p) {
     lshm_segment_release(p);
 }
@@ -351,6 +376,10 @@ static void test_faults(void) {
     /* memfd, ftruncate, seal, fallocate, mmap */
     ASSERT_GE(fault_loop(op_segment_create, free_segment, -1, -ENOSPC), 5);
     ASSERT_GE(fault_loop(op_create_shared, free_storage, -1, -ENOMEM), 5);
+    /* the same at a huge-page size (one more point: the aligned range), no mapping left */
+    int maps = count_mappings(NULL, SIZE_MAX, 0);
+    ASSERT_GE(fault_loop(op_segment_create_huge, free_segment, -1, -ENOMEM), 6);
+    ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 0), maps);
     /* fstat, get_seals, getfl, dup, mmap */
     ASSERT_GE(fault_loop(op_segment_attach, free_segment, fd, -ENOMEM), 5);
     ASSERT_GE(fault_loop(op_storage_attach, free_storage, fd, -EMFILE), 5);
@@ -494,6 +523,7 @@ int main(void) {
     /* These tests are about storages with a memfd of their own; test_slab covers slabs. */
     lshm__slab_max_bytes = 0;
     RUN_TEST(test_create);
+    RUN_TEST(test_create_huge);
     RUN_TEST(test_views);
     RUN_TEST(test_close_fd);
     RUN_TEST(test_seal_readonly);
