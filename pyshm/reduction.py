@@ -586,11 +586,13 @@ def _rebuild_quickly(token, shape, dtype, strides, start, writeable) -> Optional
             ref = _state.ranges.get((key, size, offset, nbytes))
             holder = ref() if ref is not None else None
             if holder is not None:
+                # (writeable only: a view of a writeable array could be made writeable again,
+                # where the general path's read-only array cannot)
                 sent = getattr(holder, "_sent", None)
                 array = sent[0]() if sent is not None else None
-                if (array is None or sent[1] != start or array.shape != shape
-                        or array.strides != strides or array.dtype != dtype
-                        or array.flags.writeable != writeable):
+                if (not writeable or array is None or sent[1] != start
+                        or array.shape != shape or array.strides != strides
+                        or array.dtype != dtype or not array.flags.writeable):
                     return None
                 return array.view()
             # not a range of ours: memory received (mapped here), sent on, come back; its

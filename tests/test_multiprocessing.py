@@ -562,6 +562,8 @@ def test_own_arrays_come_back_as_themselves(pool):
     # not writeable, or another layout, over the same storage: new arrays at the same address
     readonly, square = pool.apply(make_readonly_and_reshape, (a,))
     assert not readonly.flags.writeable and a.flags.writeable
+    with pytest.raises(ValueError):  # as the receiver made it: for good
+        readonly.flags.writeable = True
     assert readonly.ctypes.data == square.ctypes.data == a.ctypes.data
     assert square.shape == (8, 8) and square[0, 1] == 5
     assert pyshm.storage_of(square) == pyshm.storage_of(a)

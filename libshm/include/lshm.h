@@ -18,8 +18,8 @@
  * segment   A refcounted memfd (anonymous shared memory, never named) plus one mapping of it.
  *           Sealed against shrink and grow, pages reserved up front, fd opened O_CLOEXEC. A
  *           new one of 2 MiB or more is mapped 2 MiB-aligned with each whole 2 MiB of the memfd
- *           in a huge page where the kernel allows it (MADV_COLLAPSE; else small pages, never
- *           an error; LSHM_HUGE=0 turns it off).
+ *           in a huge page (MADV_COLLAPSE, Linux 6.1+: whatever shmem_enabled says unless it is
+ *           "deny"; a refusal leaves small pages, never an error; LSHM_HUGE=0 turns it off).
  *           Many storages may view slices of one segment (one fd, one mapping for all of them).
  * share     lshm_storage_share() replaces a storage's memory by shared memory without changing
  *           the storage's identity and, where the storage owns whole pages, without changing its

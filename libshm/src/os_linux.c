@@ -310,9 +310,20 @@ static void advise_huge(void *addr, size_t len) {
     (void)madvise(addr, len, MADV_HUGEPAGE);
 }
 
+/* Of a fresh mapping [p, p + over), over = len + 2 MiB - 1 page: unmap what lies before its
+ * first 2 MiB boundary and after len bytes from there; returns that boundary. */
+static void *trim_to_aligned(void *p, size_t over, size_t len) {
+    const size_t huge = LSHM__HUGE_BYTES;
+    uintptr_t start = (uintptr_t)p, aligned = (start + huge - 1) & ~(uintptr_t)(huge - 1);
+    if (aligned > start)
+        lshm__os_unmap(p, aligned - start);
+    if (start + over > aligned + len)
+        lshm__os_unmap((void *)(aligned + len), start + over - (aligned + len));
+    return (void *)aligned;
+}
+
 /* Anonymous private pages at a 2 MiB-aligned address (len >= LSHM__HUGE_BYTES): map a huge
- * page more than needed, then unmap what lies before the first 2 MiB boundary and after the
- * range, leaving one mapping of exactly len bytes. */
+ * page more than needed, then trim it to one mapping of exactly len bytes. */
 static int map_anon_aligned(size_t len, void **out) {
     const size_t huge = LSHM__HUGE_BYTES;
     if (len > SIZE_MAX - huge)
@@ -322,12 +333,24 @@ static int map_anon_aligned(size_t len, void **out) {
     int rc = lshm__os_map_anon(over, &p);
     if (rc != 0)
         return rc;
-    uintptr_t start = (uintptr_t)p, aligned = (start + huge - 1) & ~(uintptr_t)(huge - 1);
-    if (aligned > start)
-        lshm__os_unmap(p, aligned - start);
-    if (start + over > aligned + len)
-        lshm__os_unmap((void *)(aligned + len), start + over - (aligned + len));
-    *out = (void *)aligned;
+    *out = trim_to_aligned(p, over, len);
+    return 0;
+}
+
+/* An aligned placeholder for a mapping about to replace it (MAP_FIXED, mremap MREMAP_FIXED):
+ * PROT_NONE and MAP_NORESERVE, so it commits no memory meanwhile. */
+static int reserve_aligned(size_t len, void **out) {
+    const size_t huge = LSHM__HUGE_BYTES;
+    LSHM_OS_FAULT("mmap_reserve");
+    if (len > SIZE_MAX - huge)
+        return LSHM_FAIL(-ENOMEM, "no %zu-byte range to reserve", len);
+    size_t over = len + huge - lshm__os_page_size();
+    void *p = mmap(NULL, over, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        return LSHM_FAIL(-e, "mmap(placeholder, %zu bytes): %s", over, strerror(e));
+    }
+    *out = trim_to_aligned(p, over, len);
     return 0;
 }
 
@@ -362,7 +385,7 @@ int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out) {
         return rc;
     }
     void *at = NULL, *p = NULL;
-    if ((rc = map_anon_aligned(map_len, &at)) != 0)
+    if ((rc = reserve_aligned(map_len, &at)) != 0)
         return rc;
     if ((rc = lshm__os_map_fd(fd, 0, map_len, 0, at, &p)) != 0) {
         lshm__os_unmap(at, map_len);
@@ -383,7 +406,7 @@ int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out) 
     /* Growing past 2 MiB: move the pages onto a fresh aligned range (mremap MREMAP_FIXED
      * replaces it), so the storage stays aligned wherever the kernel would have put it. */
     void *q = NULL;
-    int rc = lshm__os_map_anon_pages(new_len, &q);
+    int rc = reserve_aligned(new_len, &q);
     if (rc != 0)
         return rc;
     LSHM_OS_FAULT_CLEANUP("mremap", lshm__os_unmap(q, new_len));
