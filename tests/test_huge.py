@@ -139,13 +139,33 @@ def test_shared_arrays_from_2_mib_on_are_in_huge_pages():
         assert (array == 3).all()
 
 
+def test_arrays_shared_in_place_from_2_mib_on_are_in_huge_pages():
+    nbytes = 39_321_600  # 128 x 480 x 640: 18 whole huge pages and a 1.5 MiB tail
+    array = pyshm.empty(nbytes, np.uint8)
+    array[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)  # (a byte pattern)
+    view = array[1000:]
+    address = array.ctypes.data
+    pyshm.share_memory_(array)
+    assert array.ctypes.data == address and view.ctypes.data == address + 1000
+    assert int(array[nbytes - 1]) == (nbytes - 1) % 256 and int(view[0]) == 1000 % 256
+    assert int(array.sum()) == int(np.arange(nbytes, dtype=np.uint64).astype(np.uint8).sum())
+    view[0] = 200
+    assert array[1000] == 200
+    if shmem_collapse_allowed():
+        assert shmem_huge_kib(mapping_of(address)) * 1024 == nbytes // HUGE * HUGE
+    blocks = os.fstat(pyshm.storage_of(array).fd).st_blocks * 512
+    assert nbytes <= blocks <= 1.06 * nbytes
+
+
 def test_a_huge_page_array_reaches_a_worker_and_back():
     import multiprocessing as mp
 
-    array = pyshm.zeros(6 << 20, np.uint8, shared=True)
+    created = pyshm.zeros(6 << 20, np.uint8, shared=True)
+    in_place = pyshm.share_memory_(pyshm.zeros((6 << 20) + 12345, np.uint8))
     with mp.get_context("fork").Pool(1) as pool:
-        assert pool.apply(add_seven, (array,)) == 7
-    assert (array == 7).all()
+        for array in (created, in_place):
+            assert pool.apply(add_seven, (array,)) == 7
+            assert (array == 7).all()
 
 
 CHILD = textwrap.dedent(

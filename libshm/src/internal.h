@@ -104,6 +104,14 @@ int lshm__os_map_anon_pages(size_t len, void **out);
  * 2 MiB on the mapping is 2 MiB-aligned and each whole 2 MiB of the file gets a huge page where
  * the kernel allows it (MADV_COLLAPSE; refusals leave small pages, never an error). */
 int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out);
+/* Best effort: give each whole 2 MiB of [offset, offset + len) of a memfd, mapped at addr
+ * (2 MiB-aligned, offset and len multiples of 2 MiB), a huge page. MADV_COLLAPSE needs one
+ * page present per 2 MiB (a 1-byte write of a zero) and works whatever shmem_enabled says but
+ * "deny"; THP disabled, an old kernel or fragmentation (EINVAL, EAGAIN, ENOMEM) leave the
+ * range empty but for those bytes, for the caller to reserve or populate. */
+void lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len);
+/* [0, len) of fd mapped shared and writable at a 2 MiB-aligned address. */
+int lshm__os_map_fd_aligned(int fd, size_t len, void **out);
 int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out);
 /* munmap and close cannot fail in a way a caller can act on; they assert in debug builds. */
 void lshm__os_unmap(void *addr, size_t len);
@@ -212,6 +220,10 @@ extern _Atomic size_t lshm__share_chunk_threshold;
 extern _Atomic size_t lshm__share_chunk_bytes;
 extern _Atomic size_t lshm__share_chunk_busy_bytes;
 extern _Atomic unsigned long lshm__share_restores;
+/* A chunked share of a storage of at least 2 MiB at a 2 MiB-aligned address (unless
+ * LSHM_HUGE=0) gives every whole 2 MiB a huge page, lshm__share_huge_chunk_bytes at a time
+ * (default 32 MiB, rounded down to a multiple of 2 MiB). Tests lower it. */
+extern _Atomic size_t lshm__share_huge_chunk_bytes;
 
 /* share.c: fork() waits for shares and resizes in flight. A share or resize calls enter before
  * it takes the storage's lock and leave after releasing it (a process-wide read lock, which a

@@ -363,17 +363,26 @@ int lshm__os_map_anon_pages(size_t len, void **out) {
     return rc;
 }
 
-/* Best effort: give each whole 2 MiB of [0, len) of a fresh memfd mapped at addr (aligned) a
- * huge page. MADV_COLLAPSE needs one page present per 2 MiB (a 1-byte write of a zero), and
- * works whatever shmem_enabled says but "deny"; THP disabled, an old kernel or fragmentation
- * (EINVAL, EAGAIN, ENOMEM) leave small pages, which the caller reserves then. */
-static void collapse_huge(int fd, void *addr, size_t len) {
+void lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len) {
     static const char zero = 0;
     for (size_t off = 0; off < len; off += LSHM__HUGE_BYTES)
-        if (pwrite(fd, &zero, 1, (off_t)off) != 1)
+        if (pwrite(fd, &zero, 1, (off_t)(offset + off)) != 1)
             return;
     if (len > 0)
         (void)madvise(addr, len, MADV_COLLAPSE);
+}
+
+int lshm__os_map_fd_aligned(int fd, size_t len, void **out) {
+    void *at = NULL, *p = NULL;
+    int rc = reserve_aligned(len, &at);
+    if (rc != 0)
+        return rc;
+    if ((rc = lshm__os_map_fd(fd, 0, len, 0, at, &p)) != 0) {
+        lshm__os_unmap(at, len);
+        return rc;
+    }
+    *out = p;
+    return 0;
 }
 
 int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out) {
@@ -384,14 +393,10 @@ int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out) {
             rc = lshm__os_map_fd(fd, 0, map_len, 0, NULL, out);
         return rc;
     }
-    void *at = NULL, *p = NULL;
-    if ((rc = reserve_aligned(map_len, &at)) != 0)
+    void *p = NULL;
+    if ((rc = lshm__os_map_fd_aligned(fd, map_len, &p)) != 0)
         return rc;
-    if ((rc = lshm__os_map_fd(fd, 0, map_len, 0, at, &p)) != 0) {
-        lshm__os_unmap(at, map_len);
-        return rc;
-    }
-    collapse_huge(fd, p, (size_t)(size / huge * huge));
+    lshm__os_collapse(fd, 0, p, (size_t)(size / huge * huge));
     if ((rc = lshm__os_reserve(fd, size)) != 0) { /* the rest, in small pages */
         lshm__os_unmap(p, map_len);
         return rc;

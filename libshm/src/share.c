@@ -24,6 +24,10 @@
  * a private (copy-on-write) mapping of the same byte-identical memfd pages: bytes, data pointer,
  * flags and refcount are unchanged, writes stay private and a fork() copies them on write, as
  * before; a release or a retry works.
+ * A storage of 2 MiB or more at a 2 MiB boundary (the default allocator puts them there) takes
+ * the same steps with huge pages instead (share_chunked_huge): 32 MiB chunks, each collapsed
+ * into huge pages through a second, aligned mapping of the memfd, populated, filled with
+ * memcpy, then mapped over the storage; the tail short of 2 MiB goes in with pwrite.
  * The copy uses pwrite rather than writing through a fresh mapping: it
  * is the fastest way in (DESIGN section 8: no page faults) and it allocates every page of the
  * memfd, so there is no later SIGBUS and no need for a separate fallocate on this path. The
@@ -193,6 +197,20 @@ static size_t next_chunk(size_t page) {
     return chunk < page ? page : chunk & ~(page - 1);
 }
 
+/* The end of a chunked share that swapped [data, data + swapped) and returned rc: on success
+ * hand fd out; on failure map the swapped chunks back privately (the memfd pages hold the very
+ * bytes) and close fd. */
+static int chunks_done(int fd, char *data, size_t swapped, int rc, int *out) {
+    if (rc != 0) {
+        if (swapped > 0 && lshm__os_map_fd_private_fixed(fd, 0, swapped, data) == 0)
+            atomic_fetch_add_explicit(&lshm__share_restores, 1, memory_order_relaxed);
+        lshm__os_close(fd);
+        return rc;
+    }
+    *out = fd;
+    return 0;
+}
+
 /* Share the default pages [data, data + capacity) in place chunk by chunk: fill a chunk of the
  * memfd with pwrite, then mmap(MAP_FIXED) that chunk of the memfd over the same chunk of the
  * storage. The old private pages go back to the kernel as we go and the next chunk's pwrite
@@ -223,14 +241,58 @@ static int share_chunked(lshm_storage *s, char *data, int *out) {
             break;
         off += n;
     }
-    if (rc != 0) {
-        if (off > 0 && lshm__os_map_fd_private_fixed(fd, 0, off, data) == 0)
-            atomic_fetch_add_explicit(&lshm__share_restores, 1, memory_order_relaxed);
+    return chunks_done(fd, data, off, rc, out);
+}
+
+/* Huge pages for the chunked share: a storage of 2 MiB or more whose pages start at a 2 MiB
+ * boundary (the default allocator puts them there, see lshm__os_map_anon_pages). */
+_Atomic size_t lshm__share_huge_chunk_bytes = (size_t)32 << 20;
+
+static int want_huge(const lshm_storage *s, const char *data) {
+    return s->capacity >= LSHM__HUGE_BYTES && (uintptr_t)data % LSHM__HUGE_BYTES == 0 &&
+           lshm__os_huge_wanted();
+}
+
+/* share_chunked with huge pages for every whole 2 MiB of the storage: the memfd is also mapped
+ * at a 2 MiB-aligned address of its own, and per chunk (a multiple of 2 MiB) that range of it
+ * is collapsed into huge pages (lshm__os_collapse), populated (so that a page the kernel cannot
+ * give is an error, never a SIGBUS in the copy), filled with memcpy and mapped over the same
+ * range of the storage. Pages the collapse refused are small ones, filled the same way. The
+ * tail short of 2 MiB goes in with pwrite. Failure: as share_chunked. */
+static int share_chunked_huge(lshm_storage *s, char *data, int *out) {
+    const size_t huge = LSHM__HUGE_BYTES;
+    size_t cap = s->capacity, whole = cap / huge * huge;
+    int fd;
+    int rc = lshm__os_memfd_create(cap, &fd);
+    if (rc != 0)
+        return rc;
+    char *copy = NULL;
+    if ((rc = lshm__os_ftruncate(fd, cap)) != 0 || (rc = lshm__os_seal_size(fd)) != 0 ||
+        (rc = lshm__os_map_fd_aligned(fd, whole, (void **)&copy)) != 0) {
         lshm__os_close(fd);
         return rc;
     }
-    *out = fd;
-    return 0;
+    size_t chunk = atomic_load_explicit(&lshm__share_huge_chunk_bytes, memory_order_relaxed);
+    chunk = chunk < huge ? huge : chunk / huge * huge;
+    size_t off = 0;
+    void *m;
+    while (off < whole) {
+        size_t n = whole - off < chunk ? whole - off : chunk;
+        lshm__os_collapse(fd, off, copy + off, n);
+        if ((rc = lshm__os_populate_write(fd, off, copy + off, n)) != 0)
+            break;
+        memcpy(copy + off, data + off, n);
+        if ((rc = lshm__os_map_fd(fd, off, n, 0, data + off, &m)) != 0)
+            break;
+        off += n;
+    }
+    lshm__os_unmap(copy, whole);
+    if (rc == 0 && off < cap) {
+        if ((rc = lshm__os_pwrite_all(fd, data + off, cap - off, off)) == 0 &&
+            (rc = lshm__os_map_fd(fd, off, cap - off, 0, data + off, &m)) == 0)
+            off = cap;
+    }
+    return chunks_done(fd, data, off, rc, out);
 }
 
 /* ---- the pool of recycled memfds ---------------------------------------------------------- */
@@ -497,7 +559,8 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
         if (fd >= 0) { /* sized, sealed, populated: only the bytes to write (all of them) */
             rc = refill_memfd(fd, data, s->capacity);
         } else if (want_chunks(s)) {
-            rc = share_chunked(s, data, &fd);
+            rc = want_huge(s, data) ? share_chunked_huge(s, data, &fd)
+                                    : share_chunked(s, data, &fd);
             swapped = 1;
         } else {
             rc = make_filled_memfd(data, s->capacity, &fd);

@@ -403,6 +403,31 @@ static void assert_private_across_fork(unsigned char *raw, size_t n) {
     ASSERT_EQ(raw[n - 1], last);
 }
 
+/* A chunked share of a fresh n-byte storage, failed at fault point nth: the storage is as it
+ * was (pointer, flags, bytes, private across fork, writable: bytes 0 and n - 1 are now 7), and
+ * `restored` says whether chunks were swapped back. Returns it for the caller to release. */
+static lshm_storage *fail_chunked_share_at(int nth, size_t n, int restored) {
+    lshm_storage *s;
+    ASSERT_OK(make_fixed_pages(&s, n));
+    unsigned char *raw = lshm_storage_data(s);
+    fill(raw, n, 42);
+    unsigned long restores = lshm__share_restores;
+    lshm__fault_arm(nth, -ENOSPC);
+    int rc = lshm_storage_share(s);
+    lshm__fault_arm(0, 0);
+    ASSERT_ERR(rc, -ENOSPC);
+    ASSERT(strstr(lshm_last_error(), "injected") != NULL);
+    ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+    ASSERT_EQ(lshm_storage_flags(s), 0);
+    ASSERT(check(raw, n, 42));
+    ASSERT_EQ(lshm__share_restores, restores + (restored ? 1 : 0));
+    ASSERT(mappings_private(raw, n));
+    assert_private_across_fork(raw, n);
+    raw[0] = 7;
+    raw[n - 1] = 7;
+    return s;
+}
+
 /* The chunked path (non-resizable default pages), forced at a small size with 2-page chunks:
  * same bytes and pointer, one mapping at the end; every fault point (each chunk's pwrite and
  * mmap) leaves bytes, pointer, flags, refcount and fds as they were, the chunks already swapped
@@ -438,25 +463,11 @@ static void test_chunked(void) {
 
     /* fail mid-way (points: memfd, ftruncate, seal, then pwrite and mmap per chunk) */
     for (int nth = 4; nth <= 9; nth++) {
-        ASSERT_OK(make_fixed_pages(&s, n));
+        s = fail_chunked_share_at(nth, n, nth >= 6); /* from 6 on, a chunk was swapped */
         raw = lshm_storage_data(s);
-        fill(raw, n, 34);
-        unsigned long restores = lshm__share_restores;
-        lshm__fault_arm(nth, -ENOSPC);
-        int rc = lshm_storage_share(s);
-        lshm__fault_arm(0, 0);
-        ASSERT_ERR(rc, -ENOSPC);
-        ASSERT(strstr(lshm_last_error(), "injected") != NULL);
-        ASSERT_PTR_EQ(lshm_storage_data(s), raw);
-        ASSERT_EQ(lshm_storage_flags(s), 0);
-        ASSERT(check(raw, n, 34));
-        ASSERT_EQ(lshm__share_restores, restores + (nth >= 6)); /* a chunk was swapped */
         if (nth == 6) /* failed at chunk 2's pwrite: chunk 1 swapped back privately, rest not */
             ASSERT_EQ(mappings_over(raw, 10 * page), 2);
         ASSERT(mappings_private(raw, 10 * page));
-        assert_private_across_fork(raw, n);
-        raw[n - 1] = 7; /* still writable everywhere */
-        raw[0] = 7;
         ASSERT_EQ(fd_count(), base);
         if (nth == 8) { /* a retry shares every byte, the ones written since included */
             ASSERT_OK(lshm_storage_share(s));
@@ -499,6 +510,51 @@ static void test_chunked(void) {
     lshm__share_chunk_threshold = saved_threshold;
     lshm__share_chunk_bytes = saved_chunk;
     ASSERT_EQ(fd_count(), base);
+}
+
+/* The chunked share with huge pages (a storage of 2 MiB or more at a 2 MiB boundary): same
+ * bytes and pointer, one shared mapping, the tail short of 2 MiB too; every fault point leaves
+ * the storage as it was (no fd, no temporary mapping), and a failure after a chunk was swapped
+ * maps it back privately (copy-on-write across fork, still writable). */
+static void test_chunked_huge(void) {
+    const size_t huge = (size_t)2 << 20;
+    size_t saved_chunk = lshm__share_huge_chunk_bytes;
+    lshm__share_huge_chunk_bytes = 2 * huge;
+    lshm_pool_trim();
+    int base = fd_count();
+    size_t n = 5 * huge + 3 * page + 5; /* chunks of 4, 4 and 2 MiB, then a small tail */
+    lshm_storage *s;
+    ASSERT_OK(make_fixed_pages(&s, n));
+    unsigned char *raw = lshm_storage_data(s);
+    ASSERT_EQ((uintptr_t)raw % huge, 0);
+    fill(raw, n, 41);
+    int maps = count_mappings(NULL, SIZE_MAX, 0);
+    ASSERT_OK(lshm_storage_share(s));
+    ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+    ASSERT(check(raw, n, 41));
+    ASSERT_EQ(mappings_over(raw, n), 1);
+    ASSERT(!mappings_private(raw, n));
+    ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 0), maps); /* the copy mapping is gone */
+    int fd;
+    uint64_t off;
+    ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+    unsigned char b = 0;
+    ASSERT_EQ(pread(fd, &b, 1, n - 1), 1);
+    ASSERT_EQ(b, raw[n - 1]);
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), base);
+
+    share_fault_loop(make_fixed_pages, n, -ENOMEM);
+
+    /* points: memfd, ftruncate, seal, reserve, mmap (the copy), then per 4 MiB chunk populate
+     * and mmap, then the tail's pwrite and mmap: a failure at 8 (the second populate) leaves
+     * the first chunk swapped back privately */
+    for (int nth = 6; nth <= 11; nth++) {
+        lshm_storage_release(fail_chunked_share_at(nth, n, nth >= 8));
+        lshm_pool_trim();
+        ASSERT_EQ(fd_count(), base);
+    }
+    lshm__share_huge_chunk_bytes = saved_chunk;
 }
 
 static void test_rlimit_nofile(void) {
@@ -996,6 +1052,7 @@ int main(void) {
     RUN_TEST(test_fault_atomicity);
     RUN_TEST(test_split_copy);
     RUN_TEST(test_chunked);
+    RUN_TEST(test_chunked_huge);
     RUN_TEST(test_rlimit_nofile);
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
