@@ -259,6 +259,67 @@ static int want_huge(const lshm_storage *s, const char *data) {
  * give is an error, never a SIGBUS in the copy), filled with memcpy and mapped over the same
  * range of the storage. Pages the collapse refused are small ones, filled the same way. The
  * tail short of 2 MiB goes in with pwrite. Failure: as share_chunked. */
+/* Preparing chunks (collapse, populate) ahead of the copy, on a helper thread, while a big
+ * share runs alone: the kernel's zero-filling of the next chunk's huge pages then overlaps the
+ * memcpy of this one. `ready` is how far the helper got, `done` how far the copy got: the
+ * helper stays at most two chunks ahead (memory in use beyond the storage's: three chunks, and
+ * the pages it gets are the ones the copy just freed). It stops at the first error (rc) or
+ * when told to (stop). */
+typedef struct huge_ahead {
+    int fd;
+    char *copy;
+    size_t whole, chunk;
+    pthread_mutex_t lock;
+    pthread_cond_t moved;
+    size_t ready, done;
+    int rc, stop;
+    char msg[400];
+} huge_ahead;
+
+static void prepare_chunk(int fd, char *copy, size_t off, size_t n, int *rc) {
+    lshm__os_collapse(fd, off, copy + off, n);
+    *rc = lshm__os_populate_write(fd, off, copy + off, n);
+}
+
+static void *huge_ahead_thread(void *arg) {
+    huge_ahead *h = arg;
+    for (size_t off = 0; off < h->whole;) {
+        pthread_mutex_lock(&h->lock);
+        while (!h->stop && off >= h->done + 2 * h->chunk)
+            pthread_cond_wait(&h->moved, &h->lock);
+        int stop = h->stop;
+        pthread_mutex_unlock(&h->lock);
+        if (stop)
+            break;
+        size_t n = h->whole - off < h->chunk ? h->whole - off : h->chunk;
+        int rc;
+        prepare_chunk(h->fd, h->copy, off, n, &rc);
+        pthread_mutex_lock(&h->lock);
+        if (rc != 0) {
+            h->rc = rc;
+            snprintf(h->msg, sizeof h->msg, "%s", lshm_last_error());
+        } else {
+            h->ready = off + n;
+        }
+        pthread_cond_broadcast(&h->moved);
+        pthread_mutex_unlock(&h->lock);
+        if (rc != 0)
+            break;
+        off += n;
+    }
+    return NULL;
+}
+
+/* Wait until the helper prepared [0, end), or failed (its error, as this thread's). */
+static int wait_ready(huge_ahead *h, size_t end) {
+    pthread_mutex_lock(&h->lock);
+    while (h->ready < end && h->rc == 0)
+        pthread_cond_wait(&h->moved, &h->lock);
+    int rc = h->ready >= end ? 0 : h->rc;
+    pthread_mutex_unlock(&h->lock);
+    return rc == 0 ? 0 : LSHM_FAIL(rc, "preparing huge pages: %s", h->msg);
+}
+
 static int share_chunked_huge(lshm_storage *s, char *data, int *out) {
     const size_t huge = LSHM__HUGE_BYTES;
     size_t cap = s->capacity, whole = cap / huge * huge;
@@ -274,18 +335,46 @@ static int share_chunked_huge(lshm_storage *s, char *data, int *out) {
     }
     size_t chunk = atomic_load_explicit(&lshm__share_huge_chunk_bytes, memory_order_relaxed);
     chunk = chunk < huge ? huge : chunk / huge * huge;
+    huge_ahead h = {fd, copy, whole, chunk, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                    0, 0, 0, 0, {0}};
+    pthread_t helper;
+    int ahead = whole > chunk && want_split(whole) &&
+                pthread_create(&helper, NULL, huge_ahead_thread, &h) == 0;
+    if (ahead) /* (counted with the split copies: two threads at work) */
+        atomic_fetch_add_explicit(&lshm__share_splits, 1, memory_order_relaxed);
     size_t off = 0;
     void *m;
     while (off < whole) {
         size_t n = whole - off < chunk ? whole - off : chunk;
-        lshm__os_collapse(fd, off, copy + off, n);
-        if ((rc = lshm__os_populate_write(fd, off, copy + off, n)) != 0)
-            break;
+        /* (with a helper, its populate's fault point is taken here: faults are per thread) */
+        if (ahead) {
+            if ((rc = lshm__os_fault_point("populate")) != 0 || (rc = wait_ready(&h, off + n)) != 0)
+                break;
+        } else {
+            prepare_chunk(fd, copy, off, n, &rc);
+            if (rc != 0)
+                break;
+        }
         memcpy(copy + off, data + off, n);
         if ((rc = lshm__os_map_fd(fd, off, n, 0, data + off, &m)) != 0)
             break;
         off += n;
+        if (ahead) {
+            pthread_mutex_lock(&h.lock);
+            h.done = off;
+            pthread_cond_broadcast(&h.moved);
+            pthread_mutex_unlock(&h.lock);
+        }
     }
+    if (ahead) {
+        pthread_mutex_lock(&h.lock);
+        h.stop = 1;
+        pthread_cond_broadcast(&h.moved);
+        pthread_mutex_unlock(&h.lock);
+        pthread_join(helper, NULL); /* (before the copy mapping it writes through goes) */
+    }
+    pthread_mutex_destroy(&h.lock);
+    pthread_cond_destroy(&h.moved);
     lshm__os_unmap(copy, whole);
     if (rc == 0 && off < cap) {
         if ((rc = lshm__os_pwrite_all(fd, data + off, cap - off, off)) == 0 &&

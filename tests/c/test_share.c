@@ -516,7 +516,7 @@ static void test_chunked(void) {
  * bytes and pointer, one shared mapping, the tail short of 2 MiB too; every fault point leaves
  * the storage as it was (no fd, no temporary mapping), and a failure after a chunk was swapped
  * maps it back privately (copy-on-write across fork, still writable). */
-static void test_chunked_huge(void) {
+static void chunked_huge(void) {
     const size_t huge = (size_t)2 << 20;
     size_t saved_chunk = lshm__share_huge_chunk_bytes;
     lshm__share_huge_chunk_bytes = 2 * huge;
@@ -555,6 +555,21 @@ static void test_chunked_huge(void) {
         ASSERT_EQ(fd_count(), base);
     }
     lshm__share_huge_chunk_bytes = saved_chunk;
+}
+
+/* Both ways: on this thread alone, and (a big share running alone, forced here at a small
+ * size) with the next chunk prepared on a helper thread while this one copies; the fault
+ * points are the same (the helper's populate is taken on this thread). */
+static void test_chunked_huge(void) {
+    chunked_huge();
+    if (lshm__os_ncpu() < 2)
+        return;
+    size_t saved = lshm__share_split_threshold;
+    unsigned long splits = lshm__share_splits;
+    lshm__share_split_threshold = page;
+    chunked_huge();
+    lshm__share_split_threshold = saved;
+    ASSERT_GE(lshm__share_splits, splits + 1); /* the helper did run */
 }
 
 static void test_rlimit_nofile(void) {
