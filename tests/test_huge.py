@@ -157,6 +157,25 @@ def test_arrays_shared_in_place_from_2_mib_on_are_in_huge_pages():
     assert nbytes <= blocks <= 1.06 * nbytes
 
 
+def read_every_page(array):
+    """In a receiver: the array's alignment, the sum of a byte per page (the first reads), how
+    much of its mapping is PMD-mapped after them."""
+    total = int(array[::4096].sum())
+    return array.ctypes.data % HUGE, total, shmem_huge_kib(mapping_of(array.ctypes.data))
+
+
+def test_a_receiver_maps_huge_pages_whole():
+    import multiprocessing as mp
+
+    array = pyshm.share_memory_(pyshm.empty(16 << 20, np.uint8))
+    array[:] = 1
+    with mp.get_context("spawn").Pool(1) as pool:
+        misalign, total, pmd_kib = pool.apply(read_every_page, (array,))
+    assert misalign == 0 and total == (16 << 20) // 4096
+    if shmem_collapse_allowed():
+        assert pmd_kib == 16 << 10
+
+
 def test_a_huge_page_array_reaches_a_worker_and_back():
     import multiprocessing as mp
 

@@ -110,8 +110,8 @@ int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out);
  * "deny"; THP disabled, an old kernel or fragmentation (EINVAL, EAGAIN, ENOMEM) leave the
  * range empty but for those bytes, for the caller to reserve or populate. */
 void lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len);
-/* [0, len) of fd mapped shared and writable at a 2 MiB-aligned address. */
-int lshm__os_map_fd_aligned(int fd, size_t len, void **out);
+/* [0, len) of fd mapped shared (read-only or writable) at a 2 MiB-aligned address. */
+int lshm__os_map_fd_aligned(int fd, size_t len, int readonly, void **out);
 int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out);
 /* munmap and close cannot fail in a way a caller can act on; they assert in debug builds. */
 void lshm__os_unmap(void *addr, size_t len);

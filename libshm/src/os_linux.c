@@ -372,12 +372,12 @@ void lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len) {
         (void)madvise(addr, len, MADV_COLLAPSE);
 }
 
-int lshm__os_map_fd_aligned(int fd, size_t len, void **out) {
+int lshm__os_map_fd_aligned(int fd, size_t len, int readonly, void **out) {
     void *at = NULL, *p = NULL;
     int rc = reserve_aligned(len, &at);
     if (rc != 0)
         return rc;
-    if ((rc = lshm__os_map_fd(fd, 0, len, 0, at, &p)) != 0) {
+    if ((rc = lshm__os_map_fd(fd, 0, len, readonly, at, &p)) != 0) {
         lshm__os_unmap(at, len);
         return rc;
     }
@@ -394,7 +394,7 @@ int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out) {
         return rc;
     }
     void *p = NULL;
-    if ((rc = lshm__os_map_fd_aligned(fd, map_len, &p)) != 0)
+    if ((rc = lshm__os_map_fd_aligned(fd, map_len, 0, &p)) != 0)
         return rc;
     lshm__os_collapse(fd, 0, p, (size_t)(size / huge * huge));
     if ((rc = lshm__os_reserve(fd, size)) != 0) { /* the rest, in small pages */

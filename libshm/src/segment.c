@@ -130,7 +130,10 @@ int lshm_segment_attach(int fd, unsigned flags, lshm_segment **out) {
         goto fail_close;
     }
     int readonly = (flags & LSHM_STORAGE_READONLY) != 0;
-    if (size > 0 && (rc = lshm__os_map_fd(own, 0, map_len, readonly, NULL, &data)) != 0)
+    /* From 2 MiB on at a 2 MiB boundary: the memfd's huge pages then map whole (PMD). */
+    if (size > 0 && (rc = map_len >= LSHM__HUGE_BYTES && lshm__os_huge_wanted()
+                              ? lshm__os_map_fd_aligned(own, map_len, readonly, &data)
+                              : lshm__os_map_fd(own, 0, map_len, readonly, NULL, &data)) != 0)
         goto fail_close;
     return segment_new(own, data, (size_t)size, map_len, flags & LSHM_STORAGE_READONLY, out);
 

@@ -329,7 +329,7 @@ static int share_chunked_huge(lshm_storage *s, char *data, int *out) {
         return rc;
     char *copy = NULL;
     if ((rc = lshm__os_ftruncate(fd, cap)) != 0 || (rc = lshm__os_seal_size(fd)) != 0 ||
-        (rc = lshm__os_map_fd_aligned(fd, whole, (void **)&copy)) != 0) {
+        (rc = lshm__os_map_fd_aligned(fd, whole, 0, (void **)&copy)) != 0) {
         lshm__os_close(fd);
         return rc;
     }

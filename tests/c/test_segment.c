@@ -69,6 +69,15 @@ static void test_create_huge(void) {
     ASSERT_EQ(count_mappings(p, HUGE_SEGMENT, 1), 1);
     memset(p, 0xab, HUGE_SEGMENT);
     ASSERT(all_bytes(p + HUGE_SEGMENT - 100, 100, 0xab));
+    /* a receiver's mapping of it is aligned too, read-only or not */
+    for (unsigned flags = 0; flags <= LSHM_STORAGE_READONLY; flags += LSHM_STORAGE_READONLY) {
+        lshm_segment *got;
+        ASSERT_OK(lshm_segment_attach(lshm_segment_fd(seg), flags, &got));
+        unsigned char *q = lshm_segment_data(got);
+        ASSERT_EQ((uintptr_t)q % ((size_t)2 << 20), 0);
+        ASSERT(q != p && all_bytes(q, HUGE_SEGMENT, 0xab));
+        lshm_segment_release(got);
+    }
     lshm_segment_release(seg);
 }
 
@@ -339,6 +348,10 @@ static int op_segment_create_huge(int fd, void **out) {
     return lshm_segment_create(HUGE_SEGMENT, 0, (lshm_segment **)out);
 }
 
+static int op_segment_attach_huge(int fd, void **out) {
+    return lshm_segment_attach(fd, 0, (lshm_segment **)out);
+}
+
 static void free_segment(void *p) {
     lshm_segment_release(p);
 }
@@ -380,6 +393,13 @@ static void test_faults(void) {
     int maps = count_mappings(NULL, SIZE_MAX, 0);
     ASSERT_GE(fault_loop(op_segment_create_huge, free_segment, -1, -ENOMEM), 6);
     ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 0), maps);
+    lshm_segment *huge_seg;
+    ASSERT_OK(lshm_segment_create(HUGE_SEGMENT, 0, &huge_seg));
+    maps = count_mappings(NULL, SIZE_MAX, 0);
+    ASSERT_GE(fault_loop(op_segment_attach_huge, free_segment, lshm_segment_fd(huge_seg),
+                         -ENOMEM), 6);
+    ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 0), maps);
+    lshm_segment_release(huge_seg);
     /* fstat, get_seals, getfl, dup, mmap */
     ASSERT_GE(fault_loop(op_segment_attach, free_segment, fd, -ENOMEM), 5);
     ASSERT_GE(fault_loop(op_storage_attach, free_storage, fd, -EMFILE), 5);
