@@ -135,10 +135,15 @@ static int split_fill(int fd, const void *data, size_t size) {
     return 0;
 }
 
+/* Set in the child of a fork(): no helper threads there. A thread started in a child forked
+ * from a process with other threads may need a lock one of those threads held at the fork
+ * (AddressSanitizer's allocator is one: the helper hung in its first calloc). */
+static _Atomic int forked_child;
+
 static int want_split(size_t size) {
     return size >= atomic_load_explicit(&lshm__share_split_threshold, memory_order_relaxed) &&
            atomic_load_explicit(&active_shares, memory_order_relaxed) == 1 &&
-           lshm__os_ncpu() >= 2;
+           lshm__os_ncpu() >= 2 && !atomic_load_explicit(&forked_child, memory_order_relaxed);
 }
 
 /* A memfd of `size` bytes holding the `size` bytes at `data`, sealed against shrink and grow
@@ -469,6 +474,7 @@ static void parent_after_fork(void) {
 }
 
 static void child_after_fork(void) {
+    atomic_store_explicit(&forked_child, 1, memory_order_relaxed);
     pool_after_fork();
     lshm__slab_after_fork_child();
     fork_writer = 0;

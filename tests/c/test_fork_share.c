@@ -78,8 +78,11 @@ static void child(int sock, lshm_storage *s, int round) {
     for (size_t i = 0; i < NBYTES / page; i += 97)
         ASSERT_EQ(p[i * page], stamp(round, i));
     alarm(10); /* a storage mutex held by a thread that is gone would hang here */
+    unsigned long splits = lshm__share_splits;
     ASSERT_OK(lshm_storage_share(s));
     alarm(0);
+    /* no helper thread in a forked child (one hung there in a lock held at the fork) */
+    ASSERT_EQ(lshm__share_splits, splits);
     ASSERT(lshm_storage_flags(s) & LSHM_STORAGE_SHARED);
     ASSERT_PTR_EQ(lshm_storage_data(s), p);
     for (size_t i = 0; i < NBYTES / page; i += 97)
