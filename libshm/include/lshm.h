@@ -14,7 +14,8 @@
  *           advised MADV_HUGEPAGE, so that transparent huge pages back every whole 2 MiB where
  *           the kernel allows it (THP "madvise" or "always"); a refusal leaves small pages and
  *           is never an error. LSHM_HUGE=0 in the environment (read at the first such storage
- *           of the process) keeps small pages and no alignment.
+ *           of the process) makes libshm neither align them nor ask for huge pages (the kernel
+ *           may still do either by itself: THP "always", large mappings it aligns).
  * segment   A refcounted memfd (anonymous shared memory, never named) plus one mapping of it.
  *           Sealed against shrink and grow, pages reserved up front, fd opened O_CLOEXEC. A
  *           new one of 2 MiB or more is mapped 2 MiB-aligned with each whole 2 MiB of the memfd
@@ -23,7 +24,9 @@
  *           Many storages may view slices of one segment (one fd, one mapping for all of them).
  * share     lshm_storage_share() replaces a storage's memory by shared memory without changing
  *           the storage's identity and, where the storage owns whole pages, without changing its
- *           data pointer either.
+ *           data pointer either. From 2 MiB on (pages at a 2 MiB boundary) the memfd gets huge
+ *           pages too, copied through a second mapping of it (no room for that mapping, ENOMEM:
+ *           small pages, as below 2 MiB).
  * planner   lshm_plan() places tensors with known lifetimes into one arena.
  * arena     lshm_arena_* keeps the storages of a planned set in one slab and backs them with
  *           slices of one buffer (optionally one segment).

@@ -47,6 +47,9 @@ size_t lshm__os_page_size(void);
 /* memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING); `nbytes` only names the file in /proc. */
 int lshm__os_memfd_create(size_t nbytes, int *fd);
 int lshm__os_ftruncate(int fd, uint64_t size);
+/* memfd_create, ftruncate to `size`, seal_size: a new memfd of `size` bytes no holder can
+ * resize (its pages not allocated yet); closed again on failure. */
+int lshm__os_memfd_sized(uint64_t size, int *fd);
 /* Add F_SEAL_SHRINK | F_SEAL_GROW (the size can never change again, so no SIGBUS from a peer). */
 int lshm__os_seal_size(int fd);
 /* Make fd read-only for everyone who maps it from now on: add F_SEAL_FUTURE_WRITE (no new
@@ -108,9 +111,11 @@ int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out);
  * (2 MiB-aligned, offset and len multiples of 2 MiB), a huge page. MADV_COLLAPSE needs one
  * page present per 2 MiB (a 1-byte write of a zero) and works whatever shmem_enabled says but
  * "deny"; THP disabled, an old kernel or fragmentation (EINVAL, EAGAIN, ENOMEM) leave the
- * range empty but for those bytes, for the caller to reserve or populate. */
-void lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len);
-/* [0, len) of fd mapped shared (read-only or writable) at a 2 MiB-aligned address. */
+ * range empty but for those bytes, for the caller to reserve or populate. Returns 0 or the
+ * refusal (-errno, no message): -EINVAL and -EPERM mean no later collapse will work either. */
+int lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len);
+/* [0, len) of fd mapped shared (read-only or writable); from 2 MiB on (unless LSHM_HUGE=0) at a
+ * 2 MiB-aligned address, so that its huge pages map whole. */
 int lshm__os_map_fd_aligned(int fd, size_t len, int readonly, void **out);
 int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out);
 /* munmap and close cannot fail in a way a caller can act on; they assert in debug builds. */
@@ -224,6 +229,11 @@ extern _Atomic unsigned long lshm__share_restores;
  * LSHM_HUGE=0) gives every whole 2 MiB a huge page, lshm__share_huge_chunk_bytes at a time
  * (default 32 MiB, rounded down to a multiple of 2 MiB). Tests lower it. */
 extern _Atomic size_t lshm__share_huge_chunk_bytes;
+#ifdef LSHM_TESTING
+/* The huge-page share's helper thread fails (-ENOMEM) when it has prepared chunk N (1-based;
+ * 0: never), so that its own error path runs. */
+extern _Atomic int lshm__share_helper_fails_at;
+#endif
 
 /* share.c: fork() waits for shares and resizes in flight. A share or resize calls enter before
  * it takes the storage's lock and leave after releasing it (a process-wide read lock, which a

@@ -44,16 +44,6 @@
             return LSHM_FAIL(fault_, "%s: injected fault (%s)", site, lshm_strerror(fault_)); \
     } while (0)
 
-/* The same, for a wrapper that must undo something it did before the failing step. */
-#define LSHM_OS_FAULT_CLEANUP(site, cleanup)                                                  \
-    do {                                                                                      \
-        int fault_ = LSHM_FAULT(site);                                                        \
-        if (fault_ != 0) {                                                                    \
-            cleanup;                                                                          \
-            return LSHM_FAIL(fault_, "%s: injected fault (%s)", site, lshm_strerror(fault_)); \
-        }                                                                                     \
-    } while (0)
-
 /* sysconf is cheap but not free, and the page size and CPU count do not change while we run
  * (CPU hotplug aside, which only tunes a heuristic): ask once. */
 static long cached_sysconf(_Atomic long *cache, int name, long fallback) {
@@ -104,6 +94,17 @@ int lshm__os_ftruncate(int fd, uint64_t size) {
                          strerror(e));
     }
     return 0;
+}
+
+int lshm__os_memfd_sized(uint64_t size, int *fd) {
+    int rc = lshm__os_memfd_create((size_t)size, fd);
+    if (rc != 0)
+        return rc;
+    if ((rc = lshm__os_ftruncate(*fd, size)) != 0 || (rc = lshm__os_seal_size(*fd)) != 0) {
+        lshm__os_close(*fd);
+        *fd = -1;
+    }
+    return rc;
 }
 
 static int add_seals(int fd, int seals, const char *what) {
@@ -322,33 +323,22 @@ static void *trim_to_aligned(void *p, size_t over, size_t len) {
     return (void *)aligned;
 }
 
-/* Anonymous private pages at a 2 MiB-aligned address (len >= LSHM__HUGE_BYTES): map a huge
- * page more than needed, then trim it to one mapping of exactly len bytes. */
-static int map_anon_aligned(size_t len, void **out) {
+/* An anonymous mapping of exactly len bytes at a 2 MiB-aligned address: a huge page more than
+ * needed is mapped, then trimmed. `placeholder`: PROT_NONE and MAP_NORESERVE, for a mapping
+ * about to replace it (MAP_FIXED, mremap MREMAP_FIXED), so it commits no memory meanwhile;
+ * else private read-write zero pages. */
+static int map_aligned(size_t len, int placeholder, void **out) {
     const size_t huge = LSHM__HUGE_BYTES;
+    LSHM_OS_FAULT(placeholder ? "mmap_reserve" : "mmap_anon");
     if (len > SIZE_MAX - huge)
-        return lshm__os_map_anon(len, out); /* (fails: no such range) */
-    void *p = NULL;
+        return LSHM_FAIL(-ENOMEM, "no %zu-byte range to map", len);
     size_t over = len + huge - lshm__os_page_size();
-    int rc = lshm__os_map_anon(over, &p);
-    if (rc != 0)
-        return rc;
-    *out = trim_to_aligned(p, over, len);
-    return 0;
-}
-
-/* An aligned placeholder for a mapping about to replace it (MAP_FIXED, mremap MREMAP_FIXED):
- * PROT_NONE and MAP_NORESERVE, so it commits no memory meanwhile. */
-static int reserve_aligned(size_t len, void **out) {
-    const size_t huge = LSHM__HUGE_BYTES;
-    LSHM_OS_FAULT("mmap_reserve");
-    if (len > SIZE_MAX - huge)
-        return LSHM_FAIL(-ENOMEM, "no %zu-byte range to reserve", len);
-    size_t over = len + huge - lshm__os_page_size();
-    void *p = mmap(NULL, over, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void *p = mmap(NULL, over, placeholder ? PROT_NONE : PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | (placeholder ? MAP_NORESERVE : 0), -1, 0);
     if (p == MAP_FAILED) {
         int e = errno;
-        return LSHM_FAIL(-e, "mmap(placeholder, %zu bytes): %s", over, strerror(e));
+        return LSHM_FAIL(-e, "mmap(anonymous%s, %zu bytes): %s",
+                         placeholder ? " placeholder" : "", over, strerror(e));
     }
     *out = trim_to_aligned(p, over, len);
     return 0;
@@ -357,24 +347,25 @@ static int reserve_aligned(size_t len, void **out) {
 int lshm__os_map_anon_pages(size_t len, void **out) {
     if (len < LSHM__HUGE_BYTES || !lshm__os_huge_wanted())
         return lshm__os_map_anon(len, out);
-    int rc = map_anon_aligned(len, out);
+    int rc = map_aligned(len, 0, out);
     if (rc == 0)
         advise_huge(*out, len);
     return rc;
 }
 
-void lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len) {
+int lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len) {
     static const char zero = 0;
     for (size_t off = 0; off < len; off += LSHM__HUGE_BYTES)
         if (pwrite(fd, &zero, 1, (off_t)(offset + off)) != 1)
-            return;
-    if (len > 0)
-        (void)madvise(addr, len, MADV_COLLAPSE);
+            return -errno;
+    return len > 0 && madvise(addr, len, MADV_COLLAPSE) != 0 ? -errno : 0;
 }
 
 int lshm__os_map_fd_aligned(int fd, size_t len, int readonly, void **out) {
+    if (len < LSHM__HUGE_BYTES || !lshm__os_huge_wanted())
+        return lshm__os_map_fd(fd, 0, len, readonly, NULL, out);
     void *at = NULL, *p = NULL;
-    int rc = reserve_aligned(len, &at);
+    int rc = map_aligned(len, 1, &at);
     if (rc != 0)
         return rc;
     if ((rc = lshm__os_map_fd(fd, 0, len, readonly, at, &p)) != 0) {
@@ -396,7 +387,7 @@ int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out) {
     void *p = NULL;
     if ((rc = lshm__os_map_fd_aligned(fd, map_len, 0, &p)) != 0)
         return rc;
-    lshm__os_collapse(fd, 0, p, (size_t)(size / huge * huge));
+    (void)lshm__os_collapse(fd, 0, p, (size_t)(size / huge * huge)); /* (refused: small pages) */
     if ((rc = lshm__os_reserve(fd, size)) != 0) { /* the rest, in small pages */
         lshm__os_unmap(p, map_len);
         return rc;
@@ -408,13 +399,22 @@ int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out) {
 int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out) {
     if (new_len <= old_len || new_len < LSHM__HUGE_BYTES || !lshm__os_huge_wanted())
         return lshm__os_remap(old, old_len, new_len, out); /* shrinking never moves */
-    /* Growing past 2 MiB: move the pages onto a fresh aligned range (mremap MREMAP_FIXED
-     * replaces it), so the storage stays aligned wherever the kernel would have put it. */
+    LSHM_OS_FAULT("mremap");
+    /* Aligned already: grow where it is if the range after it is free (the pages keep their
+     * MADV_HUGEPAGE when they had 2 MiB already). */
+    if ((uintptr_t)old % LSHM__HUGE_BYTES == 0 &&
+        mremap(old, old_len, new_len, 0) != MAP_FAILED) {
+        if (old_len < LSHM__HUGE_BYTES)
+            advise_huge(old, new_len);
+        *out = old;
+        return 0;
+    }
+    /* Else move the pages onto a fresh aligned range (mremap MREMAP_FIXED replaces it), so the
+     * storage stays aligned wherever the kernel would have put it. */
     void *q = NULL;
-    int rc = reserve_aligned(new_len, &q);
+    int rc = map_aligned(new_len, 1, &q);
     if (rc != 0)
         return rc;
-    LSHM_OS_FAULT_CLEANUP("mremap", lshm__os_unmap(q, new_len));
     void *p = mremap(old, old_len, new_len, MREMAP_MAYMOVE | MREMAP_FIXED, q);
     if (p == MAP_FAILED) {
         int e = errno;

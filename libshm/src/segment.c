@@ -57,13 +57,8 @@ int lshm_segment_create(size_t nbytes, unsigned flags, lshm_segment **out) {
         return LSHM_FAIL(-EOVERFLOW, "%zu bytes is larger than any file", nbytes);
     int fd = -1;
     void *data = NULL;
-    rc = lshm__os_memfd_create(nbytes, &fd);
-    if (rc != 0)
+    if ((rc = lshm__os_memfd_sized(nbytes, &fd)) != 0)
         return rc;
-    if ((rc = lshm__os_ftruncate(fd, nbytes)) != 0)
-        goto fail_close;
-    if ((rc = lshm__os_seal_size(fd)) != 0)
-        goto fail_close;
     if ((rc = lshm__os_map_new_memfd(fd, nbytes, map_len, &data)) != 0)
         goto fail_close;
     return segment_new(fd, data, nbytes, map_len, 0, out);
@@ -130,10 +125,8 @@ int lshm_segment_attach(int fd, unsigned flags, lshm_segment **out) {
         goto fail_close;
     }
     int readonly = (flags & LSHM_STORAGE_READONLY) != 0;
-    /* From 2 MiB on at a 2 MiB boundary: the memfd's huge pages then map whole (PMD). */
-    if (size > 0 && (rc = map_len >= LSHM__HUGE_BYTES && lshm__os_huge_wanted()
-                              ? lshm__os_map_fd_aligned(own, map_len, readonly, &data)
-                              : lshm__os_map_fd(own, 0, map_len, readonly, NULL, &data)) != 0)
+    /* (from 2 MiB on at a 2 MiB boundary: the memfd's huge pages then map whole) */
+    if (size > 0 && (rc = lshm__os_map_fd_aligned(own, map_len, readonly, &data)) != 0)
         goto fail_close;
     return segment_new(own, data, (size_t)size, map_len, flags & LSHM_STORAGE_READONLY, out);
 

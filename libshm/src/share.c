@@ -81,6 +81,20 @@ void lshm__share_pretend_busy(int delta) {
 }
 #endif
 
+/* Set in the child of a fork(): no helper threads there (the work they would share is done on
+ * the calling thread). A thread started in a child forked from a process with other threads
+ * may need a lock one of those threads held at the fork (AddressSanitizer's allocator is one:
+ * a helper hung in its first calloc). */
+static _Atomic int forked_child;
+
+/* pthread_create for a share's helper thread: 0 if it runs; nonzero (do it all on this
+ * thread) when it cannot be started or this process is a forked child. */
+static int start_helper(pthread_t *t, void *(*fn)(void *), void *arg) {
+    if (atomic_load_explicit(&forked_child, memory_order_relaxed))
+        return -1;
+    return pthread_create(t, NULL, fn, arg);
+}
+
 /* The second half of a split copy, done by a helper thread through a temporary mapping. */
 typedef struct copy_half {
     int fd;
@@ -123,7 +137,7 @@ static int split_fill(int fd, const void *data, size_t size) {
     if (h.injected != 0)
         snprintf(h.msg, sizeof h.msg, "%s", lshm_last_error());
     pthread_t t;
-    if (pthread_create(&t, NULL, copy_half_thread, &h) != 0)
+    if (start_helper(&t, copy_half_thread, &h) != 0)
         return lshm__os_pwrite_all(fd, data, size, 0);
     int rc = lshm__os_pwrite_all(fd, data, first, 0);
     pthread_join(t, NULL);
@@ -135,15 +149,10 @@ static int split_fill(int fd, const void *data, size_t size) {
     return 0;
 }
 
-/* Set in the child of a fork(): no helper threads there. A thread started in a child forked
- * from a process with other threads may need a lock one of those threads held at the fork
- * (AddressSanitizer's allocator is one: the helper hung in its first calloc). */
-static _Atomic int forked_child;
-
 static int want_split(size_t size) {
     return size >= atomic_load_explicit(&lshm__share_split_threshold, memory_order_relaxed) &&
            atomic_load_explicit(&active_shares, memory_order_relaxed) == 1 &&
-           lshm__os_ncpu() >= 2 && !atomic_load_explicit(&forked_child, memory_order_relaxed);
+           lshm__os_ncpu() >= 2;
 }
 
 /* A memfd of `size` bytes holding the `size` bytes at `data`, sealed against shrink and grow
@@ -153,27 +162,23 @@ static int want_split(size_t size) {
  * otherwise idle: ftruncate, seal, then split_fill over two threads. */
 static int make_filled_memfd(const void *data, size_t size, int *out) {
     int fd;
-    int rc = lshm__os_memfd_create(size, &fd);
-    if (rc != 0)
-        return rc;
+    int rc;
     if (size > 0 && want_split(size)) {
-        if ((rc = lshm__os_ftruncate(fd, size)) != 0)
-            goto fail;
-        if ((rc = lshm__os_seal_size(fd)) != 0)
-            goto fail;
-        if ((rc = split_fill(fd, data, size)) != 0)
-            goto fail;
+        if ((rc = lshm__os_memfd_sized(size, &fd)) != 0)
+            return rc;
+        rc = split_fill(fd, data, size);
     } else {
-        if (size > 0 && (rc = lshm__os_pwrite_all(fd, data, size, 0)) != 0)
-            goto fail;
-        if ((rc = lshm__os_seal_size(fd)) != 0)
-            goto fail;
+        if ((rc = lshm__os_memfd_create(size, &fd)) != 0)
+            return rc;
+        if (size == 0 || (rc = lshm__os_pwrite_all(fd, data, size, 0)) == 0)
+            rc = lshm__os_seal_size(fd);
+    }
+    if (rc != 0) {
+        lshm__os_close(fd);
+        return rc;
     }
     *out = fd;
     return 0;
-fail:
-    lshm__os_close(fd);
-    return rc;
 }
 
 /* ---- chunked in-place share (storages of default pages) ------------------------------------ */
@@ -202,18 +207,15 @@ static size_t next_chunk(size_t page) {
     return chunk < page ? page : chunk & ~(page - 1);
 }
 
-/* The end of a chunked share that swapped [data, data + swapped) and returned rc: on success
- * hand fd out; on failure map the swapped chunks back privately (the memfd pages hold the very
- * bytes) and close fd. */
-static int chunks_done(int fd, char *data, size_t swapped, int rc, int *out) {
+/* The end of a chunked share that swapped [data, data + swapped) and returned rc: on failure
+ * map the swapped chunks back privately (the memfd pages hold the very bytes) and close fd. */
+static int chunks_done(int fd, char *data, size_t swapped, int rc) {
     if (rc != 0) {
         if (swapped > 0 && lshm__os_map_fd_private_fixed(fd, 0, swapped, data) == 0)
             atomic_fetch_add_explicit(&lshm__share_restores, 1, memory_order_relaxed);
         lshm__os_close(fd);
-        return rc;
     }
-    *out = fd;
-    return 0;
+    return rc;
 }
 
 /* Share the default pages [data, data + capacity) in place chunk by chunk: fill a chunk of the
@@ -224,18 +226,12 @@ static int chunks_done(int fd, char *data, size_t swapped, int rc, int *out) {
  * memory in use at any time is one chunk. Adjacent chunks merge into one mapping.
  * On failure the chunks already swapped are mapped again, privately (MAP_PRIVATE of the same
  * memfd pages, which hold the very bytes): copy-on-write across fork() and writes that stay in
- * this process, as before the call. Closing the memfd leaves those mappings alive. */
-static int share_chunked(lshm_storage *s, char *data, int *out) {
+ * this process, as before the call. Closing the memfd leaves those mappings alive.
+ * fd: a new memfd of `capacity` bytes (lshm__os_memfd_sized), closed on failure. */
+static int share_chunked(lshm_storage *s, char *data, int fd) {
     size_t cap = s->capacity;
     size_t page = lshm__os_page_size();
-    int fd;
-    int rc = lshm__os_memfd_create(cap, &fd);
-    if (rc != 0)
-        return rc;
-    if ((rc = lshm__os_ftruncate(fd, cap)) != 0 || (rc = lshm__os_seal_size(fd)) != 0) {
-        lshm__os_close(fd);
-        return rc;
-    }
+    int rc = 0;
     size_t off = 0;
     while (off < cap) {
         size_t chunk = next_chunk(page);
@@ -246,7 +242,7 @@ static int share_chunked(lshm_storage *s, char *data, int *out) {
             break;
         off += n;
     }
-    return chunks_done(fd, data, off, rc, out);
+    return chunks_done(fd, data, off, rc);
 }
 
 /* Huge pages for the chunked share: a storage of 2 MiB or more whose pages start at a 2 MiB
@@ -258,18 +254,13 @@ static int want_huge(const lshm_storage *s, const char *data) {
            lshm__os_huge_wanted();
 }
 
-/* share_chunked with huge pages for every whole 2 MiB of the storage: the memfd is also mapped
- * at a 2 MiB-aligned address of its own, and per chunk (a multiple of 2 MiB) that range of it
- * is collapsed into huge pages (lshm__os_collapse), populated (so that a page the kernel cannot
- * give is an error, never a SIGBUS in the copy), filled with memcpy and mapped over the same
- * range of the storage. Pages the collapse refused are small ones, filled the same way. The
- * tail short of 2 MiB goes in with pwrite. Failure: as share_chunked. */
 /* Preparing chunks (collapse, populate) ahead of the copy, on a helper thread, while a big
  * share runs alone: the kernel's zero-filling of the next chunk's huge pages then overlaps the
  * memcpy of this one. `ready` is how far the helper got, `done` how far the copy got: the
  * helper stays at most two chunks ahead (memory in use beyond the storage's: three chunks, and
  * the pages it gets are the ones the copy just freed). It stops at the first error (rc) or
- * when told to (stop). */
+ * when told to (stop). `collapse`: cleared once the kernel refused for good (EINVAL, EPERM:
+ * THP disabled, a kernel before 6.1), so later chunks skip straight to small pages. */
 typedef struct huge_ahead {
     int fd;
     char *copy;
@@ -277,13 +268,23 @@ typedef struct huge_ahead {
     pthread_mutex_t lock;
     pthread_cond_t moved;
     size_t ready, done;
-    int rc, stop;
+    int rc, stop, collapse;
     char msg[400];
 } huge_ahead;
 
-static void prepare_chunk(int fd, char *copy, size_t off, size_t n, int *rc) {
-    lshm__os_collapse(fd, off, copy + off, n);
-    *rc = lshm__os_populate_write(fd, off, copy + off, n);
+#ifdef LSHM_TESTING
+_Atomic int lshm__share_helper_fails_at;
+#endif
+
+/* Collapse (while it may work) and populate [off, off + n) of the memfd through the copy
+ * mapping: afterwards every page of it is there, huge where the kernel gave one. */
+static int prepare_chunk(huge_ahead *h, size_t off, size_t n) {
+    if (h->collapse) {
+        int refused = lshm__os_collapse(h->fd, off, h->copy + off, n);
+        if (refused == -EINVAL || refused == -EPERM)
+            h->collapse = 0;
+    }
+    return lshm__os_populate_write(h->fd, off, h->copy + off, n);
 }
 
 static void *huge_ahead_thread(void *arg) {
@@ -297,8 +298,13 @@ static void *huge_ahead_thread(void *arg) {
         if (stop)
             break;
         size_t n = h->whole - off < h->chunk ? h->whole - off : h->chunk;
-        int rc;
-        prepare_chunk(h->fd, h->copy, off, n, &rc);
+        int rc = prepare_chunk(h, off, n);
+#ifdef LSHM_TESTING
+        /* (the helper's own failure path: fault points are per thread, see the caller) */
+        int fails_at = atomic_load_explicit(&lshm__share_helper_fails_at, memory_order_relaxed);
+        if (rc == 0 && fails_at > 0 && off / h->chunk + 1 == (size_t)fails_at)
+            rc = LSHM_FAIL(-ENOMEM, "helper: injected fault at chunk %d", fails_at);
+#endif
         pthread_mutex_lock(&h->lock);
         if (rc != 0) {
             h->rc = rc;
@@ -325,68 +331,70 @@ static int wait_ready(huge_ahead *h, size_t end) {
     return rc == 0 ? 0 : LSHM_FAIL(rc, "preparing huge pages: %s", h->msg);
 }
 
-static int share_chunked_huge(lshm_storage *s, char *data, int *out) {
+/* Tell the helper where the copy got (or to stop), under its lock. */
+static void tell_helper(huge_ahead *h, size_t done, int stop) {
+    pthread_mutex_lock(&h->lock);
+    h->done = done;
+    h->stop = stop;
+    pthread_cond_broadcast(&h->moved);
+    pthread_mutex_unlock(&h->lock);
+}
+
+/* share_chunked with huge pages for every whole 2 MiB of the storage: the memfd is also mapped
+ * at a 2 MiB-aligned address of its own, and per chunk (a multiple of 2 MiB) that range of it
+ * is collapsed into huge pages (lshm__os_collapse), populated (so that a page the kernel cannot
+ * give is an error, never a SIGBUS in the copy), filled with memcpy and mapped over the same
+ * range of the storage. Pages the collapse refused are small ones, filled the same way. The
+ * tail short of 2 MiB goes in with pwrite. No room for the second mapping (ENOMEM: address
+ * space, vm.max_map_count) shares with small pages instead (share_chunked). Failure: as
+ * share_chunked. */
+static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
     const size_t huge = LSHM__HUGE_BYTES;
     size_t cap = s->capacity, whole = cap / huge * huge;
-    int fd;
-    int rc = lshm__os_memfd_create(cap, &fd);
-    if (rc != 0)
-        return rc;
     char *copy = NULL;
-    if ((rc = lshm__os_ftruncate(fd, cap)) != 0 || (rc = lshm__os_seal_size(fd)) != 0 ||
-        (rc = lshm__os_map_fd_aligned(fd, whole, 0, (void **)&copy)) != 0) {
-        lshm__os_close(fd);
-        return rc;
-    }
+    int rc = lshm__os_map_fd_aligned(fd, whole, 0, (void **)&copy);
+    if (rc == -ENOMEM)
+        return share_chunked(s, data, fd);
+    if (rc != 0)
+        return chunks_done(fd, data, 0, rc);
     size_t chunk = atomic_load_explicit(&lshm__share_huge_chunk_bytes, memory_order_relaxed);
     chunk = chunk < huge ? huge : chunk / huge * huge;
     huge_ahead h = {fd, copy, whole, chunk, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                    0, 0, 0, 0, {0}};
+                    0, 0, 0, 0, 1, {0}};
     pthread_t helper;
     int ahead = whole > chunk && want_split(whole) &&
-                pthread_create(&helper, NULL, huge_ahead_thread, &h) == 0;
+                start_helper(&helper, huge_ahead_thread, &h) == 0;
     if (ahead) /* (counted with the split copies: two threads at work) */
         atomic_fetch_add_explicit(&lshm__share_splits, 1, memory_order_relaxed);
     size_t off = 0;
     void *m;
     while (off < whole) {
         size_t n = whole - off < chunk ? whole - off : chunk;
-        /* (with a helper, its populate's fault point is taken here: faults are per thread) */
-        if (ahead) {
-            if ((rc = lshm__os_fault_point("populate")) != 0 || (rc = wait_ready(&h, off + n)) != 0)
-                break;
-        } else {
-            prepare_chunk(fd, copy, off, n, &rc);
-            if (rc != 0)
-                break;
-        }
+        if (!ahead)
+            rc = prepare_chunk(&h, off, n);
+        else if ((rc = lshm__os_fault_point("populate")) == 0) /* (the helper's, taken here:
+                                                                 * faults are per thread) */
+            rc = wait_ready(&h, off + n);
+        if (rc != 0)
+            break;
         memcpy(copy + off, data + off, n);
         if ((rc = lshm__os_map_fd(fd, off, n, 0, data + off, &m)) != 0)
             break;
         off += n;
-        if (ahead) {
-            pthread_mutex_lock(&h.lock);
-            h.done = off;
-            pthread_cond_broadcast(&h.moved);
-            pthread_mutex_unlock(&h.lock);
-        }
+        if (ahead)
+            tell_helper(&h, off, 0);
     }
     if (ahead) {
-        pthread_mutex_lock(&h.lock);
-        h.stop = 1;
-        pthread_cond_broadcast(&h.moved);
-        pthread_mutex_unlock(&h.lock);
+        tell_helper(&h, off, 1);
         pthread_join(helper, NULL); /* (before the copy mapping it writes through goes) */
     }
-    pthread_mutex_destroy(&h.lock);
-    pthread_cond_destroy(&h.moved);
     lshm__os_unmap(copy, whole);
     if (rc == 0 && off < cap) {
         if ((rc = lshm__os_pwrite_all(fd, data + off, cap - off, off)) == 0 &&
             (rc = lshm__os_map_fd(fd, off, cap - off, 0, data + off, &m)) == 0)
             off = cap;
     }
-    return chunks_done(fd, data, off, rc, out);
+    return chunks_done(fd, data, off, rc);
 }
 
 /* ---- the pool of recycled memfds ---------------------------------------------------------- */
@@ -654,8 +662,10 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
         if (fd >= 0) { /* sized, sealed, populated: only the bytes to write (all of them) */
             rc = refill_memfd(fd, data, s->capacity);
         } else if (want_chunks(s)) {
-            rc = want_huge(s, data) ? share_chunked_huge(s, data, &fd)
-                                    : share_chunked(s, data, &fd);
+            /* (on failure the chunked paths have closed fd) */
+            if ((rc = lshm__os_memfd_sized(s->capacity, &fd)) == 0)
+                rc = want_huge(s, data) ? share_chunked_huge(s, data, fd)
+                                        : share_chunked(s, data, fd);
             swapped = 1;
         } else {
             rc = make_filled_memfd(data, s->capacity, &fd);

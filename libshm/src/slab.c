@@ -147,9 +147,8 @@ static int memfd_new(lshm__slab_memfd **out) {
         return LSHM_FAIL(-ENOMEM, "malloc of a slab memfd record failed");
     int fd = -1;
     lshm__fd_info info;
-    int rc = lshm__os_memfd_create(LSHM__SLAB_BYTES, &fd);
-    if (rc != 0 || (rc = lshm__os_ftruncate(fd, LSHM__SLAB_BYTES)) != 0 ||
-        (rc = lshm__os_seal_size(fd)) != 0 || (rc = lshm__os_fd_info(fd, &info)) != 0)
+    int rc = lshm__os_memfd_sized(LSHM__SLAB_BYTES, &fd);
+    if (rc != 0 || (rc = lshm__os_fd_info(fd, &info)) != 0)
         goto fail;
     atomic_init(&m->refcount, 1);
     atomic_init(&m->seal_sealed, 0);

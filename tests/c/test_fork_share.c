@@ -218,8 +218,39 @@ static void test_nested_guard(void) {
     lshm_storage_release(s);
 }
 
+/* A forked child starts no helper threads but shares as its parent does otherwise: a big
+ * memfd it releases is pooled and taken again by its next share of that size (one pooled
+ * memfd after three rounds, not three). */
+static void test_pool_in_a_forked_child(void) {
+    if (lshm__os_ncpu() < 2)
+        return; /* (big shares are refilled from the pool only where they could split) */
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        lshm_pool_trim();
+        lshm__share_split_threshold = 4 * MIB;
+        unsigned long splits = lshm__share_splits;
+        for (int round = 0; round < 3; round++) {
+            lshm_storage *s;
+            ASSERT_OK(lshm_storage_create(8 * MIB, NULL, 0, &s));
+            unsigned char *p = lshm_storage_data(s);
+            p[0] = (unsigned char)round;
+            ASSERT_OK(lshm_storage_share(s));
+            ASSERT_EQ(p[0], round);
+            lshm_storage_release(s);
+        }
+        ASSERT_EQ(lshm__share_splits, splits); /* all on this thread */
+        ASSERT_EQ(lshm_pool_trim(), 1);
+        _exit(0);
+    }
+    int status;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 int main(void) {
     page = lshm_page_size();
+    RUN_TEST(test_pool_in_a_forked_child);
     RUN_TEST(test_fork_during_share);
     RUN_TEST(test_nested_guard);
     return 0;

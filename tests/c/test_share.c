@@ -290,6 +290,7 @@ static int make_foreign(lshm_storage **s, size_t n) {
 static void share_fault_loop(make_fn make, size_t n, int err) {
     lshm_storage *s;
     lshm_pool_trim(); /* a pooled memfd would be taken (and closed on failure): counts differ */
+    int all_maps = count_mappings(NULL, SIZE_MAX, 1);
     ASSERT_OK(make(&s, n));
     void *data = lshm_storage_data(s);
     fill(data, n, 9);
@@ -326,6 +327,9 @@ static void share_fault_loop(make_fn make, size_t n, int err) {
     lshm_storage_release(s);
     lshm_pool_trim();
     ASSERT_EQ(fd_count(), fds - 0);
+    /* no temporary mapping left (shared ones are counted: the sanitizers map private memory
+     * of their own meanwhile) */
+    ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 1), all_maps);
 }
 
 static void test_fault_atomicity(void) {
@@ -528,13 +532,14 @@ static void chunked_huge(void) {
     unsigned char *raw = lshm_storage_data(s);
     ASSERT_EQ((uintptr_t)raw % huge, 0);
     fill(raw, n, 41);
-    int maps = count_mappings(NULL, SIZE_MAX, 0);
+    int maps = count_mappings(NULL, SIZE_MAX, 1);
     ASSERT_OK(lshm_storage_share(s));
     ASSERT_PTR_EQ(lshm_storage_data(s), raw);
     ASSERT(check(raw, n, 41));
     ASSERT_EQ(mappings_over(raw, n), 1);
     ASSERT(!mappings_private(raw, n));
-    ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 0), maps); /* the copy mapping is gone */
+    /* the storage's own range, now shared; the copy mapping is gone */
+    ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 1), maps + 1);
     int fd;
     uint64_t off;
     ASSERT_OK(lshm_storage_fd(s, &fd, &off));
@@ -544,16 +549,72 @@ static void chunked_huge(void) {
     lshm_storage_release(s);
     ASSERT_EQ(fd_count(), base);
 
-    share_fault_loop(make_fixed_pages, n, -ENOMEM);
+    /* (ENOSPC: an ENOMEM at the copy mapping is no failure, see below) */
+    share_fault_loop(make_fixed_pages, n, -ENOSPC);
 
     /* points: memfd, ftruncate, seal, reserve, mmap (the copy), then per 4 MiB chunk populate
      * and mmap, then the tail's pwrite and mmap: a failure at 8 (the second populate) leaves
-     * the first chunk swapped back privately */
+     * the first chunk swapped back privately; no fd and no mapping is left either way */
     for (int nth = 6; nth <= 11; nth++) {
+        int all_maps = count_mappings(NULL, SIZE_MAX, 1);
         lshm_storage_release(fail_chunked_share_at(nth, n, nth >= 8));
         lshm_pool_trim();
         ASSERT_EQ(fd_count(), base);
+        ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 1), all_maps);
     }
+
+    /* no room for the copy mapping (address space, vm.max_map_count: ENOMEM at its placeholder
+     * or at the mmap): shared all the same, with small pages */
+    for (int nth = 4; nth <= 5; nth++) {
+        ASSERT_OK(make_fixed_pages(&s, n));
+        raw = lshm_storage_data(s);
+        fill(raw, n, 43);
+        lshm__fault_arm(nth, -ENOMEM);
+        int rc = lshm_storage_share(s);
+        lshm__fault_arm(0, 0);
+        ASSERT_OK(rc);
+        ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+        ASSERT(check(raw, n, 43));
+        ASSERT_EQ(mappings_over(raw, n), 1);
+        ASSERT(!mappings_private(raw, n));
+        lshm_storage_release(s);
+        lshm_pool_trim();
+        ASSERT_EQ(fd_count(), base);
+    }
+    lshm__share_huge_chunk_bytes = saved_chunk;
+}
+
+/* The helper thread's own failure (at its second chunk; faults armed here stay on this thread):
+ * the share fails with its message, the first chunk is swapped back privately, and nothing is
+ * left behind. */
+static void chunked_huge_helper_fails(void) {
+    const size_t huge = (size_t)2 << 20;
+    size_t saved_chunk = lshm__share_huge_chunk_bytes;
+    lshm__share_huge_chunk_bytes = 2 * huge;
+    int base = fd_count(), all_maps = count_mappings(NULL, SIZE_MAX, 1);
+    size_t n = 5 * huge + 3 * page + 5;
+    lshm_storage *s;
+    ASSERT_OK(make_fixed_pages(&s, n));
+    unsigned char *raw = lshm_storage_data(s);
+    fill(raw, n, 44);
+    unsigned long restores = lshm__share_restores;
+    lshm__share_helper_fails_at = 2;
+    int rc = lshm_storage_share(s);
+    lshm__share_helper_fails_at = 0;
+    ASSERT_ERR(rc, -ENOMEM);
+    ASSERT(strstr(lshm_last_error(), "helper: injected") != NULL);
+    ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+    ASSERT_EQ(lshm_storage_flags(s), 0);
+    ASSERT(check(raw, n, 44));
+    ASSERT_EQ(lshm__share_restores, restores + 1);
+    ASSERT(mappings_private(raw, n));
+    assert_private_across_fork(raw, n);
+    ASSERT_OK(lshm_storage_share(s)); /* a retry works */
+    ASSERT(check(raw, n, 44));
+    lshm_storage_release(s);
+    lshm_pool_trim();
+    ASSERT_EQ(fd_count(), base);
+    ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 1), all_maps);
     lshm__share_huge_chunk_bytes = saved_chunk;
 }
 
@@ -568,8 +629,42 @@ static void test_chunked_huge(void) {
     unsigned long splits = lshm__share_splits;
     lshm__share_split_threshold = page;
     chunked_huge();
+    chunked_huge_helper_fails();
     lshm__share_split_threshold = saved;
     ASSERT_GE(lshm__share_splits, splits + 1); /* the helper did run */
+}
+
+/* Where the huge-page share has no room for its second mapping of the memfd (the address space
+ * limit leaves less than the storage's size), it shares with small pages instead: in a child
+ * with RLIMIT_AS at what it uses plus 8 MiB, a 64 MiB storage still shares, bytes intact. */
+static void test_huge_share_under_rlimit_as(void) {
+#if defined(__SANITIZE_ADDRESS__)
+    return; /* (AddressSanitizer's shadow memory does not live with a tight RLIMIT_AS) */
+#endif
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        size_t n = (size_t)64 << 20;
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+        unsigned char *raw = lshm_storage_data(s);
+        fill(raw, n, 45);
+        FILE *f = fopen("/proc/self/statm", "r");
+        unsigned long pages_used = 0;
+        ASSERT(f != NULL && fscanf(f, "%lu", &pages_used) == 1);
+        fclose(f);
+        struct rlimit lim = {pages_used * page + ((size_t)8 << 20),
+                             pages_used * page + ((size_t)8 << 20)};
+        ASSERT_OK(setrlimit(RLIMIT_AS, &lim));
+        ASSERT_OK(lshm_storage_share(s));
+        ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+        ASSERT(check(raw, n, 45));
+        ASSERT_EQ(mappings_over(raw, n), 1);
+        _exit(0);
+    }
+    int status;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
 static void test_rlimit_nofile(void) {
@@ -1068,6 +1163,7 @@ int main(void) {
     RUN_TEST(test_split_copy);
     RUN_TEST(test_chunked);
     RUN_TEST(test_chunked_huge);
+    RUN_TEST(test_huge_share_under_rlimit_as);
     RUN_TEST(test_rlimit_nofile);
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
