@@ -101,12 +101,14 @@ class DeliveryError(pickle.UnpicklingError):
 
 
 class Undelivered:
-    """Stands in for an array or Storage whose memory could not be delivered, where raising
-    :class:`DeliveryError` would wedge the caller: in ``multiprocessing.Pool``'s result-handler
-    thread, any exception while unpickling a result kills that thread, and every later
-    ``.get()`` of the pool hangs. So a Pool result arrives, and the first use of this object
-    (an attribute, ``numpy.asarray``, indexing, ``len``, ``bool``, iteration) raises the
-    :class:`DeliveryError`; ``error`` holds it. Everywhere else unpickling raises it directly.
+    """Stands in for an array or Storage that could not be unpickled (its memory could not be
+    delivered, or could not be mapped here, or the pickle was bad), where raising would wedge
+    the caller: in ``multiprocessing.Pool``'s result-handler thread, any exception while
+    unpickling a result kills that thread, and every later ``.get()`` of the pool hangs. So a
+    Pool result arrives, and the first use of this object (an attribute, ``numpy.asarray``,
+    indexing, ``len``, ``bool``, comparison, hashing, iteration) raises a
+    :class:`DeliveryError`; ``error`` holds it (its ``__cause__``: the original error, if it
+    was another). Everywhere else unpickling raises directly.
     """
 
     __slots__ = ("error",)
@@ -126,6 +128,7 @@ class Undelivered:
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __matmul__ = _raise
     __truediv__ = __rtruediv__ = __floordiv__ = __mod__ = __pow__ = __neg__ = _raise
     __lt__ = __le__ = __gt__ = __ge__ = __float__ = __int__ = __index__ = _raise
+    __eq__ = __ne__ = __hash__ = _raise
     __array_interface__ = property(_raise)
     __reduce__ = __reduce_ex__ = _raise  # (never sent on as if it were memory)
 
@@ -144,12 +147,16 @@ def on_thread_of(names: tuple) -> bool:
     return getattr(target, "__qualname__", "") in names
 
 
-def undeliverable(error: DeliveryError) -> Any:
-    """What a rebuild whose memory cannot be delivered does with `error`: raise it, or, on a
-    thread that an exception would kill for good, return an :class:`Undelivered`."""
-    if on_thread_of(_RESULT_HANDLERS):
-        return Undelivered(error)
-    raise error
+def stand_in(error: Exception) -> Optional[Undelivered]:
+    """For a rebuild that failed with `error`: an :class:`Undelivered` to return instead on a
+    thread that an exception would kill for good, else None (raise `error`)."""
+    if not on_thread_of(_RESULT_HANDLERS):
+        return None
+    if not isinstance(error, DeliveryError):
+        wrapped = DeliveryError(f"pyshm: this result could not be unpickled here: {error}")
+        wrapped.__cause__ = error
+        error = wrapped
+    return Undelivered(error)
 
 
 def parse_request(data: bytes) -> tuple:
@@ -209,7 +216,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         # sender
-        self.secrets: dict = {}  # key -> (writable secret, read-only secret)
+        self.secrets: dict = {}  # key -> (writable secret, read-only secret, the key itself)
         self.live: dict = {}  # key -> weakref to the first live holder (dead ones: swept)
         self.ranges: dict = {}  # (key, size, offset, nbytes) -> weakref to its holder
         self.shared_keys: set = set()  # keys exported from several storages (slabs, arenas)

@@ -24,6 +24,7 @@ import importlib.metadata
 import importlib.resources
 import os
 import struct
+import threading
 from ctypes import (
     POINTER,
     c_char,
@@ -394,7 +395,6 @@ _GIL_HELD = frozenset({
     "lshm_segment_data",
     "lshm_segment_size",
     "lshm_segment_flags",
-    "lshm_storage_create_view",  # (a malloc and two field writes)
 })
 
 for _name, _restype, _argtypes, _status in _TABLE:
@@ -413,35 +413,63 @@ for _name, _restype, _argtypes, _status in _TABLE:
 # in-place share of a small array costs about 12 us, and the errcheck's Python frame 0.15 of it)
 share_unchecked = lib["lshm_storage_share"]
 share_unchecked.restype, share_unchecked.argtypes = c_int, [_storage_p]
-# lshm_storage_create_view for the receive path (once per array received): no errcheck, the
-# GIL held (see _GIL_HELD), one module-level out-pointer (callers hold a lock from the call
-# until they have read it: pyshm.reduction._new_view), and its uint64_t/size_t arguments as
-# c_void_p: on LP64 Linux both are one 64-bit register, and ctypes converts an int to c_void_p
-# in 1.8 us where c_uint64 takes 2.5 (callers pass ints in [0, 2**63)).
-create_view_unchecked = _pylib["lshm_storage_create_view"]
-create_view_unchecked.restype = c_int
-create_view_unchecked.argtypes = [_segment_p, c_void_p, c_void_p, c_uint, c_void_p]
-create_view_out = c_void_p()
-create_view_out_ref = ctypes.byref(create_view_out)
+# The two calls of the channel's hot paths (once per array received, once per array sent),
+# with the GIL held (a malloc; at most an fstat and two fcntl calls on a memfd, which never
+# block), no errcheck, and one module-level out-struct each: _OUT_LOCK is held from a call until
+# its result is read (another thread may run in between).
+_OUT_LOCK = threading.Lock()
+
+
+def _new_out_lock_in_child() -> None:
+    global _OUT_LOCK
+    _OUT_LOCK = threading.Lock()  # (a thread that held it at the fork is not in the child)
+
+
+os.register_at_fork(after_in_child=_new_out_lock_in_child)
+
+# lshm_storage_create_view: its uint64_t/size_t arguments as c_void_p (on LP64 Linux both are
+# one 64-bit register, and ctypes converts an int to c_void_p in 1.8 us where c_uint64 takes 2.5)
+_create_view = _pylib["lshm_storage_create_view"]
+_create_view.restype = c_int
+_create_view.argtypes = [_segment_p, c_void_p, c_void_p, c_uint, c_void_p]
+_view_out = c_void_p()
+_view_out_ref = ctypes.byref(_view_out)
 assert ctypes.sizeof(c_void_p) == ctypes.sizeof(c_uint64) == ctypes.sizeof(c_size_t)
 
-# lshm_storage_export for pickling (once per array sent): no errcheck ("not shared yet",
-# -ENODATA, is an answer there), the GIL held (it takes no lock; at most an fstat and two
-# fcntl calls on a memfd, which never block), one module-level ExportInfo (callers hold a lock
-# from the call until they have read it: pyshm.reduction._export) read in one unpack instead of
-# nine field reads: (fd, offset, dev, ino, file_size, readonly, flags, data, nbytes).
-export_unchecked = _pylib["lshm_storage_export"]
-export_unchecked.restype = c_int
-export_unchecked.argtypes = [_storage_p, c_void_p]
-export_info = ExportInfo()
-export_info_ref = ctypes.byref(export_info)
+
+def create_view(segment: int, offset: int, nbytes: int, flags: int) -> int:
+    """lshm_storage_create_view for ints in [0, 2**63) (checked by the caller): the new view;
+    raises as the errcheck would."""
+    with _OUT_LOCK:
+        rc = _create_view(segment, offset, nbytes, flags, _view_out_ref)
+        view = _view_out.value
+    if rc < 0:
+        raise_for(rc, "lshm_storage_create_view")
+    return view
+
+
+# lshm_storage_export, read in one unpack instead of nine field reads
+_export = _pylib["lshm_storage_export"]
+_export.restype = c_int
+_export.argtypes = [_storage_p, c_void_p]
+_export_info = ExportInfo()
+_export_info_ref = ctypes.byref(_export_info)
 EXPORT_LAYOUT = struct.Struct("@iQQQQiIPN")
 assert EXPORT_LAYOUT.size == ctypes.sizeof(ExportInfo) and [
     getattr(ExportInfo, name).offset for name, _ in ExportInfo._fields_
 ] == [0, 8, 16, 24, 32, 40, 44, 48, 56]
 
-# lshm_slab_find without the errcheck: receivers ask it about every slab memfd they are sent,
-# and "not one of ours" (-ENOENT) is the usual answer, not an error worth an exception
+
+def export(handle: int) -> tuple:
+    """(status of lshm_storage_export(handle), its lshm_export_info as a tuple: fd, offset, dev,
+    ino, file_size, readonly, flags, data, nbytes); -ENODATA ("not shared yet") is an answer
+    there, not an error, so nothing raises."""
+    with _OUT_LOCK:
+        rc = _export(handle, _export_info_ref)
+        return rc, EXPORT_LAYOUT.unpack_from(_export_info)
+
+# lshm_slab_find without the errcheck: "not one of ours" (-ENOENT) is an answer for a receiver,
+# not an error worth an exception
 slab_find_unchecked = lib["lshm_slab_find"]
 slab_find_unchecked.restype = c_int
 slab_find_unchecked.argtypes = [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(_storage_p)]

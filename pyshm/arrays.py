@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import math
 import operator
+import sys
 import weakref
 from typing import Any, Optional, Sequence, Union
 
@@ -151,8 +152,8 @@ def _wrap(handle: int, shape: tuple, dtype: np.dtype, offset: int = 0,
     readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
     owner = ArrayOwner(handle, shape, dtype, offset, readonly, keep)
     array = np.asarray(owner)
-    if array.dtype != dtype:  # structured dtypes: make the view exact
-        array = array.view(dtype)
+    if array.dtype != dtype or dtype.metadata is not None:
+        array = array.view(dtype)  # (structured dtypes, metadata: make the view exact)
     return array
 
 
@@ -233,6 +234,8 @@ def _probe_data_offset() -> Optional[int]:
     """Where numpy keeps an array's data pointer in its object (``PyArrayObject_fields.data``,
     right after the object header in numpy's C ABI), if reading it there gives what
     ``__array_interface__`` says for a few probe arrays; None (use the slow way) otherwise."""
+    if sys.implementation.name != "cpython":
+        return None  # (id() is an address only there)
     offset = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)  # PyObject_HEAD
     probes = [np.empty(7, np.int64), np.empty((3, 5), np.uint8)[1:, ::2], np.arange(9.0)[::-1]]
     for probe in probes:
@@ -256,6 +259,9 @@ def data_address(array: np.ndarray) -> int:
 
 
 def _owner_of(array: Any) -> Optional[ArrayOwner]:
+    base = getattr(array, "base", None)
+    if isinstance(base, ArrayOwner):
+        return base  # (the usual case: an array made over its owner)
     obj = array
     seen = 0
     while obj is not None and seen < 64:
@@ -281,6 +287,8 @@ def is_shared(array: Any) -> bool:
     owner = _owner_of(array)
     if owner is None:
         return False
+    if owner._facts is not None:  # memory received: what its flags are (no C view made for it)
+        return bool(owner._facts[0] & _ffi.STORAGE_SHARED)
     return bool(lib.lshm_storage_flags(owner._handle) & _ffi.STORAGE_SHARED)
 
 

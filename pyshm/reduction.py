@@ -158,6 +158,12 @@ class _Mapping:
         self._finalizer = weakref.finalize(self, _drop_segment, segment, fd_kept)
         self._finalizer.atexit = False
 
+    def view_facts(self, offset: int, nbytes: int, readonly: bool) -> tuple:
+        """(flags, data, nbytes) of a view of [offset, offset + nbytes) of this mapping, as
+        lshm_storage_init_view sets them: what its array need not ask libshm for."""
+        flags = _ffi.STORAGE_SHARED | self.flags | (_ffi.STORAGE_READONLY if readonly else 0)
+        return flags, self.data + offset, nbytes
+
 
 class _Cache:
     """The receiver's mappings (guarded by the channel's lock), rebuilt in a forked child."""
@@ -197,16 +203,8 @@ def segment_count() -> int:
 
 
 def _new_view(segment: int, offset: int, nbytes: int, readonly: bool) -> int:
-    # (offset and nbytes come from a checked token: ints in [0, 2**63)). The lock: another
-    # thread may run between the call and reading the shared out-pointer.
-    with _state.lock:
-        rc = _ffi.create_view_unchecked(segment, offset, nbytes,
-                                        _ffi.STORAGE_READONLY if readonly else 0,
-                                        _ffi.create_view_out_ref)
-        view = _ffi.create_view_out.value
-    if rc < 0:
-        _ffi.raise_for(rc, "lshm_storage_create_view")
-    return view
+    # (offset and nbytes come from a checked token: ints in [0, 2**63))
+    return _ffi.create_view(segment, offset, nbytes, _ffi.STORAGE_READONLY if readonly else 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,10 +260,10 @@ def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket
             return _ticket(holder, flags, data, nbytes, mapping.key, mapping.size,
                            data - mapping.data, mapping.sealed)
     handle = _handle_of(holder)
-    rc, info = _export_info(handle)
+    rc, info = _ffi.export(handle)
     if rc == -errno.ENODATA:
         _share_for_sending(handle)
-        rc, info = _export_info(handle)  # (shared by us or, meanwhile, by another thread)
+        rc, info = _ffi.export(handle)  # (shared by us or, meanwhile, by another thread)
     if rc == -errno.EBADF:
         raise pickle.PicklingError(
             "this pyshm array was received from another process and its fd was closed to "
@@ -307,13 +305,6 @@ def _share_for_sending(handle: int) -> None:
     _share_in_place(handle, "pickling for another process", pickle.PicklingError)
 
 
-def _export_info(handle: int) -> tuple:
-    """(status, the fields of lshm_export_info as a tuple) of lshm_storage_export(handle)."""
-    with _state.lock:  # (one shared ExportInfo: see _ffi.export_unchecked)
-        rc = _ffi.export_unchecked(handle, _ffi.export_info_ref)
-        return rc, _ffi.EXPORT_LAYOUT.unpack_from(_ffi.export_info)
-
-
 def _ticket(holder: Any, flags: int, data: int, nbytes: int, key: tuple,
             size: int, offset: int, readonly: bool) -> "_channel.Ticket":
     address, secret, ref, key = _channel.export(key, holder, size, offset, nbytes, readonly)
@@ -333,8 +324,10 @@ def _ticket(holder: Any, flags: int, data: int, nbytes: int, key: tuple,
 
 
 def _check_token(token: Any) -> tuple:
-    """The fields of a token from a pickle, checked (UnpicklingError if malformed); a token
-    as pyshm senders make it (ints already) is checked without converting anything."""
+    """The fields of a token from a pickle, checked (UnpicklingError if malformed): (key,
+    address, size, offset, nbytes, readonly, secret, solo), key a pair of ints in [0, 2**64),
+    the range inside the memfd, readonly a bool. A token as pyshm senders make it (ints
+    already) is checked without converting anything."""
     try:
         key, address, size, offset, nbytes, readonly, secret, solo = token
         if not (type(key) is tuple and len(key) == 2 and type(key[0]) is int
@@ -354,6 +347,8 @@ def _check_token(token: Any) -> tuple:
         raise pickle.UnpicklingError(
             f"bad pyshm token: {nbytes} bytes at offset {offset} of a {size}-byte memfd"
         )
+    if not (0 <= key[0] < 1 << 64 and 0 <= key[1] < 1 << 64):
+        raise pickle.UnpicklingError(f"bad pyshm token: no memfd is {key!r}")
     return key, address, size, offset, nbytes, bool(readonly), secret, solo
 
 
@@ -385,7 +380,7 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
 
 
 def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
-                mapping: Optional[_Mapping] = None) -> Optional[int]:
+                mapping: Optional[_Mapping] = None) -> tuple:
     """(a storage of this process for that byte range of memfd `key` (a new reference the
     caller releases) or None, its (flags, data, nbytes) if known): memory that left from here
     coming back (lock held). `mapping`: the cached mapping of `key`, if any."""
@@ -400,7 +395,8 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
         if token is not None:
             # its flags, data and size, as its last export read them (none of them changes
             # once it is exported: lshm_storage_seal_readonly then refuses)
-            return handle, (token[0], token[3], token[1][3])
+            flags, where, _, data, *_ = token
+            return handle, (flags, data, where[3])
         return handle, None
     holder = _channel.lookup(key) if exported else None
     if holder is not None:
@@ -418,9 +414,10 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
     return None, None
 
 
-def _resolve(batch: Optional[_channel.ReceivedBatch], token: Any) -> tuple:
-    """(mapping or None, storage handle with a reference the caller must release)."""
-    key, address, size, offset, nbytes, readonly, secret, solo = _check_token(token)
+def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
+    """(mapping or None, a storage handle with a reference the caller must release, its
+    (flags, data, nbytes) or None) for the checked fields of a token (_check_token)."""
+    key, address, size, offset, nbytes, readonly, secret, solo = fields
     proof = solo if solo is not None else (batch.proof if batch is not None else None)
     fd = None
     with _state.lock:
@@ -473,11 +470,8 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], token: Any) -> tuple:
         raise pickle.UnpicklingError(
             f"pyshm: memfd is {mapping.size} bytes, the sender said {size}"
         )
-    # (a view's flags, as lshm_storage_init_view sets them, its data and size: the caller
-    # need not ask libshm for them)
-    flags = _ffi.STORAGE_SHARED | mapping.flags | (_ffi.STORAGE_READONLY if readonly else 0)
-    return mapping, _new_view(mapping.segment, offset, nbytes, readonly), (
-        flags, mapping.data + offset, nbytes)
+    return (mapping, _new_view(mapping.segment, offset, nbytes, readonly),
+            mapping.view_facts(offset, nbytes, readonly))
 
 
 def _keep_extras(extras: list) -> None:
@@ -542,10 +536,7 @@ class _ReceivedOwner(ArrayOwner):
         self._keep = mapping
         self._token = self._sent = None
         self._view = (offset, nbytes, readonly)
-        # (a view's flags, as lshm_storage_init_view sets them, data and size)
-        flags = _ffi.STORAGE_SHARED | mapping.flags | (_ffi.STORAGE_READONLY if readonly else 0)
-        data = mapping.data + offset
-        self._facts = (flags, data, nbytes)
+        flags, data, _ = self._facts = mapping.view_facts(offset, nbytes, readonly)
         self.__array_interface__ = array_interface(
             shape, dtype, data + start, bool(flags & _ffi.STORAGE_READONLY), strides)
 
@@ -570,63 +561,97 @@ class _ReceivedOwner(ArrayOwner):
         _HANDLE.__set__(self, value)
 
 
-def _rebuild_quickly(token, shape, dtype, strides, start, writeable) -> Optional[np.ndarray]:
-    """The two usual cases of _rebuild_ndarray, or None (then the general path decides, and
-    says what is wrong with a bad token): an array of ours coming back as it left, and an
-    array from a memfd mapped here already. Only what a checked token would say is used."""
+def _own_array_back(token: Any, shape, dtype, strides, start, writeable
+                    ) -> Optional[np.ndarray]:
+    """An array of ours that comes back in the layout it left with (writeable): a new view of
+    that very array; else None. Before any token check: a range registered here is one of
+    our own exports' (the same ints), so the token names valid memory whatever else it says,
+    and nothing else of it is used."""
     try:
-        key, _, size, offset, nbytes, readonly, secret, solo = token
-        if solo is not None or type(secret) is not bytes or len(secret) != _channel.SECRET_BYTES:
+        key, _, size, offset, nbytes, _, _, solo = token
+        if solo is not None or not writeable or type(start) is not int or (
+                key not in _state.secrets):
             return None
-        ref = _cache.mappings.data.get(key)  # (WeakValueDictionary.get, without its frame)
-        mapping = ref() if ref is not None else None
-        if key in _state.secrets:
-            # exported from here: ours if the range is still registered to an owner; quickly
-            # when that owner last sent this very layout (it comes back as a view of itself)
-            ref = _state.ranges.get((key, size, offset, nbytes))
-            holder = ref() if ref is not None else None
-            if holder is not None:
-                # (writeable only: a view of a writeable array could be made writeable again,
-                # where the general path's read-only array cannot)
-                sent = getattr(holder, "_sent", None)
-                array = sent[0]() if sent is not None else None
-                if (not writeable or array is None or sent[1] != start
-                        or array.shape != shape or array.strides != strides
-                        or array.dtype != dtype or not array.flags.writeable):
-                    return None
-                return array.view()
-            # not a range of ours: memory received (mapped here), sent on, come back; its
-            # other holders here are views of that mapping (_own_memory would make the same)
-    except (TypeError, ValueError):
+        # ours if the range is still registered to an owner, and quickly when that owner last
+        # sent this very layout
+        ref = _state.ranges.get((key, size, offset, nbytes))
+    except (TypeError, ValueError):  # (not a token: the general path says why)
         return None
-    if (mapping is None or mapping.ours or type(size) is not int or type(offset) is not int
-            or type(nbytes) is not int or not 0 <= offset <= offset + nbytes <= size
-            or size != mapping.size or not _fits(nbytes, shape, dtype, strides, start)):
+    holder = ref() if ref is not None else None
+    sent = getattr(holder, "_sent", None)
+    array = sent[0]() if sent is not None else None
+    # (writeable only: a view of a writeable array could be made writeable again, where the
+    # general path's read-only array cannot)
+    if (array is None or sent[1] != start or array.shape != shape or array.strides != strides
+            or array.dtype is not dtype and array.dtype != dtype
+            or not array.flags.writeable):
         return None
-    # a view of a memfd received before (not ours: mapping.ours says a slab of ours came back)
+    return _exact_dtype(array.view(), dtype)
+
+
+def _mapped_array(fields: tuple, shape, dtype, strides, start, writeable
+                  ) -> Optional[np.ndarray]:
+    """For a checked token's fields (_check_token): an array of a memfd received and mapped
+    here already (not ours, not a range of ours), made without libshm (_ReceivedOwner); else
+    None (the general path decides)."""
+    key, _, size, offset, nbytes, readonly, _, solo = fields
+    if solo is not None:
+        return None
+    ref = _cache.mappings.data.get(key)  # (WeakValueDictionary.get, without its frame)
+    mapping = ref() if ref is not None else None
+    # (a range of ours that is not registered is memory received, sent on and come back: its
+    # other holders here are views of this mapping, as _own_memory would make; mapping.ours
+    # says a slab of ours came back, which only lshm_slab_find can find)
+    if (mapping is None or mapping.ours or size != mapping.size
+            or (key in _state.secrets and _state.ranges.get((key, size, offset, nbytes)))
+            or not _fits(nbytes, shape, dtype, strides, start)):
+        return None
     try:
-        array = np.asarray(_ReceivedOwner(mapping, offset, nbytes, bool(readonly), shape,
-                                          dtype, strides, start))
+        array = np.asarray(_ReceivedOwner(mapping, offset, nbytes, readonly, shape, dtype,
+                                          strides, start))
     except (TypeError, ValueError, OverflowError):
         return None  # (the general path says why)
-    if array.dtype is not dtype and array.dtype != dtype:
-        return None
-    if not writeable and array.flags.writeable:
+    array = _exact_dtype(array, dtype)
+    if array is not None and not writeable and array.flags.writeable:
         array.flags.writeable = False
     return array
 
 
+def _exact_dtype(array: np.ndarray, dtype: np.dtype) -> Optional[np.ndarray]:
+    """`array` with exactly `dtype` (its metadata too, which dtype equality ignores), or None
+    if the array interface gave another dtype."""
+    if array.dtype is dtype:
+        return array
+    if array.dtype != dtype:
+        return None
+    return array.view(dtype) if dtype.metadata is not None else array
+
+
 def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
+    """The array a pickled pyshm array names (the memory may be ours, mapped here already, or
+    fetched from its sender); on a thread an exception would wedge, an Undelivered instead of
+    any error (_channel.stand_in)."""
+    try:
+        return _build_ndarray(batch, token, shape, dtype, strides, start, writeable)
+    except Exception as exc:
+        stand_in = _channel.stand_in(exc)
+        if stand_in is None:
+            raise
+        return stand_in
+
+
+def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
     if not isinstance(dtype, np.dtype) or dtype.hasobject:
         # (pointers read from shared memory would crash the receiver)
         raise pickle.UnpicklingError(f"pyshm: no array of dtype {dtype!r} in shared memory")
-    array = _rebuild_quickly(token, shape, dtype, strides, start, writeable)
+    array = _own_array_back(token, shape, dtype, strides, start, writeable)
     if array is not None:
         return array
-    try:
-        mapping, handle, facts = _resolve(batch, token)
-    except DeliveryError as exc:
-        return _channel.undeliverable(exc)
+    fields = _check_token(token)
+    array = _mapped_array(fields, shape, dtype, strides, start, writeable)
+    if array is not None:
+        return array
+    mapping, handle, facts = _resolve(batch, fields)
     try:
         if facts is None:
             facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
@@ -637,8 +662,8 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
             # the array itself over the storage, in one step (the owner adopts our reference)
             try:
                 owner = ArrayOwner(handle, shape, dtype, start,
-                                   bool(flags & _ffi.STORAGE_READONLY), mapping, strides, True,
-                                   data)
+                                   bool(flags & _ffi.STORAGE_READONLY), keep=mapping,
+                                   strides=strides, adopt=True, data=data)
             except (TypeError, ValueError):
                 pass  # a dtype the interface cannot describe (dtype.descr refuses it): below
         if owner is not None:
@@ -649,10 +674,11 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
                 array = np.asarray(owner)
             except (TypeError, ValueError, OverflowError) as exc:
                 raise pickle.UnpicklingError(f"pyshm: bad array layout: {exc}") from None
-            if array.dtype is dtype or array.dtype == dtype:
-                if not writeable and array.flags.writeable:
-                    array.flags.writeable = False
-                return array
+            exact = _exact_dtype(array, dtype)
+            if exact is not None:
+                if not writeable and exact.flags.writeable:
+                    exact.flags.writeable = False
+                return exact
             # a dtype the interface could not say exactly: through a flat view, as below
             flat = _wrap(owner._handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
         else:
@@ -671,9 +697,12 @@ def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> n
 
 def _rebuild_storage(batch, token) -> Storage:
     try:
-        mapping, handle, _ = _resolve(batch, token)
-    except DeliveryError as exc:
-        return _channel.undeliverable(exc)
+        mapping, handle, _ = _resolve(batch, _check_token(token))
+    except Exception as exc:
+        stand_in = _channel.stand_in(exc)
+        if stand_in is None:
+            raise
+        return stand_in
     storage = Storage._from_handle(handle)
     storage._keep = mapping
     return storage
@@ -685,16 +714,16 @@ def _rebuild_storage(batch, token) -> Storage:
 
 
 def _reduce_ndarray(array: np.ndarray):
-    base = array.base
-    owner = base if type(base) is ArrayOwner or type(base) is _ReceivedOwner else _owner_of(array)
+    owner = _owner_of(array)
     if owner is None or array.size == 0:
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
     token = owner._token
     # The token made at this owner's last send still holds while the storage's flags are the
-    # same (shared, not resized, not sealed since: those of a view of memory received never
-    # change) and the channel still has the range registered to this owner (not after a
-    # fork, nor once another holder took the range): then the secret and the server address
-    # are the same too.
+    # same (a defence: once shared they do not change; a view of memory received has no C
+    # storage to ask, maybe) and the channel still has the range registered to this owner (not
+    # after a fork, nor once another holder took the range): then the secret and the server
+    # address are the same too. Its layout: (flags, (key, size, offset, nbytes), the weak
+    # reference registered for that range, data pointer, key, readonly, the token's fields).
     if (token is not None and (owner._facts is not None
                                or token[0] == lib.lshm_storage_flags(owner._handle))
             and _state.ranges.get(token[1]) is token[2]):

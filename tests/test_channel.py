@@ -473,6 +473,39 @@ def test_a_pool_does_not_wedge_on_undeliverable_memory(method):
         pickle.loads(payload)
 
 
+class _BadToken:
+    """Pickles as a pyshm array rebuild whose token is garbage (a hostile or corrupted result)."""
+
+    def __reduce__(self):
+        return reduction._rebuild_ndarray, (None, "garbage", (4,), np.dtype(np.uint8), (1,), 0,
+                                            True)
+
+
+def return_bad_token():
+    return _BadToken()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_pool_does_not_wedge_on_any_failure_to_rebuild(method):
+    # not only undeliverable memory: any error while a result is rebuilt (a bad token here; an
+    # fd limit or a failed mapping alike) would kill the result handler
+    pool = mp.get_context(method).Pool(1)
+    try:
+        value = pool.apply_async(return_bad_token).get(timeout=60)
+        assert isinstance(value, pyshm.Undelivered)
+        assert isinstance(value.error.__cause__, pickle.UnpicklingError)
+        for use in (np.asarray, bool, hash, lambda v: v == 0, lambda v: v != 0, lambda v: v[0]):
+            with pytest.raises(pyshm.DeliveryError):
+                use(value)
+        a = pyshm.zeros(100, np.uint8, shared=True)  # the pool still works
+        assert pool.apply_async(ident, (a,)).get(timeout=60).ctypes.data == a.ctypes.data
+    finally:
+        pool.terminate()
+        pool.join()
+    with pytest.raises(pickle.UnpicklingError):  # elsewhere: raised as it is
+        pickle.loads(pickle.dumps(_BadToken()))
+
+
 # ---- 3. no write undone by an implicit share ------------------------------------------------------
 
 

@@ -514,6 +514,7 @@ def storages_made_on_demand(arrays):
 
     _, b = arrays
     before = len(pyshm_arrays._REFERENCES)
+    assert pyshm.is_shared(b) and len(pyshm_arrays._REFERENCES) == before  # (no view made)
     storages: list = []
 
     def ask():
@@ -575,6 +576,46 @@ def test_own_arrays_come_back_as_themselves(pool):
     again = pickle.loads(payload)
     assert again.ctypes.data == a.ctypes.data + 16 and again.shape == (62,)
     assert pyshm.storage_of(again) == pyshm.storage_of(a)
+
+
+def ident(x):
+    return x
+
+
+def metadata_of(array):
+    return dict(array.dtype.metadata or {}), int(array[1])
+
+
+def test_a_dtype_with_metadata_comes_back_whole(pool):
+    # (dtype equality ignores metadata: h5py's enum dtypes carry theirs there)
+    tagged = np.dtype(np.int32, metadata={"enum": {"red": 0, "blue": 1}})
+    a = pyshm.zeros(64, tagged, shared=True)
+    assert a.dtype.metadata == {"enum": {"red": 0, "blue": 1}}  # made with it
+    a[1] = 1
+    view = a[1:]
+    assert pickle.loads(ForkingPickler.dumps(view)).dtype.metadata == tagged.metadata  # ours
+    assert pool.apply(metadata_of, (a,)) == (tagged.metadata, 1)  # a receiver's
+    back = pool.apply(ident, (view,))  # and back, as itself
+    assert back.dtype.metadata == tagged.metadata and back.ctypes.data == view.ctypes.data
+
+
+def test_an_array_of_ours_comes_back_only_as_its_token_says():
+    a = pyshm.zeros(512, np.int64, shared=True)
+    func, args = _token(a)
+    token = tuple(args[1][:-1]) + (None,)
+    shape, dtype, strides, start, writeable = args[2:]
+    for bad_start in (0.0, 1e-9):  # a start that is no index: refused, as by the general path
+        with pytest.raises(pickle.UnpicklingError):
+            func(None, token, shape, dtype, strides, bad_start, writeable)
+    # the array changed its layout meanwhile (another thread): the token's layout comes back
+    payload = ForkingPickler.dumps(a)
+    a.shape = (8, 64)
+    back = pickle.loads(payload)
+    assert back.shape == (512,) and back.ctypes.data == a.ctypes.data
+    # a key no memfd can have
+    huge_key = ((2 ** 70, 1),) + token[1:]
+    with pytest.raises(pickle.UnpicklingError):
+        func(None, huge_key, shape, dtype, strides, start, writeable)
 
 
 HOSTILE_LAYOUTS = [((1000,), "u1", (1,), 0), ((2,), "u1", (-1,), 0), ((2,), "u1", (10 ** 9,), 0),
