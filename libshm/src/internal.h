@@ -112,8 +112,13 @@ int lshm__os_map_new_memfd(int fd, uint64_t size, size_t map_len, void **out);
  * page present per 2 MiB (a 1-byte write of a zero) and works whatever shmem_enabled says but
  * "deny"; THP disabled, an old kernel or fragmentation (EINVAL, EAGAIN, ENOMEM) leave the
  * range empty but for those bytes, for the caller to reserve or populate. Returns 0 or the
- * refusal (-errno, no message): -EINVAL and -EPERM mean no later collapse will work either. */
+ * refusal (-errno, no message). -EINVAL and -EPERM mean no later collapse will work either:
+ * from then on the process tries none (it returns -EINVAL at once, without the writes) and
+ * collapse_wanted says no. */
 int lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len);
+/* Whether collapsing memfd ranges into huge pages is worth trying: huge_wanted, and no
+ * collapse of this process was refused for good yet. */
+int lshm__os_collapse_wanted(void);
 /* [0, len) of fd mapped shared (read-only or writable); from 2 MiB on (unless LSHM_HUGE=0) at a
  * 2 MiB-aligned address, so that its huge pages map whole. */
 int lshm__os_map_fd_aligned(int fd, size_t len, int readonly, void **out);
@@ -227,8 +232,10 @@ extern _Atomic size_t lshm__share_chunk_busy_bytes;
 extern _Atomic unsigned long lshm__share_restores;
 /* A chunked share of a storage of at least 2 MiB at a 2 MiB-aligned address (unless
  * LSHM_HUGE=0) gives every whole 2 MiB a huge page, lshm__share_huge_chunk_bytes at a time
- * (default 32 MiB, rounded down to a multiple of 2 MiB). Tests lower it. */
+ * (default 32 MiB, rounded down to a multiple of 2 MiB). Tests lower it; lshm__share_huge_chunks
+ * counts the chunks copied that way. */
 extern _Atomic size_t lshm__share_huge_chunk_bytes;
+extern _Atomic unsigned long lshm__share_huge_chunks;
 #ifdef LSHM_TESTING
 /* The huge-page share's helper thread fails (-ENOMEM) when it has prepared chunk N (1-based;
  * 0: never), so that its own error path runs. */

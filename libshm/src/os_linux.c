@@ -353,12 +353,27 @@ int lshm__os_map_anon_pages(size_t len, void **out) {
     return rc;
 }
 
+/* Set once MADV_COLLAPSE was refused for good (EINVAL, EPERM): THP disabled for the process
+ * (prctl(PR_SET_THP_DISABLE)), shmem_enabled "deny", a kernel before 6.1 or without THP. */
+static _Atomic int collapse_refused;
+
+int lshm__os_collapse_wanted(void) {
+    return lshm__os_huge_wanted() && !atomic_load_explicit(&collapse_refused, memory_order_relaxed);
+}
+
 int lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len) {
     static const char zero = 0;
+    if (atomic_load_explicit(&collapse_refused, memory_order_relaxed))
+        return -EINVAL;
     for (size_t off = 0; off < len; off += LSHM__HUGE_BYTES)
         if (pwrite(fd, &zero, 1, (off_t)(offset + off)) != 1)
             return -errno;
-    return len > 0 && madvise(addr, len, MADV_COLLAPSE) != 0 ? -errno : 0;
+    if (len == 0 || madvise(addr, len, MADV_COLLAPSE) == 0)
+        return 0;
+    int e = errno;
+    if (e == EINVAL || e == EPERM)
+        atomic_store_explicit(&collapse_refused, 1, memory_order_relaxed);
+    return -e;
 }
 
 int lshm__os_map_fd_aligned(int fd, size_t len, int readonly, void **out) {

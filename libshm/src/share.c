@@ -218,6 +218,23 @@ static int chunks_done(int fd, char *data, size_t swapped, int rc) {
     return rc;
 }
 
+/* share_chunked's steps over [*off, end) (whole pages but maybe the storage's last): pwrite
+ * each chunk and map it over the storage. *off: how far it got. */
+static int pwrite_chunks(int fd, char *data, size_t *off, size_t end) {
+    size_t page = lshm__os_page_size();
+    int rc = 0;
+    while (*off < end) {
+        size_t chunk = next_chunk(page);
+        size_t n = end - *off < chunk ? end - *off : chunk;
+        void *m;
+        if ((rc = lshm__os_pwrite_all(fd, data + *off, n, *off)) != 0 ||
+            (rc = lshm__os_map_fd(fd, *off, n, 0, data + *off, &m)) != 0)
+            break;
+        *off += n;
+    }
+    return rc;
+}
+
 /* Share the default pages [data, data + capacity) in place chunk by chunk: fill a chunk of the
  * memfd with pwrite, then mmap(MAP_FIXED) that chunk of the memfd over the same chunk of the
  * storage. The old private pages go back to the kernel as we go and the next chunk's pwrite
@@ -229,29 +246,19 @@ static int chunks_done(int fd, char *data, size_t swapped, int rc) {
  * this process, as before the call. Closing the memfd leaves those mappings alive.
  * fd: a new memfd of `capacity` bytes (lshm__os_memfd_sized), closed on failure. */
 static int share_chunked(lshm_storage *s, char *data, int fd) {
-    size_t cap = s->capacity;
-    size_t page = lshm__os_page_size();
-    int rc = 0;
     size_t off = 0;
-    while (off < cap) {
-        size_t chunk = next_chunk(page);
-        size_t n = cap - off < chunk ? cap - off : chunk;
-        void *m;
-        if ((rc = lshm__os_pwrite_all(fd, data + off, n, off)) != 0 ||
-            (rc = lshm__os_map_fd(fd, off, n, 0, data + off, &m)) != 0)
-            break;
-        off += n;
-    }
+    int rc = pwrite_chunks(fd, data, &off, s->capacity);
     return chunks_done(fd, data, off, rc);
 }
 
 /* Huge pages for the chunked share: a storage of 2 MiB or more whose pages start at a 2 MiB
  * boundary (the default allocator puts them there, see lshm__os_map_anon_pages). */
 _Atomic size_t lshm__share_huge_chunk_bytes = (size_t)32 << 20;
+_Atomic unsigned long lshm__share_huge_chunks;
 
 static int want_huge(const lshm_storage *s, const char *data) {
     return s->capacity >= LSHM__HUGE_BYTES && (uintptr_t)data % LSHM__HUGE_BYTES == 0 &&
-           lshm__os_huge_wanted();
+           lshm__os_collapse_wanted();
 }
 
 /* Preparing chunks (collapse, populate) ahead of the copy, on a helper thread, while a big
@@ -259,8 +266,7 @@ static int want_huge(const lshm_storage *s, const char *data) {
  * memcpy of this one. `ready` is how far the helper got, `done` how far the copy got: the
  * helper stays at most two chunks ahead (memory in use beyond the storage's: three chunks, and
  * the pages it gets are the ones the copy just freed). It stops at the first error (rc) or
- * when told to (stop). `collapse`: cleared once the kernel refused for good (EINVAL, EPERM:
- * THP disabled, a kernel before 6.1), so later chunks skip straight to small pages. */
+ * when told to (stop). */
 typedef struct huge_ahead {
     int fd;
     char *copy;
@@ -268,7 +274,7 @@ typedef struct huge_ahead {
     pthread_mutex_t lock;
     pthread_cond_t moved;
     size_t ready, done;
-    int rc, stop, collapse;
+    int rc, stop;
     char msg[400];
 } huge_ahead;
 
@@ -276,14 +282,11 @@ typedef struct huge_ahead {
 _Atomic int lshm__share_helper_fails_at;
 #endif
 
-/* Collapse (while it may work) and populate [off, off + n) of the memfd through the copy
- * mapping: afterwards every page of it is there, huge where the kernel gave one. */
+/* Collapse (unless the process was refused for good) and populate [off, off + n) of the memfd
+ * through the copy mapping: afterwards every page of it is there, huge where the kernel gave
+ * one. */
 static int prepare_chunk(huge_ahead *h, size_t off, size_t n) {
-    if (h->collapse) {
-        int refused = lshm__os_collapse(h->fd, off, h->copy + off, n);
-        if (refused == -EINVAL || refused == -EPERM)
-            h->collapse = 0;
-    }
+    (void)lshm__os_collapse(h->fd, off, h->copy + off, n); /* (refused: small pages) */
     return lshm__os_populate_write(h->fd, off, h->copy + off, n);
 }
 
@@ -344,10 +347,11 @@ static void tell_helper(huge_ahead *h, size_t done, int stop) {
  * at a 2 MiB-aligned address of its own, and per chunk (a multiple of 2 MiB) that range of it
  * is collapsed into huge pages (lshm__os_collapse), populated (so that a page the kernel cannot
  * give is an error, never a SIGBUS in the copy), filled with memcpy and mapped over the same
- * range of the storage. Pages the collapse refused are small ones, filled the same way. The
- * tail short of 2 MiB goes in with pwrite. No room for the second mapping (ENOMEM: address
- * space, vm.max_map_count) shares with small pages instead (share_chunked). Failure: as
- * share_chunked. */
+ * range of the storage. Pages the collapse refused are small ones, filled the same way; once
+ * it is refused for good (THP disabled: the first chunk tells) the rest goes as in
+ * share_chunked, which fills fresh small pages faster. So does the tail short of 2 MiB. No
+ * room for the second mapping (ENOMEM: address space, vm.max_map_count) shares with small
+ * pages instead (share_chunked). Failure: as share_chunked. */
 static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
     const size_t huge = LSHM__HUGE_BYTES;
     size_t cap = s->capacity, whole = cap / huge * huge;
@@ -360,7 +364,7 @@ static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
     size_t chunk = atomic_load_explicit(&lshm__share_huge_chunk_bytes, memory_order_relaxed);
     chunk = chunk < huge ? huge : chunk / huge * huge;
     huge_ahead h = {fd, copy, whole, chunk, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                    0, 0, 0, 0, 1, {0}};
+                    0, 0, 0, 0, {0}};
     pthread_t helper;
     int ahead = whole > chunk && want_split(whole) &&
                 start_helper(&helper, huge_ahead_thread, &h) == 0;
@@ -378,9 +382,12 @@ static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
         if (rc != 0)
             break;
         memcpy(copy + off, data + off, n);
+        atomic_fetch_add_explicit(&lshm__share_huge_chunks, 1, memory_order_relaxed);
         if ((rc = lshm__os_map_fd(fd, off, n, 0, data + off, &m)) != 0)
             break;
         off += n;
+        if (!lshm__os_collapse_wanted())
+            break; /* refused for good (the first chunk tells): the rest as share_chunked */
         if (ahead)
             tell_helper(&h, off, 0);
     }
@@ -389,11 +396,8 @@ static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
         pthread_join(helper, NULL); /* (before the copy mapping it writes through goes) */
     }
     lshm__os_unmap(copy, whole);
-    if (rc == 0 && off < cap) {
-        if ((rc = lshm__os_pwrite_all(fd, data + off, cap - off, off)) == 0 &&
-            (rc = lshm__os_map_fd(fd, off, cap - off, 0, data + off, &m)) == 0)
-            off = cap;
-    }
+    if (rc == 0)
+        rc = pwrite_chunks(fd, data, &off, cap);
     return chunks_done(fd, data, off, rc);
 }
 

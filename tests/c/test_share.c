@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -618,11 +619,45 @@ static void chunked_huge_helper_fails(void) {
     lshm__share_huge_chunk_bytes = saved_chunk;
 }
 
+/* THP disabled for the process (prctl(PR_SET_THP_DISABLE), in a child): the first chunk's
+ * refused collapse switches the rest of the share to small pages filled with pwrite (faster
+ * than populating them through the copy mapping), and later shares go that way at once; every
+ * byte and the address are kept either way. Alone and with the helper thread. */
+static void huge_refused_for_good(void) {
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        const size_t huge = (size_t)2 << 20;
+        lshm__share_huge_chunk_bytes = 2 * huge;
+        ASSERT_OK(prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0));
+        for (int round = 0; round < 2; round++) {
+            size_t n = 7 * huge + 3 * page + 5;
+            lshm_storage *s;
+            ASSERT_OK(make_fixed_pages(&s, n));
+            unsigned char *raw = lshm_storage_data(s);
+            fill(raw, n, 46 + round);
+            unsigned long chunks = lshm__share_huge_chunks;
+            ASSERT_OK(lshm_storage_share(s));
+            ASSERT_EQ(lshm__share_huge_chunks - chunks, round == 0 ? 1u : 0u);
+            ASSERT_PTR_EQ(lshm_storage_data(s), raw);
+            ASSERT(check(raw, n, 46 + round));
+            ASSERT_EQ(mappings_over(raw, n), 1);
+            ASSERT(!mappings_private(raw, n));
+            lshm_storage_release(s);
+        }
+        _exit(0);
+    }
+    int status;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 /* Both ways: on this thread alone, and (a big share running alone, forced here at a small
  * size) with the next chunk prepared on a helper thread while this one copies; the fault
  * points are the same (the helper's populate is taken on this thread). */
 static void test_chunked_huge(void) {
     chunked_huge();
+    huge_refused_for_good();
     if (lshm__os_ncpu() < 2)
         return;
     size_t saved = lshm__share_split_threshold;
@@ -630,6 +665,7 @@ static void test_chunked_huge(void) {
     lshm__share_split_threshold = page;
     chunked_huge();
     chunked_huge_helper_fails();
+    huge_refused_for_good();
     lshm__share_split_threshold = saved;
     ASSERT_GE(lshm__share_splits, splits + 1); /* the helper did run */
 }
