@@ -24,7 +24,9 @@ def test_bench_cases_rows_and_targets():
         assert pyshm_rows and all(row["error"] is None for row in pyshm_rows)
         for row in pyshm_rows:
             assert len(row["seconds"]) == 2 and row["min_s"] <= row["median_s"]
-            assert set(row["ratios"]) == {"shm", "ceiling"}  # torch not asked for
+            # torch not asked for; no huge-page ceiling or memcpy row for 4 KiB arrays
+            assert set(row["ratios"]) == ({"shm", "ceiling"} if case["case"] == "small" else
+                                          {"shm", "ceiling", "ceiling_huge", "memcpy"})
     # the recycling pool is not measured on the seed arrays, only where it is used
     assert "pyshm_recycled" not in {row["method"] for row in cases["seed"]["rows"]}
     assert "pyshm_recycled" in {row["method"] for row in cases["big"]["rows"]}
@@ -36,6 +38,39 @@ def test_bench_cases_rows_and_targets():
     assert targets["seed workload, ThreadPool(2), pyshm time / torch time"]["text"] == (
         "not measured: not run (--no-torch)")
     assert "targets (judged on min times)" in report
+
+
+def test_bench_receiver_and_huge_off_cases():
+    result, report = run_json(
+        "pyshm", "bench", "--no-torch", "--repeats", "1", "--count", "1",
+        "--receiver-mib", "8", "--cases", "receiver,huge_off")
+    cases = {case["case"]: case for case in result["cases"]}
+    # the huge-off round runs the seed workload (at ThreadPool(2)) and the receiver again
+    assert set(cases) == {"receiver", "seed_huge_off", "receiver_huge_off"}
+    for key in ("receiver", "receiver_huge_off"):
+        rows = {row["method"]: row for row in cases[key]["rows"]}
+        assert set(rows) == {"pyshm", "shm"}
+        assert all(row["error"] is None and len(row["seconds"]) == 1 for row in rows.values())
+        assert cases[key]["bytes"] == 8 << 20 and "shm" in rows["pyshm"]["ratios"]
+    seed = [row for row in cases["seed_huge_off"]["rows"] if row["method"] == "pyshm"]
+    assert [row["threads"] for row in seed] == [2] and seed[0]["error"] is None
+    assert "Huge pages off (LSHM_HUGE=0)" in report
+    targets = {target["name"]: target for target in result["targets"]}
+    assert targets["a spawned worker's first read, pyshm time / torch time"]["text"] == (
+        "not measured: not run (--no-torch)")
+    off = "huge pages off (LSHM_HUGE=0): seed workload, ThreadPool(2), pyshm time / torch time"
+    assert targets[off]["text"] == "not measured: not run (--no-torch)"
+
+
+def test_a_failed_huge_off_child_is_reported():
+    from pyshm import bench
+
+    config = {"cases": ["seed"], "repeats": 1, "count": 0, "receiver_bytes": 8 << 20,
+              "quick": False}  # --count 0: the child refuses its command line
+    (case,) = bench._huge_off_cases(config, use_torch=False)
+    (row,) = case["rows"]
+    assert case["case"] == "seed_huge_off" and not row["seconds"]
+    assert row["error"].startswith("child process failed: ") and "--count" in row["error"]
 
 
 def test_bench_processes_rows():
