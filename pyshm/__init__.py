@@ -28,9 +28,11 @@ from .arrays import copy, empty, is_shared, share_memory_, storage_of, zeros
 from .planner import Plan, lower_bound, plan
 from .storage import Storage, trim_pool
 from ._channel import DeliveryError, Undelivered
-from .reduction import register as _register_reducers, share_readonly
+from .reduction import Ref, ref, register as _register_reducers, share_readonly
+from . import engines as _engines
 
 _register_reducers()
+_engines._watch()
 
 __version__ = _lib.lshm_version_string().decode()
 
@@ -44,6 +46,8 @@ __all__ = [
     "storage_of",
     "trim_pool",
     "share_readonly",
+    "ref",
+    "Ref",
     "plan",
     "lower_bound",
     "Plan",

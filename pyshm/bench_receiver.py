@@ -31,7 +31,7 @@ import numpy as np
 import pyshm
 from pyshm.bench import _cpu_snapshot, _other_load, row_stats
 
-__all__ = ["run_case", "DEFAULT_BYTES", "QUICK_BYTES"]
+__all__ = ["DEFAULT_BYTES", "QUICK_BYTES", "run_case"]
 
 DEFAULT_BYTES = 1 << 30
 QUICK_BYTES = 256 << 20

@@ -111,6 +111,9 @@ from .storage import Storage, _share_in_place
 
 __all__ = [
     "share_readonly",
+    "ref",
+    "Ref",
+    "bytes_at",
     "register",
     "segment_count",
     "DeliveryError",
@@ -779,6 +782,131 @@ def register() -> None:
     # (the objects in every token: called directly, not through object.__reduce_ex__)
     ForkingPickler.register(_channel.Ticket, _channel.Ticket.__reduce__)
     ForkingPickler.register(_channel._Mark, _channel._Mark.__reduce__)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory found by address (for objects that keep no Python path to their array: torch tensors)
+# --------------------------------------------------------------------------------------------
+
+
+class _Span:
+    """The owner-side base of a byte array over part of an owner's memory: ``base`` leads
+    :func:`pyshm.arrays._owner_of` to the owner, which holds the memory."""
+
+    __slots__ = ("__array_interface__", "base")
+
+    def __init__(self, address: int, nbytes: int, readonly: bool, owner: Any) -> None:
+        self.__array_interface__ = array_interface((nbytes,), np.dtype(np.uint8), address,
+                                                   readonly, None)
+        self.base = owner
+
+
+class _OwnerIndex:
+    """Live owners of this process's pyshm storages sorted by data address, rebuilt when
+    ``_REFERENCES`` changed (any new owner changes its last key, any loss its length)."""
+
+    def __init__(self) -> None:
+        self.snapshot: tuple = (0, None)
+        self.starts: list = []
+        self.entries: list = []  # (start, end, weak reference to the owner)
+
+    def find(self, address: int, nbytes: int) -> Optional[ArrayOwner]:
+        import bisect
+
+        snapshot = (len(_REFERENCES), next(reversed(_REFERENCES), None))
+        if snapshot != self.snapshot:
+            entries = []
+            for ref, handle in list(_REFERENCES.items()):
+                if handle and ref() is not None:
+                    data = lib.lshm_storage_data(handle) or 0
+                    entries.append((data, data + lib.lshm_storage_nbytes(handle), ref))
+            entries.sort(key=lambda entry: entry[0])
+            self.entries, self.starts = entries, [entry[0] for entry in entries]
+            self.snapshot = snapshot
+        at = bisect.bisect_right(self.starts, address)
+        for start, end, ref in reversed(self.entries[max(0, at - 64):at]):
+            if start <= address and address + nbytes <= end:
+                owner = ref()
+                if owner is not None and owner._handle:
+                    return owner
+        return None
+
+
+_owners = _OwnerIndex()
+
+
+def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
+    """A uint8 array over [address, address + nbytes) when pyshm memory of this process holds
+    that whole range (a storage made here, or a memfd received), whose base chain leads to the
+    memory's owner, so that it pickles by reference like any pyshm array; else None."""
+    if nbytes <= 0 or address <= 0:
+        return None
+    with _state.lock:
+        for mapping in list(_cache.mappings.values()):
+            if mapping.data <= address and address + nbytes <= mapping.data + mapping.size:
+                offset = address - mapping.data
+                owner = _ReceivedOwner(mapping, offset, nbytes, mapping.sealed, (nbytes,),
+                                       np.dtype(np.uint8), None, 0)
+                return np.asarray(owner)
+        owner = _owners.find(address, nbytes)
+    if owner is None:
+        return None
+    readonly = bool(lib.lshm_storage_flags(owner._handle) & _ffi.STORAGE_READONLY)
+    return np.asarray(_Span(address, nbytes, readonly, owner))
+
+
+# --------------------------------------------------------------------------------------------
+# pyshm.ref: by reference through any pickler
+# --------------------------------------------------------------------------------------------
+
+
+class Ref:
+    """A pyshm array that pickles by reference through any pickler; see :func:`ref`."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __reduce__(self):
+        return _reduce_ndarray(self.array)
+
+    def __repr__(self) -> str:
+        return f"pyshm.ref(<{self.array.dtype} array of shape {self.array.shape}>)"
+
+
+def ref(array: Any) -> Ref:
+    """A handle on ``array`` that any pickler (``pickle``, cloudpickle, a framework's own)
+    pickles by reference: unpickled in another process of the same user on this machine (and
+    network namespace), it is a numpy array over the very same memory; unpickled here, a view
+    of ``array`` itself.
+
+    ``array`` must be pyshm memory (:func:`pyshm.empty`, ``shared=True``, an array received);
+    an array not shared yet is shared in place now, on this thread. Anything else raises
+    :class:`TypeError` (bring it in with ``pyshm.copy(a, shared=True)``).
+
+    Lifetime: the pickle names the memory and carries a secret that lets its holder, and only
+    its holder, fetch the memfd from this process (README, "Who can reach shared memory"). It
+    can be unpickled while this process runs and still has the memory (the array or any view
+    of it, or this handle), and, even after both were dropped, within ``KEEPALIVE_SECONDS`` of
+    pickling if it was not unpickled by then. Otherwise, from another machine or network
+    namespace, or after this process exited, unpickling raises :class:`DeliveryError`. A
+    process that has the memory mapped already needs nothing from this one.
+    """
+    if isinstance(array, Ref):
+        return array
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"pyshm.ref takes a numpy array of pyshm memory, not "
+                        f"{type(array).__name__}")
+    owner = _owner_of(array)
+    if owner is None:
+        raise TypeError("pyshm.ref needs an array of pyshm memory: this one is not; bring it "
+                        "in with pyshm.copy(array, shared=True)")
+    if owner._facts is None:
+        handle = owner._handle
+        if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
+            _share_in_place(handle, "pyshm.ref", TypeError)
+    return Ref(array)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,222 @@
+"""pyshm memory through the engines people already use: torch and joblib.
+
+Importing pyshm imports none of them. Each hook is installed when its engine is present: at
+pyshm's import for an engine imported before, and for one imported later right after its own
+import (a finder on ``sys.meta_path`` watches for it and steps aside once every hook is in).
+:func:`install` does the same on demand, for whatever is imported by then.
+
+What each hook does, and the engine's extension point it uses:
+
+* **torch** registers its reducers for tensors with multiprocessing's ``ForkingPickler``
+  (``torch.multiprocessing.reductions``, at ``import torch``); they move every CPU tensor's
+  storage into torch's own shared memory, copying it (so a tensor over pyshm memory and the
+  numpy array under it part ways). The hook wraps that reducer: a tensor whose storage lies
+  in pyshm memory (``torch.from_numpy(a)``, ``torch.from_dlpack(a)``, ``torch.frombuffer``)
+  is sent as its dtype, size, strides and offset over a pyshm array of its storage's bytes,
+  which travels by reference like any pyshm array; every other tensor goes to torch's reducer
+  unchanged. So torch.multiprocessing ``Queue``, ``Pool``, ``DataLoader`` workers returning
+  such tensors (fork and spawn) carry the same memory.
+* **joblib** (loky and multiprocessing backends) pickles numpy arrays with its own reducers,
+  which copy big ones into memmapped files of a temporary folder (read-only, or copy-on-write
+  in the worker) and small ones by value, both ways. joblib has no registry for those, so the
+  hook wraps its two array reducers (``ArrayMemmapForwardReducer.__call__`` and
+  ``reduce_array_memmap_backward``): a pyshm array goes by reference, anything else as before.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import numpy as np
+
+from . import reduction
+
+__all__ = ["install", "installed"]
+
+_installed: set = set()
+
+
+def installed() -> frozenset:
+    """The engines whose hooks are in ("torch", "joblib")."""
+    return frozenset(_installed)
+
+
+def install() -> frozenset:
+    """Install the hook of every engine imported by now (idempotent); returns
+    :func:`installed`. pyshm calls it at import and after each engine's own import."""
+    if "torch" not in _installed and "torch.multiprocessing.reductions" in sys.modules:
+        _install_torch()
+    if "joblib" not in _installed and "joblib._memmapping_reducer" in sys.modules:
+        _install_joblib()
+    return installed()
+
+
+# ---- torch ----------------------------------------------------------------------------------
+
+
+def _tensor_bytes(tensor: Any):
+    """The pyshm byte array under ``tensor``'s whole storage, or None (not pyshm memory, or
+    not a plain CPU tensor)."""
+    try:
+        if tensor.device.type != "cpu" or tensor.layout is not _torch().strided or \
+                tensor.is_quantized or tensor.is_nested:
+            return None
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None  # (tensors without storage: meta, functional wrappers...)
+    return reduction.bytes_at(storage.data_ptr(), storage.nbytes())
+
+
+def _torch():
+    return sys.modules["torch"]
+
+
+def _rebuild_tensor(data, dtype: str, size: tuple, stride: tuple, offset: int,
+                    requires_grad: bool, parameter: bool):
+    if not isinstance(data, np.ndarray):
+        return data  # (an Undelivered stand-in: it raises on first use)
+    torch = _torch() if "torch" in sys.modules else __import__("torch")
+    with warnings.catch_warnings():
+        # (the storage of a received read-only array would warn; such tensors are refused
+        # when pickled, see _reduce_tensor, so this only ever concerns writable memory)
+        warnings.simplefilter("ignore", UserWarning)
+        storage = torch.from_numpy(data).untyped_storage()
+    tensor = torch.empty((0,), dtype=getattr(torch, dtype)).set_(storage, offset, size, stride)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _tensor_reducer(original):
+    def reduce_tensor(tensor):
+        torch = _torch()
+        kind = type(tensor)
+        parameter = kind is torch.nn.Parameter
+        if kind is torch.Tensor or parameter:
+            data = None if tensor.requires_grad and not tensor.is_leaf else _tensor_bytes(tensor)
+            if data is not None:
+                if not data.flags.writeable:
+                    import pickle
+
+                    raise pickle.PicklingError(
+                        "pyshm: this tensor's storage is read-only pyshm memory "
+                        "(pyshm.share_readonly), and torch tensors have no read-only flag: "
+                        "a receiver's write would crash it. Send the numpy array instead "
+                        "(it arrives read-only), or a tensor over a copy")
+                return _rebuild_tensor, (data, str(tensor.dtype).split(".")[-1],
+                                         tuple(tensor.size()), tuple(tensor.stride()),
+                                         tensor.storage_offset(), bool(tensor.requires_grad),
+                                         parameter)
+        return original(tensor)
+
+    reduce_tensor._pyshm_wraps = original
+    return reduce_tensor
+
+
+def _install_torch() -> None:
+    reductions = sys.modules["torch.multiprocessing.reductions"]
+    original = reductions.reduce_tensor
+    wrapped = None
+    # every type torch registered its tensor reducer for (torch.Tensor, Parameter, the legacy
+    # tensor classes); a type already wrapped is left alone
+    for kind, reducer in list(ForkingPickler._extra_reducers.items()):
+        if reducer is original:
+            wrapped = wrapped or _tensor_reducer(original)
+            ForkingPickler.register(kind, wrapped)
+    if wrapped is not None or any(getattr(r, "_pyshm_wraps", None) is original
+                                  for r in ForkingPickler._extra_reducers.values()):
+        _installed.add("torch")
+
+
+# ---- joblib ---------------------------------------------------------------------------------
+
+
+def _pyshm_array(a: Any) -> bool:
+    return type(a) is np.ndarray and a.size > 0 and reduction._owner_of(a) is not None
+
+
+def _install_joblib() -> None:
+    module = sys.modules["joblib._memmapping_reducer"]
+    forward = module.ArrayMemmapForwardReducer
+    if getattr(forward.__call__, "_pyshm_wraps", None) is None:
+        original_call = forward.__call__
+
+        def __call__(self, a):
+            if _pyshm_array(a):
+                return reduction._reduce_ndarray(a)
+            return original_call(self, a)
+
+        __call__._pyshm_wraps = original_call
+        forward.__call__ = __call__
+    backward = module.reduce_array_memmap_backward
+    if getattr(backward, "_pyshm_wraps", None) is None:
+
+        def reduce_array_memmap_backward(a):
+            if _pyshm_array(a):
+                return reduction._reduce_ndarray(a)
+            return backward(a)
+
+        reduce_array_memmap_backward._pyshm_wraps = backward
+        module.reduce_array_memmap_backward = reduce_array_memmap_backward
+    _installed.add("joblib")
+
+
+# ---- installing after an engine's own import --------------------------------------------------
+
+# the module whose import completes each engine's reducers
+# (torch.multiprocessing's own import registers torch's reducers, at its end)
+_WATCHED = {"torch.multiprocessing": "torch", "joblib._memmapping_reducer": "joblib"}
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        _after_import(module.__name__)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a watched module it returns the spec the other finders give,
+    with a loader that installs the hook once the module has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _WATCHED or _WATCHED[name] in _installed:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+_finder = _Finder()
+
+
+def _after_import(name: str) -> None:
+    install()
+    if all(engine in _installed for engine in _WATCHED.values()) and _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+def _watch() -> None:
+    """At pyshm's import: hooks for the engines imported already, a watch for the rest."""
+    install()
+    if not all(engine in _installed for engine in _WATCHED.values()) and \
+            _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)

@@ -1,0 +1,366 @@
+"""pyshm memory through engines: torch.multiprocessing, joblib, and ``pyshm.ref`` through any
+pickler. Each engine's tests are skipped when it is not installed; .ci/run installs torch and
+joblib, and with CI=true their absence fails these tests.
+
+What is checked is the memory: a worker's write is read by the parent, what comes back is at
+the parent's address, no warning is raised, and tensors and arrays that are not pyshm memory
+go the engine's own way unchanged.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import pyshm
+from pyshm import _channel, engines
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def engine_or_skip(name: str):
+    try:
+        return __import__(name)
+    except ImportError:
+        if IN_CI:
+            pytest.fail(f"{name} is missing but CI=true: .ci/run must install it")
+        pytest.skip(f"{name} is not installed")
+
+
+def run_python(code: str, stdin: bytes = b"", timeout: float = 120) -> bytes:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], input=stdin,
+                          capture_output=True, timeout=timeout, cwd=HERE)
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout
+
+
+# ---- pyshm.ref ------------------------------------------------------------------------------
+
+READ_AND_WRITE = """
+    import pickle, sys
+    import numpy as np
+    import pyshm
+    array = pickle.loads(sys.stdin.buffer.read())
+    assert type(array) is np.ndarray and pyshm.is_shared(array)
+    print(int(array.sum()), array.dtype, array.shape)
+    array[:] += 1
+"""
+
+
+@pytest.mark.parametrize("nbytes", [4096, 3 << 20])
+def test_a_ref_pickled_with_plain_pickle_is_the_same_memory_in_another_process(nbytes):
+    array = pyshm.zeros(nbytes // 4, np.int32, shared=True)
+    array[:] = 2
+    data = pickle.dumps(pyshm.ref(array))
+    assert len(data) < 600  # a reference, not the bytes
+    out = run_python(READ_AND_WRITE, data).decode().split()
+    assert out == [str(2 * (nbytes // 4)), "int32", f"({nbytes // 4},)"]
+    assert (array == 3).all()  # the other process wrote our memory
+
+
+def test_a_ref_shares_an_unshared_array_in_place_and_refuses_other_memory():
+    array = pyshm.empty(100_000, np.uint8)
+    address = array.ctypes.data
+    handle = pyshm.ref(array)
+    assert pyshm.is_shared(array) and array.ctypes.data == address
+    assert pyshm.ref(handle) is handle
+    with pytest.raises(TypeError, match="pyshm.copy"):
+        pyshm.ref(np.zeros(10))
+    with pytest.raises(TypeError, match="numpy array"):
+        pyshm.ref(b"bytes")
+
+
+def test_a_ref_unpickled_here_is_a_view_of_the_array():
+    array = pyshm.zeros((64, 64), np.float32, shared=True)
+    back = pickle.loads(pickle.dumps(pyshm.ref(array[3:9, ::2])))
+    assert back.ctypes.data == array[3:9, ::2].ctypes.data and back.strides == (256, 8)
+    back[0, 0] = 5
+    assert array[3, 0] == 5
+
+
+def test_a_ref_travels_through_cloudpickle():
+    engine_or_skip("joblib")
+    from joblib.externals import cloudpickle
+    array = pyshm.zeros(10_000, np.int64, shared=True)
+    data = cloudpickle.dumps({"payload": pyshm.ref(array), "f": lambda x: x + 1})
+    out = run_python("""
+        import pickle, sys
+        message = pickle.loads(sys.stdin.buffer.read())
+        message["payload"][:] = message["f"](41)
+    """, data)
+    assert out == b"" and (array == 42).all()
+
+
+def test_a_ref_after_its_memory_is_gone_raises_delivery_error():
+    array = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    data = pickle.dumps(pyshm.ref(array))
+    del array
+    _channel.drop_holds()  # as if KEEPALIVE_SECONDS had passed
+    out = run_python("""
+        import pickle, sys
+        import pyshm
+        try:
+            pickle.loads(sys.stdin.buffer.read())
+        except pyshm.DeliveryError as exc:
+            print("DeliveryError", exc)
+    """, data)
+    assert out.startswith(b"DeliveryError")
+
+
+def test_a_ref_from_a_process_that_exited_raises_delivery_error():
+    data = run_python("""
+        import pickle, sys
+        import numpy as np
+        import pyshm
+        sys.stdout.buffer.write(pickle.dumps(pyshm.ref(pyshm.zeros(5000, np.uint8, shared=True))))
+    """)
+    with pytest.raises(pyshm.DeliveryError):
+        pickle.loads(data)
+
+
+def test_a_ref_with_a_forged_secret_gets_nothing():
+    array = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    data = pickle.dumps(pyshm.ref(array))
+    # the secrets are the only 16-byte strings of the pickle (SHORT_BINBYTES, length 16)
+    marker = b"C\x10"
+    forged = bytearray(data)
+    at = forged.find(marker)
+    while at >= 0:
+        forged[at + 2:at + 18] = bytes(16)
+        at = forged.find(marker, at + 18)
+    assert forged != bytearray(data)
+    out = run_python("""
+        import pickle, sys
+        import pyshm
+        try:
+            pickle.loads(sys.stdin.buffer.read())
+        except pyshm.DeliveryError:
+            print("refused")
+    """, bytes(forged))
+    assert out.strip() == b"refused"
+    assert (array == 0).all()
+
+
+# ---- torch ----------------------------------------------------------------------------------
+
+
+def torch_or_skip():
+    torch = engine_or_skip("torch")
+    assert "torch" in engines.installed()
+    return torch
+
+
+def add_one_tensor(tensor):
+    tensor += 1
+    return tensor
+
+
+def tensor_facts(tensor):
+    return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype),
+            type(tensor).__name__, tensor.requires_grad)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_torch_pool_gets_the_same_memory_and_gives_it_back(method):
+    torch = torch_or_skip()
+    import torch.multiprocessing as tmp
+
+    shared = pyshm.zeros((256, 1024), np.float32, shared=True)  # 1 MiB
+    small = pyshm.zeros(100, np.int16, shared=True)  # in a slab
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tmp.get_context(method).Pool(1) as pool:
+            for array, tensor in ((shared, torch.from_numpy(shared)),
+                                  (shared, torch.from_numpy(shared)[10:20, ::4]),
+                                  (small, torch.from_dlpack(small))):
+                back = pool.apply(add_one_tensor, (tensor,))
+                assert back.data_ptr() == tensor.data_ptr()  # our own memory, come back
+                assert back.stride() == tensor.stride() and back.shape == tensor.shape
+                assert not tensor.is_shared()  # torch did not copy it into its own memory
+            assert int(shared.sum()) == 256 * 1024 + 10 * 256 and (small == 1).all()
+            # tensors that are not pyshm memory still go torch's way
+            plain = torch.zeros(1000)
+            assert float(pool.apply(add_one_tensor, (plain,)).sum()) == 1000
+            assert plain.is_shared() and float(plain.sum()) == 1000
+
+
+def send_back_facts(queue_in, queue_out):
+    tensor = queue_in.get()
+    tensor.detach()[0] = 7  # (a Parameter: no autograd for this write)
+    queue_out.put(tensor_facts(tensor))
+    queue_out.put(tensor)
+    queue_in.get()  # (wait until the parent has it)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_torch_queue_carries_parameters_and_views(method):
+    torch = torch_or_skip()
+    import torch.multiprocessing as tmp
+
+    array = pyshm.zeros(1 << 18, np.float32, shared=True)
+    ctx = tmp.get_context(method)
+    for tensor in (torch.nn.Parameter(torch.from_numpy(array)),
+                   torch.from_numpy(array)[8::2]):
+        to_child, to_parent = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=send_back_facts, args=(to_child, to_parent))
+        child.start()
+        to_child.put(tensor)
+        _, shape, stride, dtype, kind, grad = to_parent.get(timeout=60)
+        back = to_parent.get(timeout=60)
+        to_child.put(None)
+        child.join(60)
+        assert child.exitcode == 0
+        assert (shape, stride, dtype) == (tuple(tensor.shape), tuple(tensor.stride()),
+                                          str(tensor.dtype))
+        assert (kind, grad) == (type(tensor).__name__, tensor.requires_grad)
+        assert back.data_ptr() == tensor.data_ptr() and type(back) is type(tensor)
+        assert float(tensor.detach()[0]) == 7  # the child's write, in our memory
+        array[:] = 0
+
+
+def test_torch_tensor_over_unshared_pyshm_memory_is_shared_in_place_on_send():
+    torch = torch_or_skip()
+    import torch.multiprocessing as tmp
+
+    array = pyshm.zeros(1 << 20, np.uint8)
+    address = array.ctypes.data
+    tensor = torch.from_numpy(array)
+    ctx = tmp.get_context("spawn")
+    child = ctx.Process(target=add_one_tensor, args=(tensor,))  # (pickled on this thread)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert pyshm.is_shared(array) and array.ctypes.data == address
+    assert (array == 1).all() and tensor.data_ptr() == address
+
+
+def send_a_tensor_of(array):
+    """In a worker: a tensor over the (read-only) array received, pickled to send it on."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch warns of non-writable numpy arrays)
+        tensor = torch.from_numpy(array)
+    try:
+        ForkingPickler.dumps(tensor)
+    except pickle.PicklingError as exc:
+        return array.flags.writeable, str(exc)
+    return array.flags.writeable, "sent"
+
+
+def test_torch_tensor_over_read_only_pyshm_memory_is_refused():
+    torch_or_skip()
+    array = pyshm.share_readonly(pyshm.zeros(1 << 16, np.uint8))
+    with mp.get_context("fork").Pool(1) as pool:
+        writeable, message = pool.apply(send_a_tensor_of, (array,))
+    assert not writeable and "read-only" in message and "crash" in message
+
+
+class PyshmDataset:
+    """Items are tensors over pyshm arrays the parent made; a worker writes each one."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def __len__(self):
+        return len(self.arrays)
+
+    def __getitem__(self, index):
+        import torch
+
+        array = self.arrays[index]
+        array[0] = 100 + index
+        return torch.from_numpy(array)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_torch_dataloader_workers_return_the_parents_memory(method):
+    torch = torch_or_skip()
+    # in slabs and with memfds of their own
+    arrays = [pyshm.zeros(size + index, np.float64, shared=True)
+              for index, size in enumerate([4096] * 3 + [40_000] * 3)]
+    loader = torch.utils.data.DataLoader(PyshmDataset(arrays), batch_size=None, num_workers=2,
+                                         multiprocessing_context=method)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        items = list(loader)
+    assert [a[0] for a in arrays] == [100 + index for index in range(6)]
+    for item, array in zip(items, arrays):
+        item[1] = 5  # the item is that memory
+        assert array[1] == 5 and not item.is_shared()  # (not torch's own shared memory)
+    addresses = [item.data_ptr() for item in items]
+    if method == "spawn":  # (this process sent the dataset: its own memory comes back)
+        assert addresses == [a.ctypes.data for a in arrays]
+    else:  # forked workers never got it from this pyshm: slabs are known by their memfd
+        assert addresses[:3] == [a.ctypes.data for a in arrays[:3]]
+
+
+def test_torch_registered_when_imported_after_pyshm():
+    out = run_python("""
+        import sys
+        import pyshm
+        assert "torch" not in sys.modules and not pyshm.engines.installed()
+        import torch
+        import numpy as np
+        from multiprocessing.reduction import ForkingPickler
+        print(sorted(pyshm.engines.installed()))
+        array = pyshm.zeros(1 << 20, np.uint8, shared=True)
+        data = ForkingPickler.dumps(torch.from_numpy(array))
+        print(len(data) < 1000, torch.from_numpy(array).is_shared())
+    """)
+    engine_or_skip("torch")
+    assert out.decode().split() == ["['torch']", "True", "False"]
+
+
+# ---- joblib ---------------------------------------------------------------------------------
+
+
+def add_one_array(array):
+    array += 1
+    return array
+
+
+@pytest.mark.parametrize("backend", ["loky", "multiprocessing"])
+def test_joblib_workers_write_the_parents_arrays(backend):
+    joblib = engine_or_skip("joblib")
+    assert "joblib" in engines.installed()
+    big = pyshm.zeros(1 << 20, np.float32, shared=True)  # 4 MiB: joblib would memmap it
+    small = pyshm.zeros(100, np.int64, shared=True)  # joblib would pickle it by value
+    plain = np.zeros(1 << 20, np.float32)  # not pyshm memory: joblib's own way
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with joblib.parallel_config(backend=backend, n_jobs=2):
+            results = joblib.Parallel()(joblib.delayed(add_one_array)(a)
+                                        for a in (big, small, big, small))
+            copies = joblib.Parallel()(joblib.delayed(np.add)(plain, 1) for _ in range(2))
+    assert (big == 2).all() and (small == 2).all()
+    assert [r.ctypes.data for r in results] == [a.ctypes.data for a in (big, small, big, small)]
+    assert (plain == 0).all() and all((c == 1).all() for c in copies)
+
+
+def test_joblib_registered_when_imported_after_pyshm():
+    engine_or_skip("joblib")
+    out = run_python("""
+        import sys
+        import pyshm
+        assert "joblib" not in sys.modules
+        import joblib
+        import numpy as np
+        print(sorted(pyshm.engines.installed()))
+        a = pyshm.zeros(1 << 20, np.float32, shared=True)
+        a[:] = 1
+        joblib.Parallel(n_jobs=2)(joblib.delayed(np.multiply)(a, 2, out=a) for _ in range(1))
+        print(int(a.sum()))
+    """)
+    assert out.decode().split() == ["['joblib']", str(2 << 20)]
