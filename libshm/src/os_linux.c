@@ -141,7 +141,14 @@ static int add_seal_seal(int fd) {
      * and we cannot either (nor need to). */
     if ((fl & O_ACCMODE) == O_RDONLY)
         return 0;
-    return add_seals(fd, F_SEAL_SEAL, "F_SEAL_SEAL");
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SEAL) == 0)
+        return 0;
+    int e = errno, seals = 0;
+    /* EPERM: F_SEAL_SEAL is there already, added meanwhile by another thread (two threads
+     * handing out the fd at once) or another holder of the memfd: what we wanted. */
+    if (e == EPERM && get_seals(fd, &seals) == 0 && (seals & F_SEAL_SEAL) != 0)
+        return 0;
+    return LSHM_FAIL(-e, "fcntl(fd %d, F_ADD_SEALS, F_SEAL_SEAL): %s", fd, strerror(e));
 }
 
 int lshm__os_seal_seal(int fd) {
@@ -168,7 +175,22 @@ int lshm__os_seal_readonly(int fd) {
                          "fd %d was already handed out writable (F_SEAL_SEAL is set, so it can "
                          "never be sealed read-only); make a copy to share read-only",
                          fd);
-    return add_seals(fd, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL, "F_SEAL_FUTURE_WRITE|F_SEAL_SEAL");
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) == 0)
+        return 0;
+    int e = errno;
+    /* EPERM: someone sealed it meanwhile; read-only is fine (as above), only F_SEAL_SEAL
+     * alone (handed out writable) is a refusal. */
+    if (e == EPERM && get_seals(fd, &seals) == 0) {
+        if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0)
+            return 0;
+        if ((seals & F_SEAL_SEAL) != 0)
+            return LSHM_FAIL(-EPERM,
+                             "fd %d was handed out writable meanwhile (F_SEAL_SEAL is set, so it "
+                             "can never be sealed read-only); make a copy to share read-only",
+                             fd);
+    }
+    return LSHM_FAIL(-e, "fcntl(fd %d, F_ADD_SEALS, F_SEAL_FUTURE_WRITE|F_SEAL_SEAL): %s", fd,
+                     strerror(e));
 }
 
 int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {

@@ -230,6 +230,7 @@ static pthread_barrier_t barrier;
 typedef struct share_job {
     lshm_storage *s;
     int rc, fd;
+    char error[256]; /* the thread's message when rc < 0 (last errors are per thread) */
 } share_job;
 
 static void *share_thread(void *arg) {
@@ -239,6 +240,8 @@ static void *share_thread(void *arg) {
     uint64_t off;
     if (job->rc == 0)
         job->rc = lshm_storage_fd(job->s, &job->fd, &off);
+    if (job->rc < 0)
+        snprintf(job->error, sizeof job->error, "%s", lshm_last_error());
     return NULL;
 }
 
@@ -254,13 +257,15 @@ static void test_concurrent_shares(void) {
         share_job jobs[THREADS];
         ASSERT_OK(pthread_barrier_init(&barrier, NULL, THREADS));
         for (int i = 0; i < THREADS; i++) {
-            jobs[i] = (share_job){s, -1, -1};
+            jobs[i] = (share_job){s, -1, -1, ""};
             ASSERT_OK(pthread_create(&t[i], NULL, share_thread, &jobs[i]));
         }
         for (int i = 0; i < THREADS; i++)
             ASSERT_OK(pthread_join(t[i], NULL));
         pthread_barrier_destroy(&barrier);
         for (int i = 0; i < THREADS; i++) {
+            if (jobs[i].rc != 0)
+                fprintf(stderr, "thread %d: %s\n", i, jobs[i].error);
             ASSERT_OK(jobs[i].rc);
             ASSERT_EQ(jobs[i].fd, jobs[0].fd); /* one memfd: copied once */
         }
@@ -270,6 +275,59 @@ static void test_concurrent_shares(void) {
         lshm_storage_release(s);
     }
     ASSERT_EQ(fd_count(), fds);
+}
+
+/* Threads handing out the fd of one storage (which seals it with F_SEAL_SEAL), or sealing it
+ * read-only, at the same moment: every one succeeds (two F_ADD_SEALS racing used to give the
+ * second EPERM, once in about 25 runs of test_concurrent_shares under load). */
+typedef struct seal_job {
+    lshm_storage *s;
+    int readonly, rc;
+    char error[256];
+} seal_job;
+
+static void *seal_thread(void *arg) {
+    seal_job *job = arg;
+    int fd;
+    uint64_t off;
+    pthread_barrier_wait(&barrier);
+    job->rc = job->readonly ? lshm_storage_share_readonly(job->s)
+                            : lshm_storage_fd(job->s, &fd, &off);
+    if (job->rc < 0)
+        snprintf(job->error, sizeof job->error, "%s", lshm_last_error());
+    return NULL;
+}
+
+static void test_concurrent_seals(void) {
+    for (int round = 0; round < 200; round++) {
+        int readonly = round % 2;
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create((size_t)1 << 17, NULL, 0, &s)); /* (a memfd of its own) */
+        if (!readonly)
+            ASSERT_OK(lshm_storage_share(s));
+        pthread_t t[THREADS];
+        seal_job jobs[THREADS];
+        ASSERT_OK(pthread_barrier_init(&barrier, NULL, THREADS));
+        for (int i = 0; i < THREADS; i++) {
+            jobs[i] = (seal_job){s, readonly, -1, ""};
+            ASSERT_OK(pthread_create(&t[i], NULL, seal_thread, &jobs[i]));
+        }
+        for (int i = 0; i < THREADS; i++)
+            ASSERT_OK(pthread_join(t[i], NULL));
+        pthread_barrier_destroy(&barrier);
+        for (int i = 0; i < THREADS; i++) {
+            if (jobs[i].rc != 0)
+                fprintf(stderr, "round %d, thread %d: %s\n", round, i, jobs[i].error);
+            ASSERT_OK(jobs[i].rc);
+        }
+        int fd;
+        uint64_t off;
+        ASSERT_OK(lshm_storage_fd(s, &fd, &off));
+        int seals = fcntl(fd, F_GET_SEALS);
+        ASSERT((seals & F_SEAL_SEAL) != 0);
+        ASSERT_EQ((seals & F_SEAL_FUTURE_WRITE) != 0, readonly);
+        lshm_storage_release(s);
+    }
 }
 
 /* ---- failure atomicity --------------------------------------------------------------------- */
@@ -1195,6 +1253,7 @@ int main(void) {
     RUN_TEST(test_plain_allocator_swaps);
     RUN_TEST(test_foreign_swaps);
     RUN_TEST(test_concurrent_shares);
+    RUN_TEST(test_concurrent_seals);
     RUN_TEST(test_fault_atomicity);
     RUN_TEST(test_split_copy);
     RUN_TEST(test_chunked);
