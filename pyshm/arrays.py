@@ -50,6 +50,23 @@ _TYPESTRS: dict = {}
 _REFERENCES: dict = {}
 
 
+# Owners made since pyshm.reduction's index of memory by address last looked (only once it
+# has been used: a torch tensor was sent), so that it adds them instead of rebuilding; past
+# _NEW_OWNERS_MAX it stops collecting and rebuilds at its next use.
+_NEW_OWNERS: list = []
+_NEW_OWNERS_MAX = 1 << 16
+_tracking = False
+
+
+def _note_new_owner(ref: "weakref.ref") -> None:
+    global _tracking
+    if len(_NEW_OWNERS) < _NEW_OWNERS_MAX:
+        _NEW_OWNERS.append(ref)
+    else:
+        _tracking = False
+        _NEW_OWNERS.clear()
+
+
 def _released(ref: "weakref.ref") -> None:
     handle = _REFERENCES.pop(ref, None)
     if handle:
@@ -108,6 +125,8 @@ class ArrayOwner:
                                                    strides)
         ref = weakref.ref(self, _released)
         _REFERENCES[ref] = handle if adopt else lib.lshm_storage_retain(handle)
+        if _tracking:
+            _note_new_owner(ref)
         self._ref = ref
         self._handle = handle
 

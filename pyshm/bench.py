@@ -70,7 +70,7 @@ TARGET_HUGE_OFF_VS_TORCH = 0.65  # seed workload, ThreadPool(2), with LSHM_HUGE=
 TARGET_SMALL_US = 12.0  # pyshm us per 4 KiB share
 TARGET_SMALL_VS_CEILING = 0.60  # pyshm time per 4 KiB in-place share / the ceiling's (slabs)
 
-CASES = ("seed", "big", "small", "processes", "receiver", "huge_off")
+CASES = ("seed", "big", "small", "processes", "receiver", "huge_off", "engines")
 
 # A timed run is "quiet" when other processes kept fewer CPUs than this busy meanwhile.
 QUIET_LOAD = 0.25
@@ -891,6 +891,14 @@ def _run_cases(config: dict, methods: list, workloads: dict, torch, torch_text: 
                                            torch is not None, progress)
             result["cases"].append(case)
             continue
+        if key == "engines":
+            from . import bench_engines
+
+            case = bench_engines.run_case(bench_engines.NBYTES, config["repeats"],
+                                          torch is not None, progress)
+            result["cases"].append(case)
+            more_targets += bench_engines.targets(case)
+            continue
         if key == "huge_off":
             result["cases"] += _huge_off_cases(config, torch is not None, progress)
             continue
@@ -959,7 +967,7 @@ def _size_text(nbytes: int) -> str:
 # Results
 # ---------------------------------------------------------------------------------------------
 
-BASELINES = ("torch", "shm", "ceiling", "ceiling_huge", "memcpy")
+BASELINES = ("torch", "shm", "ceiling", "ceiling_huge", "memcpy", "own")
 
 
 def row_stats(seconds: list, loads: list, count: int, nbytes: int, per_share: bool) -> dict:
@@ -981,6 +989,22 @@ def row_stats(seconds: list, loads: list, count: int, nbytes: int, per_share: bo
             stats["min_us_per_share"] = stats["min_s"] / count * 1e6
             stats["median_us_per_share"] = stats["median_s"] / count * 1e6
     return stats
+
+
+def measure_into(runs: dict, errors: dict, done: list, key, label: str, run: Callable,
+                 text: Callable) -> None:
+    """One timed run of a method (also for :mod:`pyshm.bench_processes` and the receiver and
+    engine cases): ``run()`` gives (seconds, other CPUs' load or None), kept in ``runs[key]``;
+    a failure is kept in ``errors[key]`` and the others go on. ``done`` gets the progress
+    text (``text(seconds)``, or FAILED)."""
+    try:
+        seconds, others = run()
+    except Exception as exc:  # report, keep the other methods going
+        errors[key] = f"{type(exc).__name__}: {exc}"
+        done.append(f"{label} FAILED")
+        return
+    runs[key].append((seconds, others))
+    done.append(f"{label} {text(seconds)}")
 
 
 def target_notes(median_text: str, met: bool, met_on_median: bool, rows: tuple,
@@ -1154,9 +1178,11 @@ def format_report(result: dict) -> str:
                if row["seconds"]}
     bases = [base for base in BASELINES if base in present]
     base_titles = {"torch": "vs torch", "shm": "vs SharedMem", "ceiling": "vs ceiling",
-                   "ceiling_huge": "vs huge ceil", "memcpy": "vs memcpy"}
+                   "ceiling_huge": "vs huge ceil", "memcpy": "vs memcpy",
+                   "own": "vs own way"}
     for case in result["cases"]:
-        unit = "us" if case["per_share"] else "ms" if case["case"].startswith("receiver") else "s"
+        unit = ("us" if case["per_share"] else
+                "ms" if case["case"].startswith(("receiver", "engines")) else "s")
         head = (f"{'method':<22}{'threads':>8}{'min ' + unit:>10}{'median ' + unit:>11}"
                 f"{'GB/s':>8}{'quiet':>7}"
                 + "".join(f"{base_titles[base]:>15}" for base in bases))

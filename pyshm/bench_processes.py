@@ -47,6 +47,7 @@ import pyshm
 from pyshm.bench import (
     _cpu_snapshot,
     _other_load,
+    measure_into,
     quiet_text,
     row_stats,
     target_notes,
@@ -229,14 +230,9 @@ def run_case(count: int, single: int, start_method: str = "fork", repeats: int =
                 for method in methods[shift:] + methods[:shift]:
                     if (method.label, traffic) in errors:
                         continue
-                    try:
-                        seconds, others = _run_once(method, traffic, counts[traffic])
-                    except Exception as exc:  # report, keep the other methods going
-                        errors[method.label, traffic] = f"{type(exc).__name__}: {exc}"
-                        done.append(f"{method.label} FAILED")
-                        continue
-                    runs[method.label, traffic].append((seconds, others))
-                    done.append(f"{method.label} {seconds / counts[traffic] * 1e6:.0f} us")
+                    measure_into(runs, errors, done, (method.label, traffic), method.label,
+                                 lambda: _run_once(method, traffic, counts[traffic]),
+                                 lambda seconds: f"{seconds / counts[traffic] * 1e6:.0f} us")
                 if progress:
                     progress(f"processes round {round_index + 1}/{repeats}, {traffic}: "
                              + ", ".join(done))

@@ -29,7 +29,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 import pyshm
-from pyshm.bench import _cpu_snapshot, _other_load, row_stats
+from pyshm.bench import _cpu_snapshot, _other_load, measure_into, row_stats
 
 __all__ = ["DEFAULT_BYTES", "QUICK_BYTES", "run_case"]
 
@@ -169,14 +169,9 @@ def run_case(nbytes: int, repeats: int, use_torch: bool = True, progress=None) -
             for method in methods[shift:] + methods[:shift]:
                 if method.key in errors:
                     continue
-                try:
-                    seconds, others = _run_once(method, nbytes)
-                except Exception as exc:  # report, keep the other methods going
-                    errors[method.key] = f"{type(exc).__name__}: {exc}"
-                    done.append(f"{method.label} FAILED")
-                    continue
-                runs[method.key].append((seconds, others))
-                done.append(f"{method.label} {seconds * 1e3:.1f} ms")
+                measure_into(runs, errors, done, method.key, method.label,
+                             lambda: _run_once(method, nbytes),
+                             lambda seconds: f"{seconds * 1e3:.1f} ms")
             if progress:
                 progress(f"receiver round {round_index + 1}/{repeats}: " + ", ".join(done))
     finally:

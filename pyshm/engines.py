@@ -26,8 +26,8 @@ What each hook does, and the engine's extension point it uses:
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
+import threading
 import warnings
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -48,11 +48,15 @@ def installed() -> frozenset:
 
 def install() -> frozenset:
     """Install the hook of every engine imported by now (idempotent); returns
-    :func:`installed`. pyshm calls it at import and after each engine's own import."""
-    if "torch" not in _installed and "torch.multiprocessing.reductions" in sys.modules:
-        _install_torch()
-    if "joblib" not in _installed and "joblib._memmapping_reducer" in sys.modules:
-        _install_joblib()
+    :func:`installed`. pyshm calls it at import and after each engine's own import. An engine
+    whose internals are not what the hook expects gets no hook (and never an error)."""
+    for name, module, hook in (("torch", "torch.multiprocessing.reductions", _install_torch),
+                               ("joblib", "joblib._memmapping_reducer", _install_joblib)):
+        if name not in _installed and module in sys.modules:
+            try:
+                hook()
+            except (AttributeError, KeyError, TypeError):
+                pass  # (another version of the engine: it keeps its own ways)
     return installed()
 
 
@@ -67,9 +71,23 @@ def _tensor_bytes(tensor: Any):
                 tensor.is_quantized or tensor.is_nested:
             return None
         storage = tensor.untyped_storage()
+        if storage.resizable():
+            return None  # torch's own memory (memory torch borrows, as from numpy, is not)
     except (RuntimeError, NotImplementedError, AttributeError):
         return None  # (tensors without storage: meta, functional wrappers...)
     return reduction.bytes_at(storage.data_ptr(), storage.nbytes())
+
+
+class _Reduced:
+    """A reduction made already (the pyshm array of a tensor's bytes), pickled as it is."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: tuple) -> None:
+        self.value = value
+
+    def __reduce__(self):
+        return self.value
 
 
 def _torch():
@@ -101,16 +119,21 @@ def _tensor_reducer(original):
         parameter = kind is torch.nn.Parameter
         if kind is torch.Tensor or parameter:
             data = None if tensor.requires_grad and not tensor.is_leaf else _tensor_bytes(tensor)
-            if data is not None:
-                if not data.flags.writeable:
+            # memory not shared yet, pickled on a thread of multiprocessing's own (a Queue's
+            # feeder): no implicit share there (see pyshm.reduction), so torch's own way
+            if data is not None and (reduction.is_shared_memory(data) or
+                                     not reduction.pickled_off_the_callers_thread()):
+                reduced = reduction._reduce_ndarray(data)
+                if reduced[1][1].readonly:  # (the ticket: what every receiver would get)
                     import pickle
 
                     raise pickle.PicklingError(
-                        "pyshm: this tensor's storage is read-only pyshm memory "
-                        "(pyshm.share_readonly), and torch tensors have no read-only flag: "
-                        "a receiver's write would crash it. Send the numpy array instead "
-                        "(it arrives read-only), or a tensor over a copy")
-                return _rebuild_tensor, (data, str(tensor.dtype).split(".")[-1],
+                        "pyshm: this tensor's storage is read-only pyshm memory for its "
+                        "receivers (pyshm.share_readonly), and torch tensors have no "
+                        "read-only flag: a receiver's write would crash it. Send the numpy "
+                        "array instead (it arrives read-only), or a tensor over a copy")
+                torch.utils.hooks.warn_if_has_hooks(tensor)  # (as torch's reducer does)
+                return _rebuild_tensor, (_Reduced(reduced), str(tensor.dtype).split(".")[-1],
                                          tuple(tensor.size()), tuple(tensor.stride()),
                                          tensor.storage_offset(), bool(tensor.requires_grad),
                                          parameter)
@@ -139,7 +162,12 @@ def _install_torch() -> None:
 
 
 def _pyshm_array(a: Any) -> bool:
-    return type(a) is np.ndarray and a.size > 0 and reduction._owner_of(a) is not None
+    """A pyshm array to send by reference: shared already, or pickled on the caller's own
+    thread (where it is shared in place); one not shared yet on a thread of the pool's own
+    goes joblib's way, as before (no implicit share there, see pyshm.reduction)."""
+    if type(a) is not np.ndarray or a.size == 0 or reduction._owner_of(a) is None:
+        return False
+    return reduction.is_shared_memory(a) or not reduction.pickled_off_the_callers_thread()
 
 
 def _install_joblib() -> None:
@@ -176,8 +204,14 @@ _WATCHED = {"torch.multiprocessing": "torch", "joblib._memmapping_reducer": "job
 
 
 class _Loader(importlib.abc.Loader):
+    """The real loader, which also installs the hooks once the module has run; everything
+    else (resource readers, get_data, is_package...) is the real loader's."""
+
     def __init__(self, loader) -> None:
         self.loader = loader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
@@ -192,19 +226,25 @@ class _Finder(importlib.abc.MetaPathFinder):
     with a loader that installs the hook once the module has run."""
 
     def find_spec(self, name, path, target=None):
-        if name not in _WATCHED or _WATCHED[name] in _installed:
+        if name not in _WATCHED or _WATCHED[name] in _installed or \
+                getattr(_asking, "now", False):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
+        _asking.now = True  # (a finder like this one further on must not ask us back)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _Loader(spec.loader)
+                    return spec
+        finally:
+            _asking.now = False
         return None
 
 
+_asking = threading.local()
 _finder = _Finder()
 
 
@@ -217,6 +257,9 @@ def _after_import(name: str) -> None:
 def _watch() -> None:
     """At pyshm's import: hooks for the engines imported already, a watch for the rest."""
     install()
+    # (a finder of an earlier copy of this module, after importlib.reload, goes first)
+    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__qualname__ != "_Finder" or
+                        getattr(type(f), "__module__", None) != __name__ or f is _finder]
     if not all(engine in _installed for engine in _WATCHED.values()) and \
             _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)

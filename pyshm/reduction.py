@@ -95,7 +95,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _channel, _ffi
+from . import _channel, _ffi, arrays
 from ._channel import KEEPALIVE_SECONDS, DeliveryError, fetch_count  # noqa: F401 - public
 from ._ffi import lib
 from .arrays import (
@@ -376,6 +376,8 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
         lib.lshm_segment_close_fd(out.value)
     mapping = _Mapping(out.value, key, fd_kept=keep, sealed=sealed)
     _cache.mappings[key] = mapping
+    if arrays._tracking:
+        arrays._note_new_owner(weakref.ref(mapping))
     if mapping.size <= SLAB_SIZE:
         _cache.recent.append(mapping)
         del _cache.recent[:-RECENT_SLABS]
@@ -554,6 +556,8 @@ class _ReceivedOwner(ArrayOwner):
                     handle = _new_view(self._keep.segment, offset, nbytes, readonly)
                     ref = weakref.ref(self, _released)
                     _REFERENCES[ref] = handle
+                    if arrays._tracking:
+                        arrays._note_new_owner(ref)
                     _REF.__set__(self, ref)
                     _HANDLE.__set__(self, handle)
         return handle
@@ -801,38 +805,85 @@ class _Span:
         self.base = owner
 
 
-class _OwnerIndex:
-    """Live owners of this process's pyshm storages sorted by data address, rebuilt when
-    ``_REFERENCES`` changed (any new owner changes its last key, any loss its length)."""
+class _MemoryIndex:
+    """The pyshm memory of this process by address: the live owners of storages made here
+    (``_REFERENCES``) and the memfds received (the cache of mappings), as ranges sorted by
+    start. Built in full at its first use and when too much in it died; in between, the owners
+    and mappings made meanwhile (pyshm.arrays._NEW_OWNERS) are added one by one. Ranges may
+    overlap (an arena's tensors do): a range is looked for among those that start at most the
+    longest range's length before it. A range is read from libshm once per owner (a storage's
+    memory never moves while an owner holds it)."""
 
     def __init__(self) -> None:
-        self.snapshot: tuple = (0, None)
         self.starts: list = []
-        self.entries: list = []  # (start, end, weak reference to the owner)
+        self.entries: list = []  # (start, end, weak reference to an owner or a _Mapping)
+        self.longest = 0
+        self.dead = 0  # entries found dead since the last full build
+        self.built = False
 
-    def find(self, address: int, nbytes: int) -> Optional[ArrayOwner]:
+    @staticmethod
+    def _range(ref: "weakref.ref", handle: Optional[int]) -> Optional[tuple]:
+        found = ref()  # (held while libshm is asked: the storage stays alive)
+        if found is None:
+            return None
+        if isinstance(found, _Mapping):
+            return found.data, found.data + found.size, ref
+        handle = handle or _REFERENCES.get(ref)
+        if not handle:
+            return None
+        data = lib.lshm_storage_data(handle) or 0
+        return data, data + lib.lshm_storage_nbytes(handle), ref
+
+    def _build(self) -> None:
+        arrays._tracking = True
+        arrays._NEW_OWNERS.clear()
+        references = _REFERENCES.copy()  # (one C call: a collection meanwhile cannot upset it)
+        mappings = list(_cache.mappings.data.copy().values())
+        entries = [entry for entry in (self._range(ref, handle)
+                                       for ref, handle in references.items()) if entry]
+        entries += [entry for entry in (self._range(ref, None) for ref in mappings) if entry]
+        entries.sort(key=lambda entry: entry[0])
+        self.entries, self.starts = entries, [entry[0] for entry in entries]
+        self.longest = max((end - start for start, end, _ in entries), default=0)
+        self.dead, self.built = 0, True
+
+    def _add_new(self) -> None:
         import bisect
 
-        snapshot = (len(_REFERENCES), next(reversed(_REFERENCES), None))
-        if snapshot != self.snapshot:
-            entries = []
-            for ref, handle in list(_REFERENCES.items()):
-                if handle and ref() is not None:
-                    data = lib.lshm_storage_data(handle) or 0
-                    entries.append((data, data + lib.lshm_storage_nbytes(handle), ref))
-            entries.sort(key=lambda entry: entry[0])
-            self.entries, self.starts = entries, [entry[0] for entry in entries]
-            self.snapshot = snapshot
-        at = bisect.bisect_right(self.starts, address)
-        for start, end, ref in reversed(self.entries[max(0, at - 64):at]):
-            if start <= address and address + nbytes <= end:
-                owner = ref()
-                if owner is not None and owner._handle:
-                    return owner
+        new = arrays._NEW_OWNERS[:]
+        del arrays._NEW_OWNERS[:len(new)]
+        for ref in new:
+            entry = self._range(ref, None)
+            if entry is not None:
+                at = bisect.bisect_right(self.starts, entry[0])
+                self.starts.insert(at, entry[0])
+                self.entries.insert(at, entry)
+                self.longest = max(self.longest, entry[1] - entry[0])
+
+    def find(self, address: int, nbytes: int) -> Any:
+        """An owner (ArrayOwner) or a _Mapping holding [address, address + nbytes), or None
+        (channel lock held)."""
+        import bisect
+
+        if (not self.built or not arrays._tracking or self.dead > 1024 + len(self.entries) // 2
+                or len(self.entries) > 1024 + 2 * (len(_REFERENCES) + len(_cache.mappings))):
+            self._build()  # (first use, too many new ones, too much dead)
+        elif arrays._NEW_OWNERS:
+            self._add_new()
+        end = address + nbytes
+        at = bisect.bisect_right(self.starts, address) - 1
+        while at >= 0 and self.starts[at] >= end - self.longest:
+            start, stop, ref = self.entries[at]
+            if start <= address and end <= stop:
+                found = ref()
+                if found is not None and (isinstance(found, _Mapping) or found._handle):
+                    return found
+                self.dead += 1
+            at -= 1
         return None
 
 
-_owners = _OwnerIndex()
+_memory = _MemoryIndex()
 
 
 def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
@@ -842,17 +893,30 @@ def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
     if nbytes <= 0 or address <= 0:
         return None
     with _state.lock:
-        for mapping in list(_cache.mappings.values()):
-            if mapping.data <= address and address + nbytes <= mapping.data + mapping.size:
-                offset = address - mapping.data
-                owner = _ReceivedOwner(mapping, offset, nbytes, mapping.sealed, (nbytes,),
-                                       np.dtype(np.uint8), None, 0)
-                return np.asarray(owner)
-        owner = _owners.find(address, nbytes)
-    if owner is None:
+        found = _memory.find(address, nbytes)
+        if isinstance(found, _Mapping):
+            return np.asarray(_ReceivedOwner(found, address - found.data, nbytes, found.sealed,
+                                             (nbytes,), np.dtype(np.uint8), None, 0))
+    if found is None:
         return None
-    readonly = bool(lib.lshm_storage_flags(owner._handle) & _ffi.STORAGE_READONLY)
-    return np.asarray(_Span(address, nbytes, readonly, owner))
+    readonly = bool(lib.lshm_storage_flags(found._handle) & _ffi.STORAGE_READONLY)
+    return np.asarray(_Span(address, nbytes, readonly, found))
+
+
+def is_shared_memory(array: np.ndarray) -> bool:
+    """Whether a pyshm array's memory is in shared memory already (no implicit share needed)."""
+    owner = _owner_of(array)
+    if owner is None:
+        return False
+    if owner._facts is not None:
+        return bool(owner._facts[0] & _ffi.STORAGE_SHARED)
+    return bool(lib.lshm_storage_flags(owner._handle) & _ffi.STORAGE_SHARED)
+
+
+def pickled_off_the_callers_thread() -> bool:
+    """Whether this pickling runs on one of multiprocessing's own threads (a Queue's feeder,
+    a Pool's task handler: also loky's and joblib's), where no implicit share is made."""
+    return _channel.on_thread_of(_ASYNC_PICKLERS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -861,15 +925,35 @@ def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
 
 
 class Ref:
-    """A pyshm array that pickles by reference through any pickler; see :func:`ref`."""
+    """A pyshm array that pickles by reference through any pickler; see :func:`ref` (which
+    makes one; the constructor checks the same)."""
 
     __slots__ = ("array",)
 
-    def __init__(self, array: np.ndarray) -> None:
+    def __init__(self, array: Any) -> None:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"pyshm.ref takes a numpy array of pyshm memory, not "
+                            f"{type(array).__name__}")
+        owner = _owner_of(array)
+        if owner is None or (owner._facts is None and not owner._handle):
+            raise TypeError("pyshm.ref needs an array of pyshm memory: this one is not; bring "
+                            "it in with pyshm.copy(array, shared=True)")
+        if owner._facts is None:
+            handle = owner._handle
+            if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
+                _share_in_place(handle, "pyshm.ref", TypeError)
         self.array = array
 
     def __reduce__(self):
         return _reduce_ndarray(self.array)
+
+    def __copy__(self) -> "Ref":
+        return Ref(self.array)  # (the same memory)
+
+    def __deepcopy__(self, memo: dict) -> "Ref":
+        from .arrays import copy as pyshm_copy
+
+        return Ref(pyshm_copy(self.array, shared=True))  # (new memory, like any deep copy)
 
     def __repr__(self) -> str:
         return f"pyshm.ref(<{self.array.dtype} array of shape {self.array.shape}>)"
@@ -891,22 +975,10 @@ def ref(array: Any) -> Ref:
     of it, or this handle), and, even after both were dropped, within ``KEEPALIVE_SECONDS`` of
     pickling if it was not unpickled by then. Otherwise, from another machine or network
     namespace, or after this process exited, unpickling raises :class:`DeliveryError`. A
-    process that has the memory mapped already needs nothing from this one.
+    process that has the memory mapped already needs nothing from this one. ``copy.copy`` of
+    the handle names the same memory, ``copy.deepcopy`` a shared copy of it.
     """
-    if isinstance(array, Ref):
-        return array
-    if not isinstance(array, np.ndarray):
-        raise TypeError(f"pyshm.ref takes a numpy array of pyshm memory, not "
-                        f"{type(array).__name__}")
-    owner = _owner_of(array)
-    if owner is None:
-        raise TypeError("pyshm.ref needs an array of pyshm memory: this one is not; bring it "
-                        "in with pyshm.copy(array, shared=True)")
-    if owner._facts is None:
-        handle = owner._handle
-        if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
-            _share_in_place(handle, "pyshm.ref", TypeError)
-    return Ref(array)
+    return array if isinstance(array, Ref) else Ref(array)
 
 
 # --------------------------------------------------------------------------------------------

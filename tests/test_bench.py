@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run_json(*args):
     done = subprocess.run([sys.executable, "-m", *args, "--json"], capture_output=True,
@@ -60,6 +62,21 @@ def test_bench_receiver_and_huge_off_cases():
         "not measured: not run (--no-torch)")
     off = "huge pages off (LSHM_HUGE=0): seed workload, ThreadPool(2), pyshm time / torch time"
     assert targets[off]["text"] == "not measured: not run (--no-torch)"
+
+
+def test_bench_engines_case():
+    pytest.importorskip("joblib")
+    result, report = run_json("pyshm", "bench", "--no-torch", "--repeats", "2",
+                              "--cases", "engines")
+    (case,) = result["cases"]
+    rows = {(row["engine"], row["method"]): row for row in case["rows"]}
+    assert set(rows) == {("joblib", "own"), ("joblib", "pyshm")}
+    assert all(row["error"] is None and len(row["seconds"]) == 2 for row in rows.values())
+    assert "own" in rows["joblib", "pyshm"]["ratios"]
+    targets = {target["name"]: target for target in result["targets"]}
+    assert targets["joblib: 64 MiB round trip, pyshm time / the engine's own"]["value"] > 0
+    assert targets["torch: 64 MiB round trip"]["text"] == "not run (--no-torch)"
+    assert "vs own way" in report
 
 
 def test_a_failed_huge_off_child_is_reported():

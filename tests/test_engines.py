@@ -88,8 +88,7 @@ def test_a_ref_unpickled_here_is_a_view_of_the_array():
 
 
 def test_a_ref_travels_through_cloudpickle():
-    engine_or_skip("joblib")
-    from joblib.externals import cloudpickle
+    cloudpickle = engine_or_skip("cloudpickle")  # (installed with distributed and joblib)
     array = pyshm.zeros(10_000, np.int64, shared=True)
     data = cloudpickle.dumps({"payload": pyshm.ref(array), "f": lambda x: x + 1})
     out = run_python("""
@@ -364,3 +363,142 @@ def test_joblib_registered_when_imported_after_pyshm():
         print(int(a.sum()))
     """)
     assert out.decode().split() == ["['joblib']", str(2 << 20)]
+
+
+# ---- attacks on the hooks (a review's findings) ----------------------------------------------
+
+
+def test_a_tensor_over_memory_shared_read_only_is_refused_in_its_owner():
+    torch = torch_or_skip()
+    from multiprocessing.reduction import ForkingPickler
+
+    array = pyshm.share_readonly(pyshm.zeros(100_000, np.float32))
+    assert array.flags.writeable  # (the owner keeps writing; receivers would get read-only)
+    with pytest.raises(pickle.PicklingError, match="read-only"):
+        ForkingPickler.dumps(torch.from_numpy(array))
+
+
+def test_the_memory_index_survives_a_collection_while_it_is_rebuilt():
+    torch = torch_or_skip()
+    from multiprocessing.reduction import ForkingPickler
+
+    keep = [pyshm.zeros(64, np.float32, shared=True) for _ in range(5000)]
+    target = pyshm.zeros(1 << 16, np.uint8, shared=True)
+
+    class Cycle:
+        pass
+
+    for _ in range(20):  # pyshm arrays in garbage cycles: the collector drops their owners
+        cycle = Cycle()
+        cycle.self, cycle.array = cycle, pyshm.zeros(16, np.uint8)
+        del cycle
+        assert len(ForkingPickler.dumps(torch.from_numpy(target))) < 1000
+    del keep
+
+
+def test_a_tensor_inside_a_big_arena_tensor_with_many_smaller_ones_is_found():
+    torch = torch_or_skip()
+    from multiprocessing.reduction import ForkingPickler
+
+    n = 100  # small tensors at offsets that overlap the big one's (disjoint lifetimes)
+    arena = pyshm.Arena([1 << 16] + [64] * n, [0] + [2] * n, [1] + [3] * n,
+                        shared=True).allocate()
+    big = arena.array(0, dtype=np.uint8)
+    smalls = [arena.array(i) for i in range(1, n + 1)]
+    for start in (0, 8192, (1 << 16) - 64):
+        tensor = torch.from_numpy(big[start:])
+        back = pickle.loads(ForkingPickler.dumps(tensor))
+        assert tensor.data_ptr() == big[start:].ctypes.data  # torch did not move it away
+        assert back.data_ptr() == tensor.data_ptr()
+    del smalls
+
+
+def put_back(queue_in, queue_out):
+    queue_out.put(float(queue_in.get().sum()))
+
+
+def test_unshared_pyshm_memory_on_a_queue_feeder_thread_goes_torchs_way():
+    torch = torch_or_skip()
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("fork")
+    to_child, to_parent = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=put_back, args=(to_child, to_parent))
+    child.start()
+    array = pyshm.zeros(1 << 16, np.float32)  # not shared: no implicit share on the feeder
+    array[:] = 2
+    to_child.put(torch.from_numpy(array))
+    assert to_parent.get(timeout=60) == 2 * (1 << 16)  # delivered (torch copied it), no hang
+    child.join(60)
+    assert child.exitcode == 0 and not pyshm.is_shared(array)
+
+
+def test_unshared_pyshm_arrays_through_joblib_go_joblibs_way():
+    joblib = engine_or_skip("joblib")
+    for backend in ("loky", "multiprocessing"):
+        arrays = [pyshm.zeros(10), pyshm.zeros(1 << 18)]
+        with joblib.parallel_config(backend=backend, n_jobs=2):
+            sums = joblib.Parallel()(joblib.delayed(np.sum)(a + 1) for a in arrays)
+        assert sums == [10.0, float(1 << 18)]
+
+
+def test_plain_torch_tensors_never_look_for_pyshm_memory():
+    torch = torch_or_skip()
+    from multiprocessing.reduction import ForkingPickler
+
+    from pyshm import arrays
+
+    ForkingPickler.dumps(torch.from_numpy(pyshm.zeros(10, shared=True)))  # (the index is used)
+    fresh = pyshm.zeros(10, shared=True)  # (the index would add it at its next use)
+    assert arrays._tracking and arrays._NEW_OWNERS
+    ForkingPickler.dumps(torch.zeros(1000))
+    assert arrays._NEW_OWNERS  # not looked at
+    del fresh
+
+
+def test_copies_of_a_ref_and_refs_of_other_memory():
+    import copy
+
+    array = pyshm.zeros(100, shared=True)
+    handle = pyshm.ref(array)
+    assert copy.copy(handle).array is array
+    deep = copy.deepcopy(handle)
+    assert deep.array.ctypes.data != array.ctypes.data and pyshm.is_shared(deep.array)
+    with pytest.raises(TypeError):
+        pyshm.Ref(np.zeros(3))  # the constructor checks as pyshm.ref does
+
+
+def test_the_import_hook_keeps_the_loaders_and_survives_a_reload():
+    engine_or_skip("torch")
+    out = run_python("""
+        import importlib, importlib.resources, pkgutil, sys
+        import pyshm
+        importlib.reload(pyshm.engines)
+        importlib.reload(pyshm)
+        import torch.multiprocessing
+        print(sorted(pyshm.engines.installed()))
+        names = [p.name for p in importlib.resources.files(torch.multiprocessing).iterdir()]
+        print("__init__.py" in names, pkgutil.get_data("torch.multiprocessing",
+                                                        "__init__.py") is not None)
+        print(sum(type(f).__name__ == "_Finder" for f in sys.meta_path))
+    """)
+    assert out.decode().split() == ["['torch']", "True", "True", "1"]
+
+
+def test_tensors_over_memory_made_between_sends_and_past_the_new_owners_bound():
+    torch = torch_or_skip()
+    from multiprocessing.reduction import ForkingPickler
+
+    from pyshm import arrays
+
+    def by_reference(array):
+        back = pickle.loads(ForkingPickler.dumps(torch.from_numpy(array)))
+        return back.data_ptr() == array.ctypes.data
+
+    assert by_reference(pyshm.zeros(100, shared=True))
+    for _ in range(50):  # each new, and older ones dying in between
+        assert by_reference(pyshm.zeros(100, shared=True))
+    many = [pyshm.zeros(8, np.uint8, shared=True) for _ in range(arrays._NEW_OWNERS_MAX + 10)]
+    assert not arrays._tracking  # (too many to collect: the index rebuilds at its next use)
+    assert by_reference(many[-1]) and by_reference(many[len(many) // 2])
+    assert arrays._tracking

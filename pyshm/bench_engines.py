@@ -1,0 +1,227 @@
+"""The ``engines`` case of ``python -m pyshm bench``: one 64 MiB array to a worker and back
+through each engine installed, pyshm memory against the engine's own way.
+
+Each round, for each engine and method, the parent makes the data the way that method's users
+have it (untimed), then times one round trip: the worker writes one byte of what it got and
+returns it, and the parent checks the result (and, for pyshm, that the worker's write is in
+the parent's own memory: the engine's own ways copy, so there the write stays in the copy).
+Workers are started once per engine, before the rounds.
+
+* torch.multiprocessing ``Pool(1)`` (fork), ``apply``: a ``torch.zeros`` tensor (torch moves
+  it into its own shared memory when it is sent, copying it) against a tensor over a pyshm
+  array made with ``shared=True`` (``torch.from_numpy``);
+* joblib ``Parallel(n_jobs=2)`` on the loky backend, one task: a ``numpy.zeros`` array (joblib dumps it
+  into a memmapped file of its temporary folder, and the worker's result comes back by value)
+  against a pyshm array made with ``shared=True``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+import pyshm
+from pyshm.bench import measure_into, row_stats
+
+__all__ = ["run_case", "NBYTES"]
+
+NBYTES = 64 << 20
+MARK = 9
+
+
+def touch_tensor(tensor):
+    tensor[-1] = MARK
+    return tensor
+
+
+def touch_array(array):
+    array = np.asarray(array)
+    if array.flags.writeable:
+        array[-1] = MARK
+        return array
+    out = np.array(array)  # (joblib's memmaps are read-only: the worker writes a copy)
+    out[-1] = MARK
+    return out
+
+
+class _Engine:
+    def __init__(self, key, label, start, stop, methods) -> None:
+        self.key, self.label, self.start, self.stop, self.methods = key, label, start, stop, methods
+        self.state = None
+
+
+def _torch_engine(nbytes):
+    import torch
+    import torch.multiprocessing as tmp
+
+    def start():
+        tmp.set_sharing_strategy("file_descriptor")
+        pool = tmp.get_context("fork").Pool(1)
+        pool.apply(int, (0,))
+        return pool
+
+    def own(pool):
+        tensor = torch.zeros(nbytes, dtype=torch.uint8)
+        return lambda: pool.apply(touch_tensor, (tensor,)), lambda back: int(back[-1]) == MARK
+
+    def ours(pool):
+        array = pyshm.zeros(nbytes, np.uint8, shared=True)
+        tensor = torch.from_numpy(array)
+
+        def check(back):
+            return int(back[-1]) == MARK and int(array[-1]) == MARK
+        return lambda: pool.apply(touch_tensor, (tensor,)), check
+
+    return _Engine("torch", f"torch.multiprocessing Pool {torch.__version__}", start,
+                   lambda pool: (pool.terminate(), pool.join()),
+                   [("own", "own way", own), ("pyshm", "pyshm", ours)])
+
+
+def _joblib_engine(nbytes):
+    import joblib
+
+    def start():
+        joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(int)(0) for _ in range(2))
+        return None
+
+    def run(array):
+        # (n_jobs=2: with one job joblib runs the task in this process)
+        return lambda: joblib.Parallel(n_jobs=2, backend="loky")(
+            joblib.delayed(touch_array)(array) for _ in range(1))[0]
+
+    def own(_):
+        array = np.zeros(nbytes, np.uint8)
+        return run(array), lambda back: int(back[-1]) == MARK
+
+    def ours(_):
+        array = pyshm.zeros(nbytes, np.uint8, shared=True)
+
+        def check(back):
+            return int(back[-1]) == MARK and int(array[-1]) == MARK
+        return run(array), check
+
+    return _Engine("joblib", f"joblib {joblib.__version__} loky", start, lambda _: None,
+                   [("own", "own (memmap)", own), ("pyshm", "pyshm", ours)])
+
+
+def _engines(nbytes, use_torch):
+    engines, notes = [], {}
+    makers = [("torch", _torch_engine)] if use_torch else []
+    makers.append(("joblib", _joblib_engine))
+    for name, make in makers:
+        try:
+            engines.append(make(nbytes))
+        except ImportError as exc:
+            notes[name] = f"not installed ({exc})"
+    if not use_torch:
+        notes["torch"] = "not run (--no-torch)"
+    return engines, notes
+
+
+def _round_trip(make, state) -> tuple:
+    """(seconds of one round trip, None): the data made untimed, the result checked."""
+    call, check = make(state)
+    gc.collect()
+    start = time.perf_counter()
+    back = call()
+    seconds = time.perf_counter() - start
+    if not check(back):
+        raise AssertionError("the worker's write did not come back")
+    del back, call, check
+    gc.collect()
+    return seconds, None
+
+
+def _stop(engines: list) -> None:
+    for engine in engines:
+        if engine.state is not None:
+            engine.stop(engine.state)
+            engine.state = None
+
+
+def run_case(nbytes: int, repeats: int, use_torch: bool = True, progress=None) -> dict:
+    """Rows in :mod:`pyshm.bench`'s format (``method`` is "pyshm" or "own", ``engine`` says
+    which); each pyshm row's ratio is to its engine's own way."""
+    engines, notes = _engines(nbytes, use_torch)
+    runs = {(engine.key, key): [] for engine in engines for key, _, _ in engine.methods}
+    errors: dict = {}
+    for engine in engines:
+        try:
+            engine.state = engine.start()
+        except Exception as exc:  # report, go on with the others
+            for key, _, _ in engine.methods:
+                errors[engine.key, key] = f"{type(exc).__name__}: {exc}"
+    try:
+        for round_index in range(repeats):
+            done = []
+            for engine in engines:
+                methods = engine.methods[round_index % 2:] + engine.methods[:round_index % 2]
+                for key, label, make in methods:
+                    if (engine.key, key) in errors:
+                        continue
+                    measure_into(runs, errors, done, (engine.key, key), f"{engine.key} {key}",
+                                 lambda: _round_trip(make, engine.state),
+                                 lambda seconds: f"{seconds * 1e3:.1f} ms")
+            if progress:
+                progress(f"engines round {round_index + 1}/{repeats}: " + ", ".join(done))
+    finally:
+        _stop(engines)
+    rows = []
+    for engine in engines:
+        for key, label, _ in engine.methods:
+            measured = runs[engine.key, key]
+            rows.append({
+                "method": key,
+                "engine": engine.key,
+                "label": f"{engine.key}: {label}",
+                "threads": 1,
+                "count": 1,
+                "bytes": nbytes,
+                **row_stats([s for s, _ in measured], [load for _, load in measured], 1,
+                            nbytes, per_share=False),
+                "error": errors.get((engine.key, key)),
+                "note": None,
+                "ratios": {},
+            })
+    for row in rows:
+        own = next((o for o in rows if o["engine"] == row["engine"] and o["method"] == "own"
+                    and o["seconds"]), None)
+        if own is not None and row["seconds"]:
+            row["ratios"]["own"] = {stat: row[f"{stat}_s"] / own[f"{stat}_s"]
+                                    for stat in ("min", "median")}
+    return {
+        "case": "engines",
+        "title": f"One {nbytes >> 20} MiB array to a worker and back through each engine "
+                 "(ms per round trip; own = the engine's own way)",
+        "shape": [nbytes],
+        "count": 1,
+        "bytes": nbytes,
+        "per_share": False,
+        "notes": notes,
+        "rows": rows,
+    }
+
+
+def targets(case: dict) -> list:
+    """Per engine: pyshm's round trip at most the engine's own way's, with writes visible."""
+    out = []
+    for row in case["rows"]:
+        if row["method"] != "pyshm":
+            continue
+        target = {"name": f"{row['engine']}: 64 MiB round trip, pyshm time / the engine's own",
+                  "bar": "<= 1.00", "value": None, "median_value": None, "met": None,
+                  "text": "", "note": ""}
+        out.append(target)
+        ratio = row["ratios"].get("own")
+        if ratio is None:
+            target["text"] = "not measured" + (f": {row['error']}" if row["error"] else "")
+            continue
+        target.update(value=ratio["min"], median_value=ratio["median"],
+                      met=ratio["min"] <= 1.0, text=f"{ratio['min']:.3f}",
+                      note=f"median {ratio['median']:.3f}; pyshm's write seen by the parent")
+    for engine, note in case.get("notes", {}).items():
+        out.append({"name": f"{engine}: 64 MiB round trip", "bar": "<= 1.00", "value": None,
+                    "median_value": None, "met": None, "text": note, "note": ""})
+    return out
