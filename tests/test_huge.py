@@ -157,6 +157,15 @@ def test_arrays_shared_in_place_from_2_mib_on_are_in_huge_pages():
     assert nbytes <= blocks <= 1.06 * nbytes
 
 
+def test_copies_of_foreign_memory_made_shared_are_in_huge_pages():
+    source = np.arange((8 << 20) + 5000, dtype=np.uint8)  # memory pyshm does not own
+    array = pyshm.copy(source, shared=True)
+    assert array.ctypes.data % HUGE == 0 and (array == source).all()
+    entry = mapping_of(array.ctypes.data)
+    if shmem_collapse_allowed():
+        assert shmem_huge_kib(entry) == 8 << 10  # (the tail short of 2 MiB: small pages)
+
+
 def read_every_page(array):
     """In a receiver: the array's alignment, the sum of a byte per page (the first reads), how
     much of its mapping is PMD-mapped after them."""

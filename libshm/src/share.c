@@ -620,6 +620,35 @@ static int refill_memfd(int fd, const void *data, size_t size) {
     return rc;
 }
 
+/* The memory of a storage that moves when shared (it does not own whole pages: foreign memory,
+ * pyshm.copy(shared=True) of an array) of 2 MiB or more: a new memfd mapped at a 2 MiB
+ * boundary with its whole 2 MiB ranges in huge pages (lshm__os_map_new_memfd, as storages
+ * created shared: the rest reserved, so no SIGBUS), then the bytes written with pwrite (a bad
+ * source pointer is EFAULT, never a crash), on two threads where a split copy pays. On
+ * failure nothing is left (fd closed, mapping gone). */
+static int moved_into_huge_pages(const void *data, size_t nbytes, size_t map_len, int *fd_out,
+                                 void **mapped_out) {
+    int fd;
+    void *mapped = NULL;
+    int rc = lshm__os_memfd_sized(nbytes, &fd);
+    if (rc != 0)
+        return rc;
+    if ((rc = lshm__os_map_new_memfd(fd, nbytes, map_len, &mapped)) != 0) {
+        lshm__os_close(fd);
+        return rc;
+    }
+    rc = want_split(nbytes) ? split_fill(fd, data, nbytes)
+                            : lshm__os_pwrite_all(fd, data, nbytes, 0);
+    if (rc != 0) {
+        lshm__os_unmap(mapped, map_len);
+        lshm__os_close(fd);
+        return rc;
+    }
+    *fd_out = fd;
+    *mapped_out = mapped;
+    return 0;
+}
+
 /* Memory a share swapped out, given back once the locks are released (its callbacks may take
  * their time, or take locks of their own, e.g. a Python callback the GIL, which a thread that
  * forks holds while it waits for the shares in flight). */
@@ -700,16 +729,14 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
         size_t map_len;
         rc = lshm__round_pages(s->nbytes, &map_len);
         assert(rc == 0); /* nbytes of existing memory always rounds */
-        rc = make_filled_memfd(data, s->nbytes, &fd);
+        if (map_len >= LSHM__HUGE_BYTES && lshm__os_collapse_wanted()) {
+            rc = moved_into_huge_pages(data, s->nbytes, map_len, &fd, &mapped);
+        } else if ((rc = make_filled_memfd(data, s->nbytes, &fd)) == 0 && s->nbytes > 0 &&
+                   (rc = lshm__os_map_fd(fd, 0, map_len, 0, NULL, &mapped)) != 0) {
+            lshm__os_close(fd);
+        }
         if (rc != 0)
             return rc;
-        if (s->nbytes > 0) {
-            rc = lshm__os_map_fd(fd, 0, map_len, 0, NULL, &mapped);
-            if (rc != 0) {
-                lshm__os_close(fd);
-                return rc;
-            }
-        }
         /* Swap first; the caller gives the old memory back: nothing can fail from here on. */
         *old = (old_memory){(enum lshm__origin)s->origin, data, s->nbytes, s->allocator,
                             s->release, s->release_ctx};

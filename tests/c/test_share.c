@@ -397,6 +397,8 @@ static void test_fault_atomicity(void) {
     share_fault_loop(make_pages, 0, -EMFILE);
     share_fault_loop(make_foreign, 1234, -ENOMEM);
     share_fault_loop(make_foreign, 0, -ENOMEM);
+    /* foreign memory of 2 MiB or more moves into huge pages: every step of that fails cleanly */
+    share_fault_loop(make_foreign, ((size_t)5 << 20) + 123, -ENOMEM);
 }
 
 /* The big path (copy split over two threads), forced at a small size: same bytes, same
@@ -708,6 +710,46 @@ static void huge_refused_for_good(void) {
     int status;
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
     ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+/* ShmemPmdMapped (kB) of the mapping holding p, from /proc/self/smaps; -1 if none holds it. */
+static long pmd_mapped_kib(const void *p) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    ASSERT(f != NULL);
+    char line[512];
+    int inside = 0;
+    long kib = -1;
+    while (fgets(line, sizeof line, f) != NULL) {
+        unsigned long lo, hi;
+        long value;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, ':') > strchr(line, ' '))
+            inside = lo <= (uintptr_t)p && (uintptr_t)p < hi;
+        else if (inside && sscanf(line, "ShmemPmdMapped: %ld kB", &value) == 1)
+            kib = value;
+    }
+    fclose(f);
+    return kib;
+}
+
+/* Memory that moves when shared (foreign), of 2 MiB or more: it lands at a 2 MiB boundary with
+ * its whole 2 MiB ranges in huge pages of the memfd (smaps: ShmemPmdMapped after a read of
+ * each), the bytes intact; smaller memory moves as before. */
+static void test_foreign_moves_into_huge_pages(void) {
+    const size_t huge = (size_t)2 << 20;
+    size_t n = 3 * huge + 4 * page + 9;
+    lshm_storage *s;
+    ASSERT_OK(make_foreign(&s, n));
+    fill(lshm_storage_data(s), n, 47);
+    ASSERT_OK(lshm_storage_share(s));
+    unsigned char *data = lshm_storage_data(s);
+    ASSERT_EQ((uintptr_t)data % huge, 0);
+    ASSERT(check(data, n, 47));
+    unsigned long sum = 0;
+    for (size_t off = 0; off < n; off += page)
+        sum += data[off];
+    (void)sum;
+    ASSERT_EQ(pmd_mapped_kib(data), lshm__os_collapse_wanted() ? 3 * (huge >> 10) : 0);
+    lshm_storage_release(s);
 }
 
 /* Both ways: on this thread alone, and (a big share running alone, forced here at a small
@@ -1254,6 +1296,7 @@ int main(void) {
     RUN_TEST(test_foreign_swaps);
     RUN_TEST(test_concurrent_shares);
     RUN_TEST(test_concurrent_seals);
+    RUN_TEST(test_foreign_moves_into_huge_pages);
     RUN_TEST(test_fault_atomicity);
     RUN_TEST(test_split_copy);
     RUN_TEST(test_chunked);
