@@ -12,6 +12,9 @@ Workers are started once per engine, before the rounds.
   array made with ``shared=True`` (``torch.from_numpy``);
 * joblib ``Parallel(n_jobs=2)`` on the loky backend, one task: a ``numpy.zeros`` array (joblib dumps it
   into a memmapped file of its temporary folder, and the worker's result comes back by value)
+  against a pyshm array made with ``shared=True``;
+* dask.distributed ``LocalCluster`` (one process worker), a client with direct transfers:
+  ``scatter`` then ``submit`` and ``result``, a ``numpy.zeros`` array (by value both ways)
   against a pyshm array made with ``shared=True``.
 """
 
@@ -106,10 +109,43 @@ def _joblib_engine(nbytes):
                    [("own", "own (memmap)", own), ("pyshm", "pyshm", ours)])
 
 
+def _dask_engine(nbytes):
+    import distributed
+
+    def start():
+        cluster = distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                           dashboard_address=None)
+        client = distributed.Client(cluster, direct_to_workers=True)
+        client.submit(int, 0).result()
+        return cluster, client
+
+    def stop(state):
+        state[1].close()
+        state[0].close()
+
+    def run(client, array):
+        return lambda: client.submit(touch_array, client.scatter(array, hash=False),
+                                     pure=False).result()
+
+    def own(state):
+        array = np.zeros(nbytes, np.uint8)
+        return run(state[1], array), lambda back: int(back[-1]) == MARK
+
+    def ours(state):
+        array = pyshm.zeros(nbytes, np.uint8, shared=True)
+
+        def check(back):
+            return int(back[-1]) == MARK and int(array[-1]) == MARK
+        return run(state[1], array), check
+
+    return _Engine("dask", f"distributed {distributed.__version__}", start, stop,
+                   [("own", "own (by value)", own), ("pyshm", "pyshm", ours)])
+
+
 def _engines(nbytes, use_torch):
     engines, notes = [], {}
     makers = [("torch", _torch_engine)] if use_torch else []
-    makers.append(("joblib", _joblib_engine))
+    makers += [("joblib", _joblib_engine), ("dask", _dask_engine)]
     for name, make in makers:
         try:
             engines.append(make(nbytes))

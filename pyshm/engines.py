@@ -1,4 +1,4 @@
-"""pyshm memory through the engines people already use: torch and joblib.
+"""pyshm memory through the engines people already use: torch, joblib and dask.distributed.
 
 Importing pyshm imports none of them. Each hook is installed when its engine is present: at
 pyshm's import for an engine imported before, and for one imported later right after its own
@@ -21,6 +21,11 @@ What each hook does, and the engine's extension point it uses:
   in the worker) and small ones by value, both ways. joblib has no registry for those, so the
   hook wraps its two array reducers (``ArrayMemmapForwardReducer.__call__`` and
   ``reduce_array_memmap_backward``): a pyshm array goes by reference, anything else as before.
+* **dask.distributed** serializes numpy arrays with the serializer it registers for them in
+  its ``dask_serialize`` registry (scatter, results, transfers between workers); the hook
+  registers a wrapper there: shared pyshm memory sent straight to a process on this machine
+  goes as a pickled reference (under distributed's own "pickle" header, so any receiver
+  rebuilds it), everything else (another machine, a scheduler, disk) by value as before.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ _installed: set = set()
 
 
 def installed() -> frozenset:
-    """The engines whose hooks are in ("torch", "joblib")."""
+    """The engines whose hooks are in ("torch", "joblib", "distributed")."""
     return frozenset(_installed)
 
 
@@ -51,11 +56,13 @@ def install() -> frozenset:
     :func:`installed`. pyshm calls it at import and after each engine's own import. An engine
     whose internals are not what the hook expects gets no hook (and never an error)."""
     for name, module, hook in (("torch", "torch.multiprocessing.reductions", _install_torch),
-                               ("joblib", "joblib._memmapping_reducer", _install_joblib)):
+                               ("joblib", "joblib._memmapping_reducer", _install_joblib),
+                               ("distributed", "distributed.protocol.serialize",
+                                _install_distributed)):
         if name not in _installed and module in sys.modules:
             try:
                 hook()
-            except (AttributeError, KeyError, TypeError):
+            except (AttributeError, KeyError, TypeError, ImportError):
                 pass  # (another version of the engine: it keeps its own ways)
     return installed()
 
@@ -196,11 +203,122 @@ def _install_joblib() -> None:
     _installed.add("joblib")
 
 
+# ---- dask.distributed -------------------------------------------------------------------------
+
+
+def _local_host(host: str) -> bool:
+    """Whether ``host`` (an address of a comm) is this machine in this network namespace."""
+    import ipaddress
+    import socket
+
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False  # (names are not resolved: they may name another machine)
+    if address.is_loopback:
+        return True
+    own = _own_addresses()
+    return str(address) in own
+
+
+_OWN_ADDRESSES: list = []
+
+
+def _own_addresses() -> set:
+    """The IP addresses of this network namespace's interfaces (read once: /proc/net)."""
+    if not _OWN_ADDRESSES:
+        own = set()
+        try:  # IPv4: the local routes' table lists every address of ours
+            with open("/proc/net/fib_trie") as table:
+                lines = table.read().splitlines()
+            for at, line in enumerate(lines):
+                if "/32 host LOCAL" in line and at > 0:
+                    own.add(lines[at - 1].split()[-1])
+        except OSError:
+            pass
+        try:  # IPv6
+            import ipaddress
+
+            with open("/proc/net/if_inet6") as table:
+                for line in table:
+                    raw = line.split()[0]
+                    own.add(str(ipaddress.ip_address(int(raw, 16))))
+        except (OSError, ValueError):
+            pass
+        _OWN_ADDRESSES.append(own)
+    return _OWN_ADDRESSES[0]
+
+
+def _schedulers() -> set:
+    """The addresses of the schedulers this process knows (its clients', its workers', its
+    own): a scheduler passes data on to whoever asks, still serialized, so a reference sent to
+    one could end on another machine."""
+    import distributed
+
+    found = set()
+    for kind, attribute in ((distributed.Client, "scheduler"), (distributed.Worker, "scheduler"),
+                            (distributed.Scheduler, None)):
+        for instance in list(getattr(kind, "_instances", ())):
+            try:
+                address = (getattr(instance, attribute).address if attribute else
+                           instance.address)
+            except (AttributeError, ValueError, RuntimeError):
+                continue
+            if isinstance(address, str):
+                found.add(address)
+    return found
+
+
+def _recipient_here(context: Any) -> bool:
+    """Whether a distributed message goes straight to a process on this machine (not through
+    a scheduler, see _schedulers): only then is a reference of any use. No recipient
+    (spilling to disk, a cache) means no."""
+    recipient = context.get("recipient") if isinstance(context, dict) else None
+    if isinstance(recipient, dict):  # (distributed gives the comm's peer info)
+        recipient = recipient.get("address")
+    if not isinstance(recipient, str) or "://" not in recipient:
+        return False
+    scheme, _, rest = recipient.partition("://")
+    if scheme == "inproc":
+        return False  # (the same process: distributed passes objects as they are)
+    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
+    return (scheme in ("tcp", "tls", "ws", "wss") and _local_host(host)
+            and recipient not in _schedulers())
+
+
+def _install_distributed() -> None:
+    from distributed.protocol import numpy as dask_numpy  # (registers its own first)
+
+    from distributed.protocol.serialize import dask_serialize
+
+    original = dask_numpy.serialize_numpy_ndarray
+    if getattr(dask_serialize.dispatch(np.ndarray), "_pyshm_wraps", None) is not None:
+        _installed.add("distributed")
+        return
+
+    def serialize_ndarray(x, context=None):
+        # by reference: shared pyshm memory (no implicit share on distributed's threads), to
+        # a process on this machine; else (another machine, disk, no recipient) by value.
+        # The reference is a pickle, under distributed's own "pickle" header, so that any
+        # receiver (pyshm imported there or not) rebuilds it with its stock deserializer.
+        if type(x) is np.ndarray and x.size > 0 and reduction._owner_of(x) is not None and \
+                reduction.is_shared_memory(x) and _recipient_here(context):
+            import pickle
+
+            return {"pickle": True, "pyshm": 1}, [pickle.dumps(reduction.Ref(x), protocol=5)]
+        return original(x, context=context)
+
+    serialize_ndarray._pyshm_wraps = original
+    dask_serialize.register(np.ndarray)(serialize_ndarray)
+    _installed.add("distributed")
+
+
 # ---- installing after an engine's own import --------------------------------------------------
 
 # the module whose import completes each engine's reducers
 # (torch.multiprocessing's own import registers torch's reducers, at its end)
-_WATCHED = {"torch.multiprocessing": "torch", "joblib._memmapping_reducer": "joblib"}
+_WATCHED = {"torch.multiprocessing": "torch", "joblib._memmapping_reducer": "joblib",
+            "distributed.protocol": "distributed"}
 
 
 class _Loader(importlib.abc.Loader):

@@ -66,11 +66,13 @@ def test_bench_receiver_and_huge_off_cases():
 
 def test_bench_engines_case():
     pytest.importorskip("joblib")
+    pytest.importorskip("distributed")
     result, report = run_json("pyshm", "bench", "--no-torch", "--repeats", "2",
                               "--cases", "engines")
     (case,) = result["cases"]
     rows = {(row["engine"], row["method"]): row for row in case["rows"]}
-    assert set(rows) == {("joblib", "own"), ("joblib", "pyshm")}
+    assert set(rows) == {(engine, method) for engine in ("joblib", "dask")
+                         for method in ("own", "pyshm")}
     assert all(row["error"] is None and len(row["seconds"]) == 2 for row in rows.values())
     assert "own" in rows["joblib", "pyshm"]["ratios"]
     targets = {target["name"]: target for target in result["targets"]}

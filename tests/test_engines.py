@@ -502,3 +502,110 @@ def test_tensors_over_memory_made_between_sends_and_past_the_new_owners_bound():
     assert not arrays._tracking  # (too many to collect: the index rebuilds at its next use)
     assert by_reference(many[-1]) and by_reference(many[len(many) // 2])
     assert arrays._tracking
+
+
+# ---- dask.distributed -----------------------------------------------------------------------
+
+
+def fill_array(array, value):
+    array[:] = value
+    return array
+
+
+def test_dask_scatter_submit_and_results_are_the_same_memory():
+    distributed = engine_or_skip("distributed")
+    assert "distributed" in engines.installed()
+    array = pyshm.zeros(1 << 18, np.float32, shared=True)
+    plain = np.zeros(1 << 18, np.float32)
+    # (direct transfers, both ways: what passes through the scheduler goes by value, as the
+    # scheduler may pass it on anywhere; see the network-namespace test below)
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster, direct_to_workers=True) as client:
+        # (hash=False: dask names scattered data by a hash of its bytes by default, and two
+        # arrays of equal bytes would be one)
+        future, plain_future = client.scatter([array, plain], hash=False)
+        back = client.submit(fill_array, future, 2.0).result()
+        assert (array == 2).all()  # the worker's write, in our memory
+        assert back.ctypes.data == array.ctypes.data  # the result is our own array
+        copied = client.submit(fill_array, plain_future, 3.0).result()
+        assert (plain == 0).all() and (copied == 3).all()  # other arrays: dask's own way
+
+
+def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
+    engine_or_skip("distributed")
+    from distributed.protocol import deserialize, serialize
+
+    array = pyshm.zeros(1 << 18, np.uint8, shared=True)
+    array[::7] = 5
+    here = {"recipient": {"address": "tcp://127.0.0.1:8786"}}
+    for context, by_reference in ((here, True),
+                                  ({"recipient": {"address": "tcp://203.0.113.7:8786"}}, False),
+                                  ({"recipient": {"address": "tcp://node7.example:8786"}}, False),
+                                  (None, False)):  # (spilling to disk: no recipient)
+        header, frames = serialize(array, serializers=("dask",), context=context)
+        frames = [bytes(frame) for frame in frames]  # (as they would arrive)
+        size = sum(len(frame) for frame in frames)
+        assert (size < 1000) == by_reference
+        back = deserialize(header, frames)
+        assert (back == array).all()
+        assert (back.ctypes.data == array.ctypes.data) == by_reference
+    unshared = pyshm.zeros(1 << 18, np.uint8)  # not shared: no implicit share on dask's threads
+    header, frames = serialize(unshared, serializers=("dask",), context=here)
+    assert sum(memoryview(frame).nbytes for frame in frames) >= unshared.nbytes
+    assert not pyshm.is_shared(unshared)
+
+
+@pytest.fixture
+def other_network_namespace():
+    """A network namespace of its own, reached over a veth pair (10.231.0.1 here, 10.231.0.2
+    there): a process in it is on this machine but cannot reach our abstract sockets."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 for a network namespace")
+    name = f"pyshm{os.getpid()}"
+    commands = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", f"{name}h", "type", "veth", "peer", "name", f"{name}n"],
+        ["ip", "link", "set", f"{name}n", "netns", name],
+        ["ip", "addr", "add", "10.231.0.1/24", "dev", f"{name}h"],
+        ["ip", "link", "set", f"{name}h", "up"],
+        ["ip", "netns", "exec", name, "ip", "addr", "add", "10.231.0.2/24", "dev", f"{name}n"],
+        ["ip", "netns", "exec", name, "ip", "link", "set", f"{name}n", "up"],
+        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
+    ]
+    try:
+        for command in commands:
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"no network namespace here: {' '.join(command)}: {done.stderr}")
+        yield name
+    finally:
+        subprocess.run(["ip", "link", "del", f"{name}h"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network_namespace):
+    distributed = engine_or_skip("distributed")
+    with distributed.LocalCluster(n_workers=0, host="10.231.0.1", processes=True,
+                                  dashboard_address=None) as cluster:
+        worker = subprocess.Popen(
+            ["ip", "netns", "exec", other_network_namespace, sys.executable, "-m",
+             "distributed.cli.dask_worker", cluster.scheduler_address, "--host", "10.231.0.2",
+             "--nthreads", "1", "--no-dashboard", "--no-nanny"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE)
+        try:
+            for direct in (False, True):  # through the scheduler, and straight to the worker
+                with distributed.Client(cluster.scheduler_address,
+                                        direct_to_workers=direct) as client:
+                    client.wait_for_workers(1, timeout=60)
+                    array = pyshm.zeros(1 << 18, np.float32, shared=True)
+                    array[:] = 1
+                    future = client.scatter(array, hash=False)
+                    back = client.submit(fill_array, future, 2.0).result()
+                    # by value both ways: the worker's copy was written, ours not
+                    assert float(back.sum()) == 2 * (1 << 18) and (array == 1).all()
+        finally:
+            worker.terminate()
+            worker.wait(30)
