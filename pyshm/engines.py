@@ -209,7 +209,6 @@ def _install_joblib() -> None:
 def _local_host(host: str) -> bool:
     """Whether ``host`` (an address of a comm) is this machine in this network namespace."""
     import ipaddress
-    import socket
 
     try:
         address = ipaddress.ip_address(host.strip("[]"))
@@ -288,7 +287,6 @@ def _recipient_here(context: Any) -> bool:
 
 def _install_distributed() -> None:
     from distributed.protocol import numpy as dask_numpy  # (registers its own first)
-
     from distributed.protocol.serialize import dask_serialize
 
     original = dask_numpy.serialize_numpy_ndarray
