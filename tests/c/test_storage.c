@@ -327,6 +327,10 @@ static void test_resize(void) {
  * (the aligned range cannot be mapped, the pages cannot move) changes nothing. */
 static void test_huge_alignment(void) {
     const size_t huge = (size_t)2 << 20;
+    if (!lshm__os_huge_wanted()) { /* LSHM_HUGE=0: the rest of the suite is the small-page one */
+        fprintf(stderr, "   (huge pages off: LSHM_HUGE=0)\n");
+        return;
+    }
     lshm_storage *s;
     ASSERT_OK(lshm_storage_create(4 * huge + 100, NULL, 0, &s));
     ASSERT_EQ((uintptr_t)lshm_storage_data(s) % huge, 0);
