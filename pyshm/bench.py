@@ -110,10 +110,10 @@ def _case_list(text: str) -> tuple:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``parser`` (the ``python -m pyshm bench`` subcommand)."""
     parser.add_argument("--quick", action="store_true",
-                        help=f"a run under 30 s: {QUICK['count']} seed arrays, "
+                        help=f"a run of about a minute: {QUICK['count']} seed arrays, "
                              f"{QUICK['repeats']} rounds, a {QUICK['big_mib']} MiB big array, "
                              f"{QUICK['small_count']} small arrays, fewer arrays sent to "
-                             "processes")
+                             f"processes, a {QUICK['receiver_mib']} MiB receiver case")
     parser.add_argument("--json", action="store_true",
                         help="print the result as JSON on stdout (tables go to stderr)")
     parser.add_argument("--repeats", type=_positive_int, default=None,
