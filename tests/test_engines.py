@@ -594,7 +594,10 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
             ["ip", "netns", "exec", other_network_namespace, sys.executable, "-m",
              "distributed.cli.dask_worker", cluster.scheduler_address, "--host", "10.231.0.2",
              "--nthreads", "1", "--no-dashboard", "--no-nanny"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE,
+            # (the worker imports this module for fill_array: PYTHONSAFEPATH keeps cwd off)
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])))
         try:
             for direct in (False, True):  # through the scheduler, and straight to the worker
                 with distributed.Client(cluster.scheduler_address,
@@ -603,7 +606,7 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
                     array = pyshm.zeros(1 << 18, np.float32, shared=True)
                     array[:] = 1
                     future = client.scatter(array, hash=False)
-                    back = client.submit(fill_array, future, 2.0).result()
+                    back = client.submit(fill_array, future, 2.0, pure=False).result()
                     # by value both ways: the worker's copy was written, ours not
                     assert float(back.sum()) == 2 * (1 << 18) and (array == 1).all()
         finally:
