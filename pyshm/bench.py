@@ -501,15 +501,33 @@ class CeilingMethod(Method):
         self.shape = sources[0].shape if sources else ()
         self.maps = [0] * len(sources)
 
+    def _sized_memfd(self, nbytes: int) -> int:
+        """A new memfd of nbytes (closed again if sizing it fails)."""
+        fd = self.libc.memfd_create(b"pyshm-bench", MFD_CLOEXEC)
+        if fd < 0:
+            raise _oserror("memfd_create")
+        if self.libc.ftruncate(fd, nbytes) != 0:
+            error = _oserror("ftruncate")
+            self.libc.close(fd)
+            raise error
+        return fd
+
+    def _trim_to_aligned(self, reserved: int, span: int, nbytes: int) -> int:
+        """Of a fresh mapping [reserved, reserved + span), span = nbytes + 2 MiB: unmap what
+        lies before its first 2 MiB boundary and after nbytes (in pages) from there."""
+        aligned = (reserved + HUGE - 1) // HUGE * HUGE
+        if aligned > reserved:
+            self.libc.munmap(reserved, aligned - reserved)
+        end = (aligned + nbytes + 4095) // 4096 * 4096
+        if reserved + span > end:
+            self.libc.munmap(end, reserved + span - end)
+        return aligned
+
     def share(self, index):
         libc = self.libc
         address, nbytes = self.sources[index]
-        fd = libc.memfd_create(b"pyshm-bench", MFD_CLOEXEC)
-        if fd < 0:
-            raise _oserror("memfd_create")
+        fd = self._sized_memfd(nbytes)
         try:
-            if libc.ftruncate(fd, nbytes) != 0:
-                raise _oserror("ftruncate")
             done = 0
             while done < nbytes:
                 wrote = libc.pwrite(fd, address + done, nbytes - done, done)
@@ -552,12 +570,8 @@ class HugeCeilingMethod(CeilingMethod):
     def share(self, index):
         libc = self.libc
         address, nbytes = self.sources[index]
-        fd = libc.memfd_create(b"pyshm-bench-huge", MFD_CLOEXEC)
-        if fd < 0:
-            raise _oserror("memfd_create")
+        fd = self._sized_memfd(nbytes)
         try:
-            if libc.ftruncate(fd, nbytes) != 0:
-                raise _oserror("ftruncate")
             mapped = self._map_aligned(fd, nbytes)
             whole = nbytes // HUGE * HUGE
             zero = ctypes.c_char(0)
@@ -585,12 +599,7 @@ class HugeCeilingMethod(CeilingMethod):
             error = _oserror("mmap")
             libc.munmap(reserved, span)
             raise error
-        if aligned > reserved:
-            libc.munmap(reserved, aligned - reserved)
-        end = (aligned + nbytes + 4095) // 4096 * 4096
-        if reserved + span > end:
-            libc.munmap(end, reserved + span - end)
-        return mapped
+        return self._trim_to_aligned(reserved, span, nbytes)
 
 
 class MemcpyMethod(CeilingMethod):
@@ -619,13 +628,7 @@ class MemcpyMethod(CeilingMethod):
                              -1, 0)
         if reserved is None or reserved == MAP_FAILED:
             raise _oserror("mmap")
-        aligned = (reserved + HUGE - 1) // HUGE * HUGE
-        if aligned > reserved:
-            libc.munmap(reserved, aligned - reserved)
-        end = (aligned + nbytes + 4095) // 4096 * 4096
-        if reserved + span > end:
-            libc.munmap(end, reserved + span - end)
-        return aligned
+        return self._trim_to_aligned(reserved, span, nbytes)
 
     def share(self, index):
         address, nbytes = self.sources[index]

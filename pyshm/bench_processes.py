@@ -155,23 +155,30 @@ class _Method:
         self.pool = None
 
 
+def torch_multiprocessing(use_torch: bool) -> tuple:
+    """(torch.multiprocessing with the file_descriptor strategy, or None; what to say of
+    torch): the torch rows of this case and of the receiver case."""
+    if not use_torch:
+        return None, "not run (--no-torch)"
+    try:
+        import torch
+        import torch.multiprocessing as tmp
+
+        tmp.set_sharing_strategy("file_descriptor")
+        return tmp, f"{torch.__version__} (file_descriptor strategy)"
+    except Exception as exc:  # ImportError, or a broken install
+        return None, f"not installed ({type(exc).__name__}: {exc})"
+
+
 def _methods(use_torch: bool) -> tuple:
     """(methods, torch description)."""
     methods = [
         _Method("pyshm", "pyshm slab", make_pyshm_slab, touch_array, mp),
         _Method("pyshm", "pyshm in place", make_pyshm_inplace, touch_array, mp),
     ]
-    note = "not run (--no-torch)"
-    if use_torch:
-        try:
-            import torch
-            import torch.multiprocessing as tmp
-
-            tmp.set_sharing_strategy("file_descriptor")
-            methods.append(_Method("torch", "torch", make_torch, touch_array, tmp))
-            note = f"{torch.__version__} (file_descriptor strategy)"
-        except Exception as exc:  # ImportError, or a broken install
-            note = f"not installed ({type(exc).__name__}: {exc})"
+    tmp, note = torch_multiprocessing(use_torch)
+    if tmp is not None:
+        methods.append(_Method("torch", "torch", make_torch, touch_array, tmp))
     methods.append(_Method("shm", "SharedMemory", make_shared_memory, touch_shared_memory, mp,
                            after=forget_shared_memory))
     return methods, note

@@ -30,6 +30,7 @@ import numpy as np
 
 import pyshm
 from pyshm.bench import _cpu_snapshot, _other_load, measure_into, row_stats
+from pyshm.bench_processes import torch_multiprocessing
 
 __all__ = ["DEFAULT_BYTES", "QUICK_BYTES", "run_case"]
 
@@ -115,17 +116,9 @@ class _Method:
 
 def _methods(use_torch: bool) -> tuple:
     methods = [_Method("pyshm", "pyshm", make_pyshm, read_array, mp)]
-    note = "not run (--no-torch)"
-    if use_torch:
-        try:
-            import torch
-            import torch.multiprocessing as tmp
-
-            tmp.set_sharing_strategy("file_descriptor")
-            methods.append(_Method("torch", "torch", make_torch, read_tensor, tmp))
-            note = f"{torch.__version__} (file_descriptor strategy)"
-        except Exception as exc:  # ImportError, or a broken install
-            note = f"not installed ({type(exc).__name__}: {exc})"
+    tmp, note = torch_multiprocessing(use_torch)
+    if tmp is not None:
+        methods.append(_Method("torch", "torch", make_torch, read_tensor, tmp))
     methods.append(_Method("shm", "SharedMemory", make_shared_memory, read_shared_memory, mp))
     return methods, note
 

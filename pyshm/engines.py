@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from . import reduction
+from .arrays import is_shared
 
 __all__ = ["install", "installed"]
 
@@ -128,7 +129,7 @@ def _tensor_reducer(original):
             data = None if tensor.requires_grad and not tensor.is_leaf else _tensor_bytes(tensor)
             # memory not shared yet, pickled on a thread of multiprocessing's own (a Queue's
             # feeder): no implicit share there (see pyshm.reduction), so torch's own way
-            if data is not None and (reduction.is_shared_memory(data) or
+            if data is not None and (is_shared(data) or
                                      not reduction.pickled_off_the_callers_thread()):
                 reduced = reduction._reduce_ndarray(data)
                 if reduced[1][1].readonly:  # (the ticket: what every receiver would get)
@@ -174,7 +175,7 @@ def _pyshm_array(a: Any) -> bool:
     goes joblib's way, as before (no implicit share there, see pyshm.reduction)."""
     if type(a) is not np.ndarray or a.size == 0 or reduction._owner_of(a) is None:
         return False
-    return reduction.is_shared_memory(a) or not reduction.pickled_off_the_callers_thread()
+    return is_shared(a) or not reduction.pickled_off_the_callers_thread()
 
 
 def _install_joblib() -> None:
@@ -300,7 +301,7 @@ def _install_distributed() -> None:
         # The reference is a pickle, under distributed's own "pickle" header, so that any
         # receiver (pyshm imported there or not) rebuilds it with its stock deserializer.
         if type(x) is np.ndarray and x.size > 0 and reduction._owner_of(x) is not None and \
-                reduction.is_shared_memory(x) and _recipient_here(context):
+                is_shared(x) and _recipient_here(context):
             import pickle
 
             return {"pickle": True, "pyshm": 1}, [pickle.dumps(reduction.Ref(x), protocol=5)]

@@ -903,16 +903,6 @@ def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
     return np.asarray(_Span(address, nbytes, readonly, found))
 
 
-def is_shared_memory(array: np.ndarray) -> bool:
-    """Whether a pyshm array's memory is in shared memory already (no implicit share needed)."""
-    owner = _owner_of(array)
-    if owner is None:
-        return False
-    if owner._facts is not None:
-        return bool(owner._facts[0] & _ffi.STORAGE_SHARED)
-    return bool(lib.lshm_storage_flags(owner._handle) & _ffi.STORAGE_SHARED)
-
-
 def pickled_off_the_callers_thread() -> bool:
     """Whether this pickling runs on one of multiprocessing's own threads (a Queue's feeder,
     a Pool's task handler: also loky's and joblib's), where no implicit share is made."""

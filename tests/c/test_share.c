@@ -245,6 +245,18 @@ static void *share_thread(void *arg) {
     return NULL;
 }
 
+/* THREADS threads running fn on jobs[0..THREADS) (each `size` bytes), released together by
+ * the barrier, all joined. */
+static void run_together(void *(*fn)(void *), void *jobs, size_t size) {
+    pthread_t t[THREADS];
+    ASSERT_OK(pthread_barrier_init(&barrier, NULL, THREADS));
+    for (int i = 0; i < THREADS; i++)
+        ASSERT_OK(pthread_create(&t[i], NULL, fn, (char *)jobs + (size_t)i * size));
+    for (int i = 0; i < THREADS; i++)
+        ASSERT_OK(pthread_join(t[i], NULL));
+    pthread_barrier_destroy(&barrier);
+}
+
 static void test_concurrent_shares(void) {
     int fds = fd_count();
     for (int round = 0; round < 20; round++) {
@@ -253,16 +265,10 @@ static void test_concurrent_shares(void) {
         ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
         void *raw = lshm_storage_data(s);
         fill(raw, n, (unsigned)round);
-        pthread_t t[THREADS];
         share_job jobs[THREADS];
-        ASSERT_OK(pthread_barrier_init(&barrier, NULL, THREADS));
-        for (int i = 0; i < THREADS; i++) {
-            jobs[i] = (share_job){s, -1, -1, ""};
-            ASSERT_OK(pthread_create(&t[i], NULL, share_thread, &jobs[i]));
-        }
         for (int i = 0; i < THREADS; i++)
-            ASSERT_OK(pthread_join(t[i], NULL));
-        pthread_barrier_destroy(&barrier);
+            jobs[i] = (share_job){s, -1, -1, ""};
+        run_together(share_thread, jobs, sizeof jobs[0]);
         for (int i = 0; i < THREADS; i++) {
             if (jobs[i].rc != 0)
                 fprintf(stderr, "thread %d: %s\n", i, jobs[i].error);
@@ -305,16 +311,10 @@ static void test_concurrent_seals(void) {
         ASSERT_OK(lshm_storage_create((size_t)1 << 17, NULL, 0, &s)); /* (a memfd of its own) */
         if (!readonly)
             ASSERT_OK(lshm_storage_share(s));
-        pthread_t t[THREADS];
         seal_job jobs[THREADS];
-        ASSERT_OK(pthread_barrier_init(&barrier, NULL, THREADS));
-        for (int i = 0; i < THREADS; i++) {
-            jobs[i] = (seal_job){s, readonly, -1, ""};
-            ASSERT_OK(pthread_create(&t[i], NULL, seal_thread, &jobs[i]));
-        }
         for (int i = 0; i < THREADS; i++)
-            ASSERT_OK(pthread_join(t[i], NULL));
-        pthread_barrier_destroy(&barrier);
+            jobs[i] = (seal_job){s, readonly, -1, ""};
+        run_together(seal_thread, jobs, sizeof jobs[0]);
         for (int i = 0; i < THREADS; i++) {
             if (jobs[i].rc != 0)
                 fprintf(stderr, "round %d, thread %d: %s\n", round, i, jobs[i].error);
