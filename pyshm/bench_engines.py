@@ -10,12 +10,16 @@ Workers are started once per engine, before the rounds.
 * torch.multiprocessing ``Pool(1)`` (fork), ``apply``: a ``torch.zeros`` tensor (torch moves
   it into its own shared memory when it is sent, copying it) against a tensor over a pyshm
   array made with ``shared=True`` (``torch.from_numpy``);
-* joblib ``Parallel(n_jobs=2)`` on the loky backend, one task: a ``numpy.zeros`` array (joblib dumps it
-  into a memmapped file of its temporary folder, and the worker's result comes back by value)
+* joblib ``Parallel(n_jobs=2)`` on the loky backend, one task: a ``numpy.zeros`` array
+  (joblib dumps it into a memmapped file of its temporary folder, and the worker's result
+  comes back by value)
   against a pyshm array made with ``shared=True``;
 * dask.distributed ``LocalCluster`` (one process worker), a client with direct transfers:
   ``scatter`` then ``submit`` and ``result``, a ``numpy.zeros`` array (by value both ways)
-  against a pyshm array made with ``shared=True``.
+  against a pyshm array made with ``shared=True``;
+* Ray, a local cluster of 2 CPUs: ``ray.put`` then a task on the object and ``ray.get``, a
+  ``numpy.zeros`` array (Ray's object store: read in place, read-only, so the worker writes a
+  copy that comes back by value) against a pyshm array made with ``shared=True``.
 """
 
 from __future__ import annotations
@@ -142,10 +146,38 @@ def _dask_engine(nbytes):
                    [("own", "own (by value)", own), ("pyshm", "pyshm", ours)])
 
 
+def _ray_engine(nbytes):
+    import ray
+
+    def start():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        task = ray.remote(touch_array)
+        ray.get(task.remote(np.zeros(1, np.uint8)))
+        return task
+
+    def run(task, array):
+        # (ray.put, then a task on it: Ray's zero-copy way, the object store read in place)
+        return lambda: ray.get(task.remote(ray.put(array)))
+
+    def own(task):
+        array = np.zeros(nbytes, np.uint8)
+        return run(task, array), lambda back: int(back[-1]) == MARK
+
+    def ours(task):
+        array = pyshm.zeros(nbytes, np.uint8, shared=True)
+
+        def check(back):
+            return int(back[-1]) == MARK and int(array[-1]) == MARK
+        return run(task, array), check
+
+    return _Engine("ray", f"ray {ray.__version__}", start, lambda _: ray.shutdown(),
+                   [("own", "own (object store)", own), ("pyshm", "pyshm", ours)])
+
+
 def _engines(nbytes, use_torch):
     engines, notes = [], {}
     makers = [("torch", _torch_engine)] if use_torch else []
-    makers += [("joblib", _joblib_engine), ("dask", _dask_engine)]
+    makers += [("joblib", _joblib_engine), ("dask", _dask_engine), ("ray", _ray_engine)]
     for name, make in makers:
         try:
             engines.append(make(nbytes))

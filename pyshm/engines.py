@@ -1,4 +1,4 @@
-"""pyshm memory through the engines people already use: torch, joblib and dask.distributed.
+"""pyshm memory through the engines people already use: torch, joblib, dask.distributed, Ray.
 
 Importing pyshm imports none of them. Each hook is installed when its engine is present: at
 pyshm's import for an engine imported before, and for one imported later right after its own
@@ -26,13 +26,22 @@ What each hook does, and the engine's extension point it uses:
   registers a wrapper there: shared pyshm memory sent straight to a process on this machine
   goes as a pickled reference (under distributed's own "pickle" header, so any receiver
   rebuilds it), everything else (another machine, a scheduler, disk) by value as before.
+* **Ray** pickles objects (task arguments and results, actor calls, ``ray.put``) with its
+  cloudpickle, where ``ray.util.register_serializer`` replaces the pickling of a type. The
+  hook registers one for numpy arrays (and, once torch is imported, for tensors): pyshm
+  memory goes by reference while every node of the cluster is on this machine (Ray chooses
+  the node that reads an object only after it was serialized), everything else exactly as
+  Ray pickles it by default. The deserializer is ``operator.itemgetter``: a stream that goes
+  by value names nothing of pyshm.
 """
 
 from __future__ import annotations
 
 import importlib.abc
+import os
 import sys
 import threading
+import time
 import warnings
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -48,7 +57,7 @@ _installed: set = set()
 
 
 def installed() -> frozenset:
-    """The engines whose hooks are in ("torch", "joblib", "distributed")."""
+    """The engines whose hooks are in ("torch", "joblib", "distributed", "ray")."""
     return frozenset(_installed)
 
 
@@ -59,12 +68,18 @@ def install() -> frozenset:
     for name, module, hook in (("torch", "torch.multiprocessing.reductions", _install_torch),
                                ("joblib", "joblib._memmapping_reducer", _install_joblib),
                                ("distributed", "distributed.protocol.serialize",
-                                _install_distributed)):
+                                _install_distributed),
+                               ("ray", "ray.util.serialization", _install_ray)):
         if name not in _installed and module in sys.modules:
             try:
                 hook()
             except (AttributeError, KeyError, TypeError, ImportError):
                 pass  # (another version of the engine: it keeps its own ways)
+    if "ray" in _installed:
+        try:
+            _install_ray_tensors()
+        except (AttributeError, KeyError, TypeError, ImportError):
+            pass
     return installed()
 
 
@@ -120,32 +135,38 @@ def _rebuild_tensor(data, dtype: str, size: tuple, stride: tuple, offset: int,
     return tensor
 
 
+def _tensor_reduction(tensor: Any):
+    """The reduction that sends ``tensor`` (a plain CPU tensor or Parameter over pyshm memory)
+    by reference, or None: not pyshm memory, a non-leaf tensor that needs its graph, or
+    memory not shared yet pickled on a thread of multiprocessing's own (a Queue's feeder: no
+    implicit share there, see pyshm.reduction). Memory shared read-only raises
+    ``PicklingError`` (a tensor has no read-only flag)."""
+    torch = _torch()
+    kind = type(tensor)
+    parameter = kind is torch.nn.Parameter
+    if kind is not torch.Tensor and not parameter:
+        return None
+    data = None if tensor.requires_grad and not tensor.is_leaf else _tensor_bytes(tensor)
+    if data is None or (not is_shared(data) and reduction.pickled_off_the_callers_thread()):
+        return None
+    reduced = reduction._reduce_ndarray(data)
+    if reduced[1][1].readonly:  # (the ticket: what every receiver would get)
+        import pickle
+
+        raise pickle.PicklingError(
+            "pyshm: this tensor's storage is read-only pyshm memory for its receivers "
+            "(pyshm.share_readonly), and torch tensors have no read-only flag: a receiver's "
+            "write would crash it. Send the numpy array instead (it arrives read-only), or a "
+            "tensor over a copy")
+    torch.utils.hooks.warn_if_has_hooks(tensor)  # (as torch's reducer does)
+    return _rebuild_tensor, (_Reduced(reduced), str(tensor.dtype).split(".")[-1],
+                             tuple(tensor.size()), tuple(tensor.stride()),
+                             tensor.storage_offset(), bool(tensor.requires_grad), parameter)
+
+
 def _tensor_reducer(original):
     def reduce_tensor(tensor):
-        torch = _torch()
-        kind = type(tensor)
-        parameter = kind is torch.nn.Parameter
-        if kind is torch.Tensor or parameter:
-            data = None if tensor.requires_grad and not tensor.is_leaf else _tensor_bytes(tensor)
-            # memory not shared yet, pickled on a thread of multiprocessing's own (a Queue's
-            # feeder): no implicit share there (see pyshm.reduction), so torch's own way
-            if data is not None and (is_shared(data) or
-                                     not reduction.pickled_off_the_callers_thread()):
-                reduced = reduction._reduce_ndarray(data)
-                if reduced[1][1].readonly:  # (the ticket: what every receiver would get)
-                    import pickle
-
-                    raise pickle.PicklingError(
-                        "pyshm: this tensor's storage is read-only pyshm memory for its "
-                        "receivers (pyshm.share_readonly), and torch tensors have no "
-                        "read-only flag: a receiver's write would crash it. Send the numpy "
-                        "array instead (it arrives read-only), or a tensor over a copy")
-                torch.utils.hooks.warn_if_has_hooks(tensor)  # (as torch's reducer does)
-                return _rebuild_tensor, (_Reduced(reduced), str(tensor.dtype).split(".")[-1],
-                                         tuple(tensor.size()), tuple(tensor.stride()),
-                                         tensor.storage_offset(), bool(tensor.requires_grad),
-                                         parameter)
-        return original(tensor)
+        return _tensor_reduction(tensor) or original(tensor)
 
     reduce_tensor._pyshm_wraps = original
     return reduce_tensor
@@ -312,12 +333,111 @@ def _install_distributed() -> None:
     _installed.add("distributed")
 
 
+# ---- ray ------------------------------------------------------------------------------------
+
+RAY_NODES_SECONDS = 1.0  # how long an answer to "is every node of the cluster here?" holds
+_ray_cluster = [float("-inf"), False]  # (when Ray was last asked, and the answer)
+
+
+def _ray_cluster_here() -> bool:
+    """Whether this process is connected to a Ray cluster whose alive nodes all run on this
+    machine, in this network namespace: Ray decides where an object goes after it is
+    serialized (any task on any node may take it), so a reference is of use only then. Ray is
+    asked at most once every ``RAY_NODES_SECONDS``."""
+    now = time.monotonic()
+    if now - _ray_cluster[0] >= RAY_NODES_SECONDS:
+        ray = sys.modules["ray"]
+        try:
+            nodes = [node for node in ray.nodes() if node.get("Alive")] \
+                if ray.is_initialized() else []
+            here = bool(nodes) and all(_local_host(str(node.get("NodeManagerAddress", "")))
+                                       for node in nodes)
+        except Exception:  # (Ray client mode, a cluster going down: by value is always right)
+            here = False
+        _ray_cluster[:] = [now, here]
+    return _ray_cluster[1]
+
+
+_ray_lingers: list = []  # (the pid that registered the wait at exit)
+
+
+def _ray_by_reference() -> bool:
+    """Whether pyshm memory goes by reference through Ray now (_ray_cluster_here). A Ray
+    worker that sends some then waits at its exit until its receivers have it: Ray ends a
+    worker by a normal exit (``max_calls``, idle workers), often before the result is read."""
+    if not _ray_cluster_here():
+        return False
+    if not _ray_lingers or _ray_lingers[0] != os.getpid():
+        ray = sys.modules["ray"]
+        if ray._private.worker.global_worker.mode == ray.WORKER_MODE:
+            import atexit
+
+            from . import _channel
+
+            atexit.register(_channel.linger)
+        _ray_lingers[:] = [os.getpid()]
+    return True
+
+
+def _ray_array(a: np.ndarray) -> tuple:
+    # (a 1-tuple for operator.itemgetter(0), the deserializer: the stream names no pyshm
+    # function but the rebuild of a reference, so any receiver reads what goes by value)
+    if _pyshm_array(a) and _ray_by_reference():
+        return (_Reduced(reduction._reduce_ndarray(a)),)
+    return (_Reduced(a.__reduce_ex__(5)),)  # Ray's own way: numpy's pickle, out of band
+
+
+def _ray_tensor_serializer(previous):
+    def serialize(tensor) -> tuple:
+        reduced = _tensor_reduction(tensor) if _ray_by_reference() else None
+        if reduced is None:
+            reduced = previous(tensor) if previous is not None else tensor.__reduce_ex__(5)
+        return (_Reduced(reduced),)
+
+    return serialize
+
+
+def _install_ray() -> None:
+    import operator
+
+    from ray.cloudpickle import CloudPickler
+    from ray.util import register_serializer
+
+    if getattr(CloudPickler.dispatch.get(np.ndarray), "_pyshm", False) is False:
+        register_serializer(np.ndarray, serializer=_ray_array,
+                            deserializer=operator.itemgetter(0))
+        CloudPickler.dispatch[np.ndarray]._pyshm = True
+    _installed.add("ray")
+    _install_ray_tensors()
+
+
+def _install_ray_tensors() -> None:
+    """Tensors over pyshm memory through Ray (once both are imported): Ray pickles tensors
+    by value (or, with its zero-copy switch on, by its own reducer: kept for other tensors)."""
+    if "ray" not in _installed or "torch" not in sys.modules or \
+            not hasattr(sys.modules["torch"], "nn"):
+        return
+    import operator
+
+    from ray.cloudpickle import CloudPickler
+    from ray.util import register_serializer
+
+    torch = _torch()
+    for kind in (torch.Tensor, torch.nn.Parameter):
+        previous = CloudPickler.dispatch.get(kind)
+        if getattr(previous, "_pyshm", False):
+            continue
+        register_serializer(kind, serializer=_ray_tensor_serializer(previous),
+                            deserializer=operator.itemgetter(0))
+        CloudPickler.dispatch[kind]._pyshm = True
+
+
 # ---- installing after an engine's own import --------------------------------------------------
 
 # the module whose import completes each engine's reducers
 # (torch.multiprocessing's own import registers torch's reducers, at its end)
 _WATCHED = {"torch.multiprocessing": "torch", "joblib._memmapping_reducer": "joblib",
-            "distributed.protocol": "distributed"}
+            "distributed.protocol": "distributed", "ray": "ray"}
 
 
 class _Loader(importlib.abc.Loader):

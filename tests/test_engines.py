@@ -1,6 +1,6 @@
-"""pyshm memory through engines: torch.multiprocessing, joblib, and ``pyshm.ref`` through any
-pickler. Each engine's tests are skipped when it is not installed; .ci/run installs torch and
-joblib, and with CI=true their absence fails these tests.
+"""pyshm memory through engines: torch.multiprocessing, joblib, dask.distributed, Ray, and
+``pyshm.ref`` through any pickler. Each engine's tests are skipped when it is not installed;
+.ci/run installs every one, and with CI=true their absence fails these tests.
 
 What is checked is the memory: a worker's write is read by the parent, what comes back is at
 the parent's address, no warning is raised, and tensors and arrays that are not pyshm memory
@@ -15,6 +15,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import numpy as np
@@ -612,3 +613,184 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
         finally:
             worker.terminate()
             worker.wait(30)
+
+
+# ---- Ray ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray cluster (this machine only) for the Ray tests of this module."""
+    ray = engine_or_skip("ray")
+    assert "ray" in engines.installed()
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                 [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                           if p])}})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def fill_and_describe(array, value):
+    writeable = bool(array.flags.writeable)
+    if writeable:
+        array[:] = value
+    return array, writeable, pyshm.is_shared(array)
+
+
+class ArrayHolder:
+    def __init__(self, array):
+        self.array = array
+
+    def fill(self, value):
+        self.array[:] = value
+        return self.array
+
+
+def test_ray_tasks_actors_and_put_carry_the_same_memory(ray_session):
+    ray = ray_session
+    array = pyshm.zeros(1 << 18, np.float32, shared=True)
+    task = ray.remote(fill_and_describe)
+    back, writeable, shared = ray.get(task.remote(array, 2.0))
+    assert writeable and shared and (array == 2).all()  # the worker's write, in our memory
+    assert back.ctypes.data == array.ctypes.data  # the result is our own array
+    view = array[1000:5000:2]  # a view goes as a view of the same memory
+    back, _, _ = ray.get(task.remote(view, 3.0))
+    assert (array[1000:5000:2] == 3).all() and (array[1001:5000:2] == 2).all()
+    assert back.ctypes.data == view.ctypes.data
+    holder = ray.remote(ArrayHolder).remote(array)  # an actor keeps it and writes later
+    assert ray.get(holder.fill.remote(4.0)).ctypes.data == array.ctypes.data
+    assert (array == 4).all()
+    assert ray.get(holder.fill.remote(5.0)).ctypes.data == array.ctypes.data
+    assert (array == 5).all()
+    put = ray.get(ray.put(array))  # ray.put and get: the array itself, writable
+    assert put.ctypes.data == array.ctypes.data and put.flags.writeable
+    # other arrays go Ray's own way: a read-only copy from its object store
+    plain = np.zeros(1 << 18, np.float32)
+    back, writeable, shared = ray.get(task.remote(plain, 6.0))
+    assert not writeable and not shared and (plain == 0).all()
+
+
+def make_shared(value, pid_file):
+    with open(pid_file, "w") as out:
+        out.write(str(os.getpid()))
+    array = pyshm.zeros(1 << 18, np.float32, shared=True)
+    array[:] = value
+    return array
+
+
+def test_ray_results_from_a_worker_that_exits_at_once_arrive(ray_session, tmp_path):
+    ray = ray_session
+    # max_calls=1: Ray ends the worker as soon as it has returned; its memory goes by
+    # reference, so the worker waits at its exit until the result is read
+    once = ray.remote(max_calls=1)(make_shared)
+    result = once.remote(7.0, str(tmp_path / "pid"))
+    ray.wait([result], timeout=60)
+    time.sleep(1.0)
+    back = ray.get(result)
+    assert pyshm.is_shared(back) and float(back.sum()) == 7.0 * (1 << 18)
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}"), "the worker did not exit once its result was read"
+    assert float(back.sum()) == 7.0 * (1 << 18)  # (the mapping outlives its sender)
+
+
+def add_one_tensor_and_say_where(tensor):
+    tensor += 1
+    return tensor, tensor.data_ptr()
+
+
+def test_ray_carries_tensors_over_pyshm_memory(ray_session):
+    torch = torch_or_skip()
+    ray = ray_session
+    assert "ray" in engines.installed() and "torch" in engines.installed()
+    array = pyshm.zeros((64, 1024), np.float32, shared=True)
+    tensor = torch.from_numpy(array)[8:40]
+    back, _ = ray.get(ray.remote(add_one_tensor_and_say_where).remote(tensor))
+    assert (array[8:40] == 1).all() and (array[:8] == 0).all()
+    assert back.data_ptr() == tensor.data_ptr() and back.shape == tensor.shape
+    plain = torch.zeros(1024)  # torch's own tensors: by value, as before
+    back, _ = ray.get(ray.remote(add_one_tensor_and_say_where).remote(plain))
+    assert float(plain.sum()) == 0 and float(back.sum()) == 1024
+
+
+def test_ray_registered_when_imported_after_pyshm():
+    engine_or_skip("ray")
+    out = run_python("""
+        import numpy as np
+        import pyshm
+        from pyshm import engines
+        assert "ray" not in engines.installed()
+        import ray
+        from ray.cloudpickle import CloudPickler
+        print(sorted(engines.installed()), CloudPickler.dispatch[np.ndarray]._pyshm)
+        # not connected to any cluster: by value (nothing here could tell where it goes)
+        array = pyshm.zeros(1 << 16, np.uint8, shared=True)
+        stream = ray.cloudpickle.dumps(array)
+        print(len(stream) > array.nbytes, b"pyshm" in stream)
+    """)
+    lines = out.decode().splitlines()
+    assert "'ray'" in lines[0] and lines[0].endswith("True")
+    assert lines[1] == "True False"
+
+
+RAY_WITH_A_NODE_ELSEWHERE = """
+    import os, subprocess, sys, time
+    import numpy as np
+    import pyshm, ray
+    from pyshm import engines
+    namespace, head = sys.argv[1], "10.231.0.1"
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+             _node_ip_address=head)
+    node = subprocess.Popen(
+        ["ip", "netns", "exec", namespace, sys.executable, "-m", "ray.scripts.scripts",
+         "start", "--address", ray.get_runtime_context().gcs_address,
+         "--node-ip-address", "10.231.0.2", "--num-cpus", "1", "--resources", '{"far": 1}',
+         "--block", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def fill(array, value):
+            array = array if array.flags.writeable else np.array(array)
+            array[:] = value
+            return array
+
+        array = pyshm.zeros(1 << 18, np.float32, shared=True)
+        here = ray.remote(fill)
+        assert engines._ray_cluster_here()
+        back = ray.get(here.remote(array, 2.0))
+        assert (array == 2).all() and back.ctypes.data == array.ctypes.data  # by reference
+        deadline = time.monotonic() + 90
+        while sum(n["Alive"] for n in ray.nodes()) < 2:
+            assert node.poll() is None and time.monotonic() < deadline, "no second node"
+            time.sleep(0.2)
+        time.sleep(engines.RAY_NODES_SECONDS)
+        far = ray.remote(resources={"far": 1})(fill)
+        back = ray.get(far.remote(array, 3.0))  # a node that cannot reach us: the bytes
+        assert float(back.sum()) == 3 * array.size and (array == 2).all()
+        assert ray.get(here.remote(array, 4.0)).ctypes.data != array.ctypes.data
+        assert (array == 2).all()  # (while the cluster has such a node: by value everywhere)
+        print("ok")
+    finally:
+        node.terminate()
+        node.wait(60)
+        ray.shutdown()
+"""
+
+
+def test_ray_node_that_cannot_reach_this_process_gets_the_bytes(other_network_namespace):
+    engine_or_skip("ray")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(RAY_WITH_A_NODE_ELSEWHERE),
+                           other_network_namespace], capture_output=True, timeout=240, cwd=HERE)
+    left = subprocess.run(["ip", "netns", "pids", other_network_namespace],
+                          capture_output=True, text=True).stdout.split()
+    for pid in left:  # (a node that outlived its test: never left running)
+        subprocess.run(["kill", "-9", pid], capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-4000:]
+    assert done.stdout.split() == [b"ok"]
+    assert not left, "the Ray node in the other namespace outlived its process"
