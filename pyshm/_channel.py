@@ -583,8 +583,8 @@ def _welcome(conn: socket.socket, uid: int) -> bool:
 
 def linger() -> None:
     """At the exit of a multiprocessing child (or a Ray worker, see pyshm.engines): wait until
-    the batches this process holds are released (delivered, acknowledged) or expired, and the server has sent its last reply, so
-    that its receivers can still fetch."""
+    the batches this process holds are released (delivered, acknowledged) or expired, and the
+    server has sent its last reply, so that its receivers can still fetch."""
     while True:
         server = state.server
         if server is None or server.pid != os.getpid():
