@@ -690,6 +690,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
                 f"process fetched it ({exc.strerror}); a sender that exits normally waits for its "
                 "receivers, one that is killed cannot"
             ) from None
+        _check_peer_user(sock)
         if fetches:
             state.fetches += 1
         sock.sendall(build_request(proof, fetches, list(acks), max_extras))
@@ -731,6 +732,21 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         raise
     finally:
         sock.close()
+
+
+def _check_peer_user(sock: socket.socket) -> None:
+    """DeliveryError, said as it is, when the sender runs as another user: its server hands
+    nothing to a peer of another uid (it drops the connection unanswered)."""
+    try:
+        _pid, peer_uid, _gid = struct.unpack(
+            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError:
+        return  # (the request itself then says what went wrong)
+    if peer_uid != os.getuid():
+        raise DeliveryError(
+            f"pyshm: this memory was sent by a process of another user (uid {peer_uid}; this "
+            f"process runs as uid {os.getuid()}): a sender hands its memory only to processes "
+            "of its own user. Send it by value (numpy's pickling), or run both as one user")
 
 
 def _connect(sock: socket.socket, address: bytes) -> None:

@@ -136,6 +136,50 @@ def test_an_unrelated_process_that_knows_the_socket_gets_nothing():
     child.join(30)
 
 
+def _fetch_as_another_user(address, key, secret, write_end):
+    """In a forked child that became another user: fetch with the real secret."""
+    import json
+
+    os.setgid(65534)
+    os.setuid(65534)
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        _channel.fetch(address, [(key, secret)])
+        outcome = "got a reply"
+    except pyshm.DeliveryError as exc:
+        outcome = str(exc)
+    os.write(write_end, json.dumps([outcome, len(os.listdir("/proc/self/fd")) - before]).encode())
+
+
+def test_a_process_of_another_user_gets_nothing_and_is_told_why():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    import json
+
+    array = pyshm.zeros(100_000, np.uint8, shared=True)
+    key, address, secret = _token_of(array)
+    before = len(os.listdir("/proc/self/fd"))
+    read_end, write_end = os.pipe()
+    child = mp.get_context("fork").Process(target=_fetch_as_another_user,
+                                           args=(address, key, secret, write_end))
+    child.start()
+    os.close(write_end)
+    child.join(60)
+    with os.fdopen(read_end, "rb") as pipe:
+        outcome, fds_gained = json.loads(pipe.read())
+    assert child.exitcode == 0
+    child.close()
+    # even with the real secret: the server drops a peer of another uid, and the receiver
+    # says so (not "stopped answering")
+    assert "another user (uid 0" in outcome and "runs as uid 65534" in outcome
+    assert fds_gained == 0
+    assert _channel.state.server.thread.is_alive()
+    (fd,), _, _ = _channel.fetch(address, [(key, secret)])  # our own user still gets it
+    assert fd is not None
+    os.close(fd)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def _load_and_sum(conn):
     arrays = pickle.loads(conn.recv_bytes())
     conn.send(int(sum(int(a.sum()) for a in arrays)))
