@@ -533,6 +533,38 @@ def test_dask_scatter_submit_and_results_are_the_same_memory():
         assert (plain == 0).all() and (copied == 3).all()  # other arrays: dask's own way
 
 
+def sum_and_say_if_shared(array):
+    return float(array.sum()), pyshm.is_shared(array)
+
+
+SCATTER_AND_EXIT = """
+    import os, sys
+    import numpy as np
+    import distributed, pyshm
+    client = distributed.Client(sys.argv[1], direct_to_workers=True)
+    array = pyshm.zeros(1 << 18, np.float32, shared=True)
+    array[:] = 5
+    client.publish_dataset(left=client.scatter(array, hash=False))
+    os._exit(0)  # at once: no goodbye to the scheduler, the channel's server gone with us
+"""
+
+
+def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable():
+    distributed = engine_or_skip("distributed")
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(SCATTER_AND_EXIT),
+                               cluster.scheduler_address], capture_output=True, timeout=120,
+                              cwd=HERE)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        left = client.get_dataset("left")
+        # the worker mapped the memory when the data arrived (by reference: pyshm memory),
+        # so it outlives its sender
+        total, shared = client.submit(sum_and_say_if_shared, left, pure=False).result()
+        assert shared and total == 5.0 * (1 << 18)
+
+
 def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
     engine_or_skip("distributed")
     from distributed.protocol import deserialize, serialize
