@@ -196,3 +196,48 @@ def test_python_m_pyshm_works_from_the_repository_root(tmp_path):
                             capture_output=True, text=True, timeout=60, cwd=root, env=env)
     assert result.returncode == 0, result.stderr
     assert "arena size   150" in result.stdout
+
+
+COPY_WITH_A_HOLE = """
+    import ctypes, errno, os, sys
+    import numpy as np
+    import pyshm
+    nbytes, hole = int(sys.argv[1]), int(sys.argv[2])
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    base = libc.mmap(None, nbytes, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+    ctypes.memset(base, 7, nbytes)
+
+    class Foreign:  # an array over memory pyshm does not own
+        __array_interface__ = {"data": (base, False), "shape": (nbytes,), "typestr": "|u1",
+                               "version": 3}
+
+    source = np.asarray(Foreign())
+    assert pyshm.copy(source, shared=True)[nbytes - 1] == 7  # (whole: copied)
+    assert libc.munmap(ctypes.c_void_p(base + hole), 16384) == 0  # now a hole in it
+    fds = maps = None
+    for attempt in range(3):  # (the first may leave the helper thread's malloc arena)
+        try:
+            pyshm.copy(source, shared=True)
+            print("copied")
+        except pyshm.ShmError as exc:
+            assert exc.errno == errno.EFAULT, exc
+            now = len(os.listdir("/proc/self/fd")), open("/proc/self/maps").read()
+            assert fds is None or now == (fds, maps), "left something behind"
+            fds, maps = now
+            print("EFAULT")
+"""
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+@pytest.mark.parametrize("where", [1 / 16, 3 / 4])  # (a split copy: pwrite's half, memcpy's)
+def test_a_shared_copy_of_foreign_memory_with_a_hole_is_an_error_not_a_crash(huge, where):
+    nbytes = 64 << 20
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(COPY_WITH_A_HOLE), str(nbytes),
+         str(int(nbytes * where) // 4096 * 4096)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, LSHM_HUGE=huge))
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split() == ["EFAULT"] * 3

@@ -72,6 +72,10 @@ void lshm__os_allocate_ahead(int fd, uint64_t offset, uint64_t len);
 /* Allocate every page of the mapping [addr, addr + len) of fd at `offset` (MADV_POPULATE_WRITE;
  * fallocate of the range on kernels without it), so a copy into it cannot SIGBUS. */
 int lshm__os_populate_write(int fd, uint64_t offset, void *addr, size_t len);
+/* 0 if every page of [p, p + len) is mapped (mincore); -EFAULT if one is not, where a memcpy
+ * from it would crash. Mapped but unreadable pages (PROT_NONE) pass: that a read would still
+ * crash on. About 1 ms per GiB. */
+int lshm__os_check_mapped(const void *p, size_t len);
 /* A bare fault point named `site`: 0, or the injected error with its message (tests only).
  * Lets a thread take the fault points of work it hands to another thread. */
 int lshm__os_fault_point(const char *site);

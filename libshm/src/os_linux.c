@@ -264,6 +264,29 @@ int lshm__os_populate_write(int fd, uint64_t offset, void *addr, size_t len) {
     }
 }
 
+int lshm__os_check_mapped(const void *p, size_t len) {
+    if (len == 0)
+        return 0;
+    size_t page = lshm__os_page_size();
+    uintptr_t at = (uintptr_t)p & ~(uintptr_t)(page - 1);
+    uintptr_t end = (uintptr_t)p + len;
+    unsigned char resident[4096]; /* mincore's answer, unused: 16 MiB of pages per call */
+    while (at < end) {
+        size_t pages = (end - at + page - 1) / page;
+        if (pages > sizeof resident)
+            pages = sizeof resident;
+        if (mincore((void *)at, pages * page, resident) != 0) {
+            int e = errno;
+            if (e != ENOMEM) /* (EAGAIN, EINVAL: not what a hole looks like; let it be) */
+                return 0;
+            return LSHM_FAIL(-EFAULT, "source bytes in [%p, %p) are not mapped (mincore: %s)",
+                             (void *)at, (void *)(at + pages * page), strerror(e));
+        }
+        at += pages * page;
+    }
+    return 0;
+}
+
 int lshm__os_fault_point(const char *site) {
     LSHM_OS_FAULT(site);
     return 0;

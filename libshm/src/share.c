@@ -114,6 +114,8 @@ static void *copy_half_thread(void *arg) {
         rc = h->injected;
         if (rc == 0)
             rc = lshm__os_populate_write(h->fd, h->offset, m, h->len);
+        if (rc == 0) /* (foreign bytes may have a hole: an error, as pwrite's EFAULT is) */
+            rc = lshm__os_check_mapped(h->src, h->len);
         if (rc == 0)
             memcpy(m, h->src, h->len);
         lshm__os_unmap(m, h->len);
@@ -623,9 +625,10 @@ static int refill_memfd(int fd, const void *data, size_t size) {
 /* The memory of a storage that moves when shared (it does not own whole pages: foreign memory,
  * pyshm.copy(shared=True) of an array) of 2 MiB or more: a new memfd mapped at a 2 MiB
  * boundary with its whole 2 MiB ranges in huge pages (lshm__os_map_new_memfd, as storages
- * created shared: the rest reserved, so no SIGBUS), then the bytes written with pwrite (a bad
- * source pointer is EFAULT, never a crash), on two threads where a split copy pays. On
- * failure nothing is left (fd closed, mapping gone). */
+ * created shared: the rest reserved, so no SIGBUS), then the bytes written with pwrite, on two
+ * threads where a split copy pays (source bytes not mapped are EFAULT, never a crash: pwrite
+ * says so, and the helper's memcpy is checked first; unreadable mapped pages would still
+ * crash, as any read of them). On failure nothing is left (fd closed, mapping gone). */
 static int moved_into_huge_pages(const void *data, size_t nbytes, size_t map_len, int *fd_out,
                                  void **mapped_out) {
     int fd;
