@@ -1,6 +1,7 @@
 """The benchmarks' command lines at tiny sizes: every case runs, every pyshm row is measured
 and compared with each baseline, the targets are evaluated, and --json is valid JSON."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -71,7 +72,8 @@ def test_bench_engines_case():
                               "--cases", "engines")
     (case,) = result["cases"]
     rows = {(row["engine"], row["method"]): row for row in case["rows"]}
-    assert set(rows) == {(engine, method) for engine in ("joblib", "dask")
+    engines = ("joblib", "dask") + (("ray",) if importlib.util.find_spec("ray") else ())
+    assert set(rows) == {(engine, method) for engine in engines
                          for method in ("own", "pyshm")}
     assert all(row["error"] is None and len(row["seconds"]) == 2 for row in rows.values())
     assert "own" in rows["joblib", "pyshm"]["ratios"]
@@ -82,18 +84,18 @@ def test_bench_engines_case():
 
 
 def test_a_failed_huge_off_child_is_reported():
-    from pyshm import bench
+    from pyshm.bench import runner
 
     config = {"cases": ["seed"], "repeats": 1, "count": 0, "receiver_bytes": 8 << 20,
               "quick": False}  # --count 0: the child refuses its command line
-    (case,) = bench._huge_off_cases(config, use_torch=False)
+    (case,) = runner._huge_off_cases(config, use_torch=False)
     (row,) = case["rows"]
     assert case["case"] == "seed_huge_off" and not row["seconds"]
     assert row["error"].startswith("child process failed: ") and "--count" in row["error"]
 
 
 def test_bench_processes_rows():
-    result, _ = run_json("pyshm.bench_processes", "--no-torch", "--count", "256",
+    result, _ = run_json("pyshm.bench.processes", "--no-torch", "--count", "256",
                          "--single", "4", "--repeats", "1")
     rows = result["case"]["rows"]
     labels = {row["label"] for row in rows}

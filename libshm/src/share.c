@@ -18,20 +18,20 @@
  * Storages of default pages that are not resizable (>= lshm__share_chunk_threshold, 1 MiB) are
  * shared chunk by chunk instead (memfd_create, ftruncate, seal, then per chunk: pwrite that
  * range of the memfd, mmap(MAP_FIXED) it over the same range of the storage), so the old pages
- * are freed as we go and the next chunk reuses them while they are still in the CPU cache
- * (DESIGN section 8: memory new to the process arrives slowly on these VMs). Adjacent chunks
- * merge into one mapping. A failure at a later chunk maps the chunks already swapped again as
- * a private (copy-on-write) mapping of the same byte-identical memfd pages: bytes, data pointer,
- * flags and refcount are unchanged, writes stay private and a fork() copies them on write, as
- * before; a release or a retry works.
+ * are freed as we go and the next chunk reuses them while they are still in the CPU cache (memory
+ * new to the process arrives slowly on these VMs: tools/bench_chunks.c). Adjacent chunks merge
+ * into one mapping. A failure at a later chunk maps the chunks already swapped again as a private
+ * (copy-on-write) mapping of the same byte-identical memfd pages: bytes, data pointer, flags and
+ * refcount are unchanged, writes stay private and a fork() copies them on write, as before; a
+ * release or a retry works.
  * A storage of 2 MiB or more at a 2 MiB boundary (the default allocator puts them there) takes
  * the same steps with huge pages instead (share_chunked_huge): 32 MiB chunks, each collapsed
  * into huge pages through a second, aligned mapping of the memfd, populated, filled with
  * memcpy, then mapped over the storage; the tail short of 2 MiB goes in with pwrite.
- * The copy uses pwrite rather than writing through a fresh mapping: it
- * is the fastest way in (DESIGN section 8: no page faults) and it allocates every page of the
- * memfd, so there is no later SIGBUS and no need for a separate fallocate on this path. The
- * fd stays in this process (and this call) until it is sealed.
+ * The copy uses pwrite rather than writing through a fresh mapping: it is the fastest way in
+ * (no page faults: the ceiling rows of `python -m pyshm bench`) and it allocates every page of
+ * the memfd, so there is no later SIGBUS and no need for a separate fallocate on this path.
+ * The fd stays in this process (and this call) until it is sealed.
  *
  * Storages in a slab (slab.c) are shared the same way, in place, but into their range of the
  * slab's one memfd (lshm__slab_share) rather than a memfd of their own, so they never use the
@@ -128,7 +128,8 @@ static void *copy_half_thread(void *arg) {
 
 /* Fill [0, size) of fd (already `size` bytes long) from data with two threads: this one
  * pwrites the first half while a helper populates and memcpys the second half through a
- * mapping (DESIGN section 8: two pwrites into one memfd do not scale; this mix does).
+ * mapping (two pwrites into one memfd do not scale, they take the inode lock in turn; this mix
+ * does: the "one 1 GiB array" row of `python -m pyshm bench`).
  * When no thread can be started, one pwrite does it all. */
 static int split_fill(int fd, const void *data, size_t size) {
     size_t page = lshm__os_page_size();
@@ -240,8 +241,8 @@ static int pwrite_chunks(int fd, char *data, size_t *off, size_t end) {
 /* Share the default pages [data, data + capacity) in place chunk by chunk: fill a chunk of the
  * memfd with pwrite, then mmap(MAP_FIXED) that chunk of the memfd over the same chunk of the
  * storage. The old private pages go back to the kernel as we go and the next chunk's pwrite
- * allocates them again while they are still cached (DESIGN section 8: memory new to the
- * process arrives slowly on these VMs; 1.3x faster than one pwrite on one thread), and the extra
+ * allocates them again while they are still cached (memory new to the process arrives slowly
+ * on these VMs; 1.3x faster than one pwrite on one thread: tools/bench_chunks.c), and the extra
  * memory in use at any time is one chunk. Adjacent chunks merge into one mapping.
  * On failure the chunks already swapped are mapped again, privately (MAP_PRIVATE of the same
  * memfd pages, which hold the very bytes): copy-on-write across fork() and writes that stay in
@@ -407,10 +408,10 @@ static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
 
 /* A storage shared in place that is released gives its memfd here instead of closing it: the
  * memfd is already sized, sealed and has every page allocated, so the next share of the same
- * capacity only writes into it (7-15 GB/s instead of about 3 into fresh pages, DESIGN
- * section 8). Safe only while nobody else can reach the memfd: never exported (fd handed out
- * or sealed read-only) and no fork since the share began (a child inherits the fd and the
- * mapping). Forking empties the pool in parent and child. */
+ * capacity only writes into it (7-15 GB/s instead of about 3 into fresh pages: the
+ * "pyshm_recycled" rows of `python -m pyshm bench`). Safe only while nobody else can reach the
+ * memfd: never exported (fd handed out or sealed read-only) and no fork since the share began (a
+ * child inherits the fd and the mapping). Forking empties the pool in parent and child. */
 enum { POOL_MAX_ENTRIES = 256 };
 typedef struct pool_entry {
     size_t capacity;

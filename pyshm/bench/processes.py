@@ -1,6 +1,6 @@
 """Cross-process benchmark: send 4 KiB arrays to a Pool worker and back.
 
-    python -m pyshm.bench_processes [--count 2000] [--single 200] [--method fork]
+    python -m pyshm.bench.processes [--count 2000] [--single 200] [--method fork]
                                     [--repeats 5] [--quick] [--no-torch] [--json]
 
 ``python -m pyshm bench`` runs it as its ``processes`` case (through :func:`run_case`).
@@ -44,14 +44,16 @@ from typing import Optional
 import numpy as np
 
 import pyshm
-from pyshm.bench import (
-    _cpu_snapshot,
-    _other_load,
+from pyshm.bench.measure import (
+    cpu_snapshot,
     measure_into,
+    other_load,
     quiet_text,
     row_stats,
+    stop_pools,
     target_notes,
     target_text,
+    torch_multiprocessing,
 )
 
 __all__ = ["add_arguments", "run_case", "targets", "format_case", "main"]
@@ -155,21 +157,6 @@ class _Method:
         self.pool = None
 
 
-def torch_multiprocessing(use_torch: bool) -> tuple:
-    """(torch.multiprocessing with the file_descriptor strategy, or None; what to say of
-    torch): the torch rows of this case and of the receiver case."""
-    if not use_torch:
-        return None, "not run (--no-torch)"
-    try:
-        import torch
-        import torch.multiprocessing as tmp
-
-        tmp.set_sharing_strategy("file_descriptor")
-        return tmp, f"{torch.__version__} (file_descriptor strategy)"
-    except Exception as exc:  # ImportError, or a broken install
-        return None, f"not installed ({type(exc).__name__}: {exc})"
-
-
 def _methods(use_torch: bool) -> tuple:
     """(methods, torch description)."""
     methods = [
@@ -193,14 +180,14 @@ def _run_once(method: _Method, traffic: str, n: int) -> tuple:
     items, check, cleanup = method.make(n)
     gc.collect()
     try:
-        before = _cpu_snapshot()
+        before = cpu_snapshot()
         start = time.perf_counter()
         if traffic == "batched":
             back = pool.map(method.work, items, chunksize=CHUNK)
         else:
             back = [pool.apply(method.work, (item,)) for item in items]
         seconds = time.perf_counter() - start
-        others = _other_load(before, _cpu_snapshot())
+        others = other_load(before, cpu_snapshot())
         if len(back) != n or not check():
             raise AssertionError(f"{method.label}: the worker's writes are missing")
         del back
@@ -244,11 +231,7 @@ def run_case(count: int, single: int, start_method: str = "fork", repeats: int =
                     progress(f"processes round {round_index + 1}/{repeats}, {traffic}: "
                              + ", ".join(done))
     finally:
-        for method in methods:
-            if method.pool is not None:
-                method.pool.terminate()
-                method.pool.join()
-                method.pool = None
+        stop_pools(methods)
     rows = []
     for traffic in TRAFFIC:
         for method in methods:
@@ -332,7 +315,8 @@ def format_case(case: dict, case_targets: list) -> str:
             lines.append(f"{text}  {row['error'] or 'no result'}")
             continue
         text += (f"{row['min_us_per_share']:>9.1f}{row['median_us_per_share']:>11.1f}"
-                 f"{row['gbps']:>8.3f}{quiet_text(row):>7}{ratio(row, 'torch'):>16}{ratio(row, 'shm'):>16}")
+                 f"{row['gbps']:>8.3f}{quiet_text(row):>7}{ratio(row, 'torch'):>16}"
+                 f"{ratio(row, 'shm'):>16}")
         if row["error"]:
             text += f"  then failed: {row['error']}"
         lines.append(text)
@@ -342,7 +326,7 @@ def format_case(case: dict, case_targets: list) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pyshm.bench_processes",
+    parser = argparse.ArgumentParser(prog="python -m pyshm.bench.processes",
                                      description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 import pyshm
-from pyshm.bench import measure_into, row_stats
+from pyshm.bench.measure import measure_into, row_stats
 
 __all__ = ["run_case", "NBYTES"]
 

@@ -29,8 +29,14 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 import pyshm
-from pyshm.bench import _cpu_snapshot, _other_load, measure_into, row_stats
-from pyshm.bench_processes import torch_multiprocessing
+from pyshm.bench.measure import (
+    cpu_snapshot,
+    measure_into,
+    other_load,
+    row_stats,
+    stop_pools,
+    torch_multiprocessing,
+)
 
 __all__ = ["DEFAULT_BYTES", "QUICK_BYTES", "run_case"]
 
@@ -60,7 +66,7 @@ def read_tensor(tensor) -> tuple:
 
 def read_shared_memory(handle) -> tuple:
     name, nbytes = handle
-    segment = shared_memory.SharedMemory(name)  # (as bench_processes: one tracker for all)
+    segment = shared_memory.SharedMemory(name)  # (as the processes case: one tracker for all)
     try:
         view = np.ndarray((nbytes,), np.uint8, buffer=segment.buf)
         result = _first_read(view)
@@ -128,9 +134,9 @@ def _run_once(method: _Method, nbytes: int) -> tuple:
     item, check, cleanup = method.make(nbytes)
     gc.collect()
     try:
-        before = _cpu_snapshot()
+        before = cpu_snapshot()
         seconds, ones = method.pool.apply(method.read, (item,))
-        others = _other_load(before, _cpu_snapshot())
+        others = other_load(before, cpu_snapshot())
         if ones != nbytes // PAGE or not check():
             raise AssertionError(f"{method.label}: the worker did not read or write the "
                                  "parent's memory")
@@ -168,11 +174,7 @@ def run_case(nbytes: int, repeats: int, use_torch: bool = True, progress=None) -
             if progress:
                 progress(f"receiver round {round_index + 1}/{repeats}: " + ", ".join(done))
     finally:
-        for method in methods:
-            if method.pool is not None:
-                method.pool.terminate()
-                method.pool.join()
-                method.pool = None
+        stop_pools(methods)
     rows = []
     for method in methods:
         seconds = [s for s, _ in runs[method.key]]
