@@ -104,3 +104,12 @@ def test_bench_processes_rows():
         assert row["error"] is None and row["min_us_per_share"] > 0
         if row["method"] != "shm":
             assert "shm" in row["ratios"]
+
+
+def test_the_runtime_never_imports_the_benchmark():
+    code = ("import sys, pyshm, pyshm.arena, pyshm.engines, pyshm.planner, pyshm.reduction; "
+            "print(sorted(m for m in sys.modules if m.startswith('pyshm.bench')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
