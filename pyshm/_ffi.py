@@ -58,7 +58,7 @@ __all__ = [
 
 LIBRARY_NAME = "liblshm.so"
 EXPECTED_VERSION_MAJOR = 0
-EXPECTED_VERSION_MINOR = 2  # lshm_export_info grew in 0.2
+EXPECTED_VERSION_MINOR = 3  # the ABI this binding mirrors (0.y minors may change it)
 
 STORAGE_RESIZABLE = 0x1
 STORAGE_SHARED = 0x2
@@ -166,10 +166,11 @@ def _load() -> tuple[ctypes.CDLL, str]:
     version.restype = c_int
     version.argtypes = []
     found = version()
-    if found // 10000 != EXPECTED_VERSION_MAJOR or found // 100 % 100 < EXPECTED_VERSION_MINOR:
+    if found // 10000 != EXPECTED_VERSION_MAJOR or found // 100 % 100 != EXPECTED_VERSION_MINOR:
+        # (before 1.0 each minor version may change the ABI: only its own patch releases fit)
         raise ImportError(
-            f"pyshm: {path} has version {found}, expected {EXPECTED_VERSION_MAJOR}."
-            f"{EXPECTED_VERSION_MINOR} or a later {EXPECTED_VERSION_MAJOR}.x"
+            f"pyshm: {path} is libshm {found // 10000}.{found // 100 % 100}.{found % 100}; "
+            f"this pyshm needs {EXPECTED_VERSION_MAJOR}.{EXPECTED_VERSION_MINOR}.x"
         )
     return library, path
 
@@ -302,7 +303,7 @@ _TABLE = [
     ("lshm_segment_release", None, [_segment_p], False),
     ("lshm_segment_data", c_void_p, [_segment_p], False),
     ("lshm_segment_size", c_size_t, [_segment_p], False),
-    ("lshm_segment_fd", c_int, [_segment_p], False),
+    ("lshm_segment_fd", c_int, [_segment_p, POINTER(c_int)], True),
     ("lshm_segment_flags", c_uint, [_segment_p], False),
     ("lshm_segment_close_fd", c_int, [_segment_p], True),
     ("lshm_segment_seal_readonly", c_int, [_segment_p], True),

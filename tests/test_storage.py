@@ -429,3 +429,32 @@ def test_resize_of_a_non_resizable_storage_with_an_array_is_permission_error():
     del array
     with pytest.raises(PermissionError):
         storage.resize_(20)
+
+
+def test_the_version_is_written_once_and_the_binding_takes_only_its_own_minor(tmp_path):
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    header = os.path.join(os.path.dirname(__file__), "..", "libshm", "include", "lshm.h")
+    with open(header) as text:
+        macros = dict(re.findall(r"^#define LSHM_VERSION_(MAJOR|MINOR|PATCH) (\d+)$",
+                                 text.read(), re.MULTILINE))
+    major, minor, patch = (int(macros[name]) for name in ("MAJOR", "MINOR", "PATCH"))
+    assert pyshm.__version__ == f"{major}.{minor}.{patch}"  # the library built from it
+    assert (_ffi.EXPECTED_VERSION_MAJOR, _ffi.EXPECTED_VERSION_MINOR) == (major, minor)
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        pytest.skip("no C compiler to build a library of another version")
+    for other in ((major, minor - 1, 9), (major, minor + 1, 0), (major + 1, minor, patch)):
+        source = tmp_path / "fake.c"
+        number = other[0] * 10000 + other[1] * 100 + other[2]
+        source.write_text(f"int lshm_version(void) {{ return {number}; }}\n")
+        fake = tmp_path / f"liblshm_{'_'.join(map(str, other))}.so"
+        subprocess.run([compiler, "-shared", "-fPIC", "-o", str(fake), str(source)], check=True)
+        done = subprocess.run([sys.executable, "-c", "import pyshm"], capture_output=True,
+                              text=True, env=dict(os.environ, PYSHM_LIBRARY=str(fake)))
+        assert done.returncode != 0
+        assert (f"is libshm {other[0]}.{other[1]}.{other[2]}; this pyshm needs "
+                f"{major}.{minor}.x") in done.stderr

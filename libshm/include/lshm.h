@@ -61,7 +61,7 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------ */
 
 #define LSHM_VERSION_MAJOR 0
-#define LSHM_VERSION_MINOR 2
+#define LSHM_VERSION_MINOR 3
 #define LSHM_VERSION_PATCH 0
 /* Encoded as major * 10000 + minor * 100 + patch. */
 #define LSHM_VERSION_NUMBER (LSHM_VERSION_MAJOR * 10000 + LSHM_VERSION_MINOR * 100 + LSHM_VERSION_PATCH)
@@ -222,7 +222,7 @@ LSHM_API unsigned lshm_storage_flags(const lshm_storage *s);
  * (never pooled, see lshm_pool_trim).
  * Errors: -EINVAL (NULL arguments), -ENODATA (not shared), -EBADF (the segment's fd was
  * closed with lshm_segment_close_fd), other -errno from fcntl (F_SEAL_SEAL). */
-LSHM_API int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset);
+LSHM_API int lshm_storage_fd(lshm_storage *s, int *fd, uint64_t *offset);
 
 /* What another process needs to map a shared storage (lshm_storage_export). */
 typedef struct lshm_export_info {
@@ -373,16 +373,23 @@ LSHM_API int lshm_segment_create(size_t nbytes, unsigned flags, lshm_segment **o
  * the caller keeps its own). flags: 0 or LSHM_STORAGE_READONLY. */
 LSHM_API int lshm_segment_attach(int fd, unsigned flags, lshm_segment **out);
 
+/* Take one more reference on a segment; returns `seg` (NULL stays NULL). Thread-safe. */
 LSHM_API lshm_segment *lshm_segment_retain(lshm_segment *seg);
-/* The last release unmaps and closes. NULL does nothing. */
+/* Give one reference back; the last release unmaps and closes. NULL does nothing.
+ * Thread-safe. */
 LSHM_API void lshm_segment_release(lshm_segment *seg);
+/* The start of the segment's mapping (at a 2 MiB boundary from 2 MiB on), or NULL for NULL.
+ * Valid while the caller holds a reference. */
 LSHM_API void *lshm_segment_data(const lshm_segment *seg);
+/* The segment's size in bytes (the memfd's size), or 0 for NULL. */
 LSHM_API size_t lshm_segment_size(const lshm_segment *seg);
-/* The segment's fd (borrowed), or -EBADF after lshm_segment_close_fd. The first call adds
+/* Write the segment's fd (borrowed: the segment closes it) to *fd. The first call adds
  * F_SEAL_SEAL (as lshm_storage_fd does): from then on nobody can add seals and
- * lshm_segment_seal_readonly refuses with -EPERM. Other -errno from fcntl. */
-LSHM_API int lshm_segment_fd(const lshm_segment *seg);
-LSHM_API unsigned lshm_segment_flags(const lshm_segment *seg); /* LSHM_STORAGE_READONLY or 0 */
+ * lshm_segment_seal_readonly refuses with -EPERM. Thread-safe.
+ * Errors: -EINVAL (NULL), -EBADF (closed by lshm_segment_close_fd), other -errno from fcntl. */
+LSHM_API int lshm_segment_fd(lshm_segment *seg, int *fd);
+/* LSHM_STORAGE_READONLY for a segment mapped read-only, else 0 (also for NULL). */
+LSHM_API unsigned lshm_segment_flags(const lshm_segment *seg);
 
 /* Close the segment's fd while keeping its mapping (and every storage on it) alive, so a
  * process holding many segments does not hold as many fds. Afterwards the segment can no
@@ -602,7 +609,7 @@ LSHM_API uint64_t lshm_arena_size(const lshm_arena *arena);
  * lshm_segment_attach and finds tensor i at lshm_arena_offset(i). Adds F_SEAL_SEAL to it as
  * lshm_segment_fd does.
  * Errors: -EINVAL (NULL), -ENODATA (private arena, or no buffer yet). */
-LSHM_API int lshm_arena_fd(const lshm_arena *arena, int *fd);
+LSHM_API int lshm_arena_fd(lshm_arena *arena, int *fd);
 
 /* The arena's buffer as a refcounted object, so that memory handed out over it can outlive
  * the arena's own use of the buffer. Trim, destroy and a re-plan that needs a larger buffer

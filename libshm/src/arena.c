@@ -508,15 +508,15 @@ uint64_t lshm_arena_size(const lshm_arena *a) {
     return a == NULL || !a->have_plan ? 0 : a->need;
 }
 
-int lshm_arena_fd(const lshm_arena *a, int *fd) {
+int lshm_arena_fd(lshm_arena *a, int *fd) {
     if (a == NULL || fd == NULL)
         return LSHM_FAIL(-EINVAL, "NULL argument");
     if ((a->flags & LSHM_ARENA_SHARED) == 0)
         return LSHM_FAIL(-ENODATA, "arena %p is private (no LSHM_ARENA_SHARED)", (const void *)a);
     if (a->segment == NULL)
         return LSHM_FAIL(-ENODATA, "arena %p has no buffer yet", (const void *)a);
-    int f = lshm_segment_fd(a->segment);
-    if (f < 0)
+    int f;
+    if (lshm_segment_fd(a->segment, &f) != 0)
         return LSHM_FAIL(-ENODATA, "the fd of arena %p's segment was closed", (const void *)a);
     *fd = f;
     return 0;

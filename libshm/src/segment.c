@@ -158,9 +158,9 @@ size_t lshm_segment_size(const lshm_segment *seg) {
     return seg == NULL ? 0 : seg->size;
 }
 
-int lshm_segment_fd(const lshm_segment *seg) {
-    if (seg == NULL)
-        return LSHM_FAIL(-EINVAL, "NULL segment");
+int lshm_segment_fd(lshm_segment *seg, int *fd_out) {
+    if (seg == NULL || fd_out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL argument");
     int fd = atomic_load(&seg->fd);
     if (fd < 0)
         return LSHM_FAIL(-EBADF, "the segment's fd was closed");
@@ -171,9 +171,10 @@ int lshm_segment_fd(const lshm_segment *seg) {
         int rc = lshm__os_seal_seal(fd);
         if (rc != 0)
             return rc;
-        atomic_store_explicit(&((lshm_segment *)seg)->fd_sealed, 1, memory_order_release);
+        atomic_store_explicit(&seg->fd_sealed, 1, memory_order_release);
     }
-    return fd;
+    *fd_out = fd;
+    return 0;
 }
 
 unsigned lshm_segment_flags(const lshm_segment *seg) {

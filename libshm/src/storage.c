@@ -317,18 +317,18 @@ unsigned lshm_storage_flags(const lshm_storage *s) {
     return s == NULL ? 0 : atomic_load_explicit(&s->flags, memory_order_acquire);
 }
 
-int lshm_storage_fd(const lshm_storage *s, int *fd, uint64_t *offset) {
+int lshm_storage_fd(lshm_storage *s, int *fd, uint64_t *offset) {
     if (s == NULL || fd == NULL || offset == NULL)
         return LSHM_FAIL(-EINVAL, "NULL argument");
     if ((lshm_storage_flags(s) & LSHM_STORAGE_SHARED) == 0)
         return LSHM_FAIL(-ENODATA, "storage %p is not shared", (const void *)s);
     int f;
     if (s->segment != NULL) {
-        f = lshm_segment_fd(s->segment); /* adds F_SEAL_SEAL to the segment's fd */
-        if (f < 0)
-            return f == -EBADF ? LSHM_FAIL(-EBADF, "the fd of storage %p's segment was closed",
-                                           (const void *)s)
-                               : f;
+        int rc = lshm_segment_fd(s->segment, &f); /* adds F_SEAL_SEAL to the segment's fd */
+        if (rc != 0)
+            return rc == -EBADF ? LSHM_FAIL(-EBADF, "the fd of storage %p's segment was closed",
+                                            (const void *)s)
+                                : rc;
     } else if (s->slab_memfd != NULL) {
         /* A slab storage shared into its slab's memfd (F_SEAL_SEAL once per memfd). */
         int rc = lshm__slab_fd(s, &f);

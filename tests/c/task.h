@@ -89,6 +89,13 @@
     } while (0)
 
 /* One byte over a pipe or socket between parent and child (a step of a handshake). */
+/* The fd of a segment (lshm_segment_fd), failing the test when there is none. */
+static inline int segment_fd(lshm_segment *seg) {
+    int fd = -1;
+    ASSERT_OK(lshm_segment_fd(seg, &fd));
+    return fd;
+}
+
 static inline void send_byte(int sock, char b) {
     ASSERT_EQ(write(sock, &b, 1), 1);
 }

@@ -27,7 +27,7 @@ static void test_create(void) {
     ASSERT_UINT_EQ(lshm_segment_size(seg), 10000);
     ASSERT_EQ(lshm_segment_flags(seg), 0);
     ASSERT(all_bytes(lshm_segment_data(seg), 10000, 0));
-    int fd = lshm_segment_fd(seg);
+    int fd = segment_fd(seg);
     ASSERT_GE(fd, 0);
     ASSERT(fcntl(fd, F_GETFD) & FD_CLOEXEC);
     int seals = fcntl(fd, F_GET_SEALS);
@@ -47,7 +47,12 @@ static void test_create(void) {
     ASSERT_ERR(lshm_segment_create(10, 0, NULL), -EINVAL);
     ASSERT_ERR(lshm_segment_create(SIZE_MAX, 0, &seg), -EOVERFLOW);
     ASSERT(seg == NULL);
-    ASSERT_ERR(lshm_segment_fd(NULL), -EINVAL);
+    {
+        int nofd = -1;
+        ASSERT_ERR(lshm_segment_fd(NULL, &nofd), -EINVAL);
+        ASSERT_ERR(lshm_segment_fd(seg, NULL), -EINVAL);
+        ASSERT_EQ(nofd, -1); /* untouched on failure */
+    }
     ASSERT(lshm_segment_data(NULL) == NULL);
     ASSERT_UINT_EQ(lshm_segment_size(NULL), 0);
 }
@@ -65,7 +70,7 @@ static void test_create_huge(void) {
         ASSERT_EQ((uintptr_t)p % ((size_t)2 << 20), 0);
     ASSERT(all_bytes(p, HUGE_SEGMENT, 0));
     struct stat st;
-    ASSERT_OK(fstat(lshm_segment_fd(seg), &st));
+    ASSERT_OK(fstat(segment_fd(seg), &st));
     ASSERT_GE((uint64_t)st.st_blocks * 512, HUGE_SEGMENT);
     ASSERT_EQ(count_mappings(p, HUGE_SEGMENT, 1), 1);
     memset(p, 0xab, HUGE_SEGMENT);
@@ -73,7 +78,7 @@ static void test_create_huge(void) {
     /* a receiver's mapping of it is aligned too, read-only or not */
     for (unsigned flags = 0; flags <= LSHM_STORAGE_READONLY; flags += LSHM_STORAGE_READONLY) {
         lshm_segment *got;
-        ASSERT_OK(lshm_segment_attach(lshm_segment_fd(seg), flags, &got));
+        ASSERT_OK(lshm_segment_attach(segment_fd(seg), flags, &got));
         unsigned char *q = lshm_segment_data(got);
         if (lshm__os_huge_wanted())
             ASSERT_EQ((uintptr_t)q % ((size_t)2 << 20), 0);
@@ -99,7 +104,7 @@ static void test_views(void) {
     int fd;
     uint64_t off;
     ASSERT_OK(lshm_storage_fd(b, &fd, &off));
-    ASSERT_EQ(fd, lshm_segment_fd(seg)); /* one fd for every storage on the segment */
+    ASSERT_EQ(fd, segment_fd(seg)); /* one fd for every storage on the segment */
     ASSERT_UINT_EQ(off, page);
     ASSERT_OK(lshm_storage_share(b)); /* already shared */
     /* Views keep the segment alive after the creator lets go. */
@@ -135,7 +140,11 @@ static void test_close_fd(void) {
     ASSERT_OK(lshm_segment_close_fd(seg));
     ASSERT_EQ(fd_count(), fds - 1);
     ASSERT_OK(lshm_segment_close_fd(seg)); /* idempotent */
-    ASSERT_ERR(lshm_segment_fd(seg), -EBADF);
+    {
+        int closed = -1;
+        ASSERT_ERR(lshm_segment_fd(seg, &closed), -EBADF);
+        ASSERT_EQ(closed, -1);
+    }
     int fd;
     uint64_t off;
     ASSERT_ERR(lshm_storage_fd(s, &fd, &off), -EBADF);
@@ -154,7 +163,7 @@ static void test_seal_readonly(void) {
     /* Sealed before its fd is handed out (issue 9: once handed out writable it cannot be). */
     ASSERT_OK(lshm_segment_seal_readonly(seg));
     ASSERT_OK(lshm_segment_seal_readonly(seg)); /* adding the same seal again is fine */
-    int fd = lshm_segment_fd(seg);
+    int fd = segment_fd(seg);
     ASSERT_EQ(fcntl(fd, F_GET_SEALS) & (F_SEAL_FUTURE_WRITE | F_SEAL_SEAL),
               F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
     lshm_segment *ro = NULL;
@@ -230,7 +239,7 @@ static void test_attach_errors(void) {
     int fds = fd_count();
     lshm_segment *seg;
     ASSERT_OK(lshm_segment_create(page, 0, &seg));
-    int fd = lshm_segment_fd(seg);
+    int fd = segment_fd(seg);
     lshm_storage *s = NULL;
     lshm_segment *other = NULL;
     /* not an fd */
@@ -304,7 +313,7 @@ static void test_zero_length(void) {
     ASSERT_OK(lshm_segment_create(0, 0, &seg));
     ASSERT(lshm_segment_data(seg) == NULL);
     ASSERT_UINT_EQ(lshm_segment_size(seg), 0);
-    int fd = lshm_segment_fd(seg);
+    int fd = segment_fd(seg);
     ASSERT_GE(fd, 0);
     ASSERT_OK(lshm_segment_attach(fd, 0, &other));
     ASSERT(lshm_segment_data(other) == NULL);
@@ -387,7 +396,7 @@ static int fault_loop(op_fn op, void (*free_out)(void *), int fd, int err) {
 static void test_faults(void) {
     lshm_segment *seg;
     ASSERT_OK(lshm_segment_create(5 * page, 0, &seg));
-    int fd = lshm_segment_fd(seg);
+    int fd = segment_fd(seg);
     /* memfd, ftruncate, seal, fallocate, mmap */
     ASSERT_GE(fault_loop(op_segment_create, free_segment, -1, -ENOSPC), 5);
     ASSERT_GE(fault_loop(op_create_shared, free_storage, -1, -ENOMEM), 5);
@@ -399,7 +408,7 @@ static void test_faults(void) {
     lshm_segment *huge_seg;
     ASSERT_OK(lshm_segment_create(HUGE_SEGMENT, 0, &huge_seg));
     maps = count_mappings(NULL, SIZE_MAX, 0);
-    ASSERT_GE(fault_loop(op_segment_attach_huge, free_segment, lshm_segment_fd(huge_seg),
+    ASSERT_GE(fault_loop(op_segment_attach_huge, free_segment, segment_fd(huge_seg),
                          -ENOMEM),
               lshm__os_huge_wanted() ? 6 : 5);
     ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 0), maps);

@@ -901,7 +901,7 @@ static void test_seal_readonly(void) {
     ASSERT_OK(lshm_segment_create(4 * page, 0, &seg));
     ASSERT_OK(lshm_storage_create_view(seg, page, page, 0, &view));
     ASSERT_OK(lshm_storage_seal_readonly(view));
-    ASSERT(fcntl(lshm_segment_fd(seg), F_GET_SEALS) & F_SEAL_FUTURE_WRITE);
+    ASSERT(fcntl(segment_fd(seg), F_GET_SEALS) & F_SEAL_FUTURE_WRITE);
     lshm_storage_release(view);
     lshm_segment_release(seg);
 }

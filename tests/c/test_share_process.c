@@ -161,7 +161,7 @@ static void test_readonly_across(void) {
     ASSERT_OK(lshm_segment_create(page, 0, &seg));
     ((char *)lshm_segment_data(seg))[0] = 'r';
     ASSERT_OK(lshm_segment_seal_readonly(seg));
-    send_fd(sock, lshm_segment_fd(seg), page);
+    send_fd(sock, segment_fd(seg), page);
     ASSERT_EQ(recv_byte(sock), 'd');
     wait_child(pid, 0);
     lshm_segment_release(seg);

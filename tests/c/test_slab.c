@@ -166,7 +166,7 @@ static void test_reuse(void) {
     ASSERT_OK(lshm_storage_share(w));
     uint64_t off_w;
     int fd_w = fd_and_offset(w, &off_w);
-    ASSERT(inode_of(fd_w) != inode_of(lshm_segment_fd(seg)));
+    ASSERT(inode_of(fd_w) != inode_of(segment_fd(seg)));
     ASSERT(all_bytes(view + off_a, page, 'a'));
     lshm_storage_release(w);
     lshm_segment_release(seg);
