@@ -12,15 +12,15 @@ import numpy as np
 
 from . import _checks, _ffi
 from ._ffi import _i64_p, _u64_p, lib
-from .arrays import (
+from ._memory import (
     ArrayOwner,
     ShapeLike,
-    _array_from_storage,
-    _nbytes_of,
-    _normalize_shape,
-    _owner_of,
+    array_from_storage,
+    nbytes_of,
+    normalize_shape,
+    owner_of,
 )
-from .planner import Plan, _inputs, _options, _p, _plan_from_result
+from ._planning import Plan, inputs, options, plan_from_result, pointer
 from .storage import Storage
 
 __all__ = ["Arena", "ArenaStats"]
@@ -152,11 +152,11 @@ class Arena:
         shared: bool = False,
         time_limit: float = 0.0,
     ) -> None:
-        n, sizes_a, firsts_a, lasts_a = _inputs(sizes, firsts, lasts)
-        opts = _options(alignment, inclusive, time_limit)
+        n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
+        opts = options(alignment, inclusive, time_limit)
         out = ctypes.c_void_p()
         lib.lshm_arena_create(
-            n, _p(sizes_a, _u64_p), _p(firsts_a, _i64_p), _p(lasts_a, _i64_p),
+            n, pointer(sizes_a, _u64_p), pointer(firsts_a, _i64_p), pointer(lasts_a, _i64_p),
             ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out),
         )
         self._setup(out.value, recording=False, shared=shared, alignment=int(opts.alignment),
@@ -167,7 +167,7 @@ class Arena:
         cls, *, shared: bool = False, alignment: int = 64, time_limit: float = 0.0
     ) -> "Arena":
         """A record-then-replay arena: use :meth:`empty`, :meth:`free`, :meth:`end_iteration`."""
-        opts = _options(alignment, False, time_limit)
+        opts = options(alignment, False, time_limit)
         out = ctypes.c_void_p()
         lib.lshm_arena_create_recording(
             ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out)
@@ -279,15 +279,15 @@ class Arena:
     def empty(self, shape: ShapeLike, dtype: Any = np.float64) -> np.ndarray:
         """Recording arenas: one allocation, served from the plan when it fits."""
         dtype = np.dtype(dtype)
-        dims = _normalize_shape(shape)
+        dims = normalize_shape(shape)
         out = ctypes.c_void_p()
-        lib.lshm_arena_alloc(self._as_parameter_, _nbytes_of(dims, dtype), ctypes.byref(out))
+        lib.lshm_arena_alloc(self._as_parameter_, nbytes_of(dims, dtype), ctypes.byref(out))
         self._live[out.value] = True
         return self._wrap(out.value, dims, dtype)
 
     def free(self, array: Any) -> None:
         """Recording arenas: tensor ``array`` (from :meth:`empty`) is dead from now on."""
-        owner = _owner_of(array)
+        owner = owner_of(array)
         handle = getattr(owner, "_handle", None)
         keep = getattr(owner, "_keep", None)
         if owner is None or getattr(keep, "arena", None) is not self or (
@@ -332,7 +332,7 @@ class Arena:
         if not _unless_no_data(lib.lshm_arena_plan_result, self._as_parameter_, ctypes.byref(result)):
             return None
         offsets = np.array([self.offset(i) for i in range(len(self))], dtype=np.uint64)
-        return _plan_from_result(offsets, result, self._alignment, self._inclusive)
+        return plan_from_result(offsets, result, self._alignment, self._inclusive)
 
     @property
     def stats(self) -> ArenaStats:
@@ -375,6 +375,6 @@ class Arena:
         return keep
 
     def _wrap(self, handle: int, shape: Optional[ShapeLike], dtype: Any) -> np.ndarray:
-        array = _array_from_storage(handle, shape, dtype, 0, keep=self._keep_for(handle))
-        self._owners.add(_owner_of(array))
+        array = array_from_storage(handle, shape, dtype, 0, keep=self._keep_for(handle))
+        self._owners.add(owner_of(array))
         return array

@@ -194,7 +194,7 @@ def _pyshm_array(a: Any) -> bool:
     """A pyshm array to send by reference: shared already, or pickled on the caller's own
     thread (where it is shared in place); one not shared yet on a thread of the pool's own
     goes joblib's way, as before (no implicit share there, see pyshm.reduction)."""
-    if type(a) is not np.ndarray or a.size == 0 or reduction._owner_of(a) is None:
+    if type(a) is not np.ndarray or a.size == 0 or reduction.owner_of(a) is None:
         return False
     return is_shared(a) or not reduction.pickled_off_the_callers_thread()
 
@@ -321,7 +321,7 @@ def _install_distributed() -> None:
         # a process on this machine; else (another machine, disk, no recipient) by value.
         # The reference is a pickle, under distributed's own "pickle" header, so that any
         # receiver (pyshm imported there or not) rebuilds it with its stock deserializer.
-        if type(x) is np.ndarray and x.size > 0 and reduction._owner_of(x) is not None and \
+        if type(x) is np.ndarray and x.size > 0 and reduction.owner_of(x) is not None and \
                 is_shared(x) and _recipient_here(context):
             import pickle
 

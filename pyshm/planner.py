@@ -4,77 +4,16 @@ from __future__ import annotations
 
 import csv
 import ctypes
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from . import _checks, _ffi
 from ._ffi import _i64_p, _u64_p, lib
+from ._planning import Plan, as_array, inputs, options, plan_from_result, pointer
 
 __all__ = ["Plan", "plan", "lower_bound", "validate", "read_trace", "write_trace"]
 
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The result of :func:`plan`.
-
-    ``offsets[i]`` is where tensor ``i`` starts; ``arena_size`` the bytes the arena needs;
-    ``lower_bound`` the most bytes live at one time, which no plan can beat; ``strategy`` the
-    name of the placement that won; ``optimal`` whether ``arena_size`` is proven minimal.
-    """
-
-    offsets: np.ndarray
-    arena_size: int
-    lower_bound: int
-    strategy: str
-    optimal: bool
-    seconds: float
-    alignment: int
-    inclusive: bool
-
-    @property
-    def ratio(self) -> float:
-        """arena_size / lower_bound (1.0 is perfect)."""
-        return self.arena_size / self.lower_bound if self.lower_bound else 1.0
-
-
-def _options(
-    alignment: int, inclusive: bool, time_limit: float, capacity: int = 0
-) -> _ffi.PlanOptions:
-    alignment = _checks.uint64(alignment, "alignment")
-    if alignment < 1 or alignment & (alignment - 1):
-        raise ValueError(f"alignment must be a power of two >= 1, got {alignment}")
-    time_limit = _checks.seconds(time_limit, "time_limit")
-    capacity = _checks.uint64(capacity, "capacity")
-    opts = _ffi.PlanOptions()
-    lib.lshm_plan_options_init(ctypes.byref(opts))
-    opts.alignment = alignment
-    opts.flags = _ffi.PLAN_INCLUSIVE if inclusive else 0
-    opts.time_limit = time_limit
-    opts.capacity = capacity
-    return opts
-
-
-def _as_array(values: Any, dtype, name: str) -> np.ndarray:
-    return _checks.int_array(values, dtype, name)
-
-
-def _inputs(sizes, firsts, lasts):
-    sizes_a = _as_array(sizes, np.uint64, "sizes")
-    firsts_a = _as_array(firsts, np.int64, "firsts")
-    lasts_a = _as_array(lasts, np.int64, "lasts")
-    n = len(sizes_a)
-    if len(firsts_a) != n or len(lasts_a) != n:
-        raise ValueError(
-            f"sizes, firsts and lasts must have one length, got {n}, {len(firsts_a)}, {len(lasts_a)}"
-        )
-    return n, sizes_a, firsts_a, lasts_a
-
-
-def _p(array: Optional[np.ndarray], ptype):
-    return None if array is None else array.ctypes.data_as(ptype)
 
 
 def plan(
@@ -99,42 +38,26 @@ def plan(
     found is returned with ``arena_size > capacity`` (not an error; check it).
     The call runs in C without the GIL and is deterministic.
     """
-    n, sizes_a, firsts_a, lasts_a = _inputs(sizes, firsts, lasts)
-    opts = _options(alignment, inclusive, time_limit, capacity)
+    n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
+    opts = options(alignment, inclusive, time_limit, capacity)
     fixed_a = None
     if fixed_offsets is not None:
-        fixed_a = _as_array(fixed_offsets, np.int64, "fixed_offsets")
+        fixed_a = as_array(fixed_offsets, np.int64, "fixed_offsets")
         if len(fixed_a) != n:
             raise ValueError(f"fixed_offsets has {len(fixed_a)} entries for {n} tensors")
     offsets = np.zeros(n, dtype=np.uint64)
     result = _ffi.PlanResult()
     lib.lshm_plan(
         n,
-        _p(sizes_a, _u64_p),
-        _p(firsts_a, _i64_p),
-        _p(lasts_a, _i64_p),
-        _p(fixed_a, _i64_p),
+        pointer(sizes_a, _u64_p),
+        pointer(firsts_a, _i64_p),
+        pointer(lasts_a, _i64_p),
+        pointer(fixed_a, _i64_p),
         ctypes.byref(opts),
-        _p(offsets, _u64_p),
+        pointer(offsets, _u64_p),
         ctypes.byref(result),
     )
-    return _plan_from_result(offsets, result, int(opts.alignment), inclusive)
-
-
-def _plan_from_result(
-    offsets: np.ndarray, result: _ffi.PlanResult, alignment: int, inclusive: bool
-) -> Plan:
-    """A :class:`Plan` from the C library's lshm_plan_result (shared with pyshm.arena)."""
-    return Plan(
-        offsets=offsets,
-        arena_size=int(result.arena_size),
-        lower_bound=int(result.lower_bound),
-        strategy=result.strategy.decode("utf-8", "replace"),
-        optimal=bool(result.optimal),
-        seconds=float(result.seconds),
-        alignment=alignment,
-        inclusive=inclusive,
-    )
+    return plan_from_result(offsets, result, int(opts.alignment), inclusive)
 
 
 def lower_bound(
@@ -142,11 +65,11 @@ def lower_bound(
     alignment: int = 64, inclusive: bool = False,
 ) -> int:
     """The most bytes live at one time (sizes rounded up to ``alignment``)."""
-    n, sizes_a, firsts_a, lasts_a = _inputs(sizes, firsts, lasts)
-    opts = _options(alignment, inclusive, 0.0)
+    n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
+    opts = options(alignment, inclusive, 0.0)
     out = ctypes.c_uint64()
     lib.lshm_plan_lower_bound(
-        n, _p(sizes_a, _u64_p), _p(firsts_a, _i64_p), _p(lasts_a, _i64_p),
+        n, pointer(sizes_a, _u64_p), pointer(firsts_a, _i64_p), pointer(lasts_a, _i64_p),
         ctypes.byref(opts), ctypes.byref(out),
     )
     return int(out.value)
@@ -157,14 +80,14 @@ def validate(
     arena_size: int, *, alignment: int = 1, inclusive: bool = False,
 ) -> None:
     """Raise :class:`ValueError` naming the first overlapping or misaligned tensor, if any."""
-    n, sizes_a, firsts_a, lasts_a = _inputs(sizes, firsts, lasts)
-    offsets_a = _as_array(offsets, np.uint64, "offsets")
+    n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
+    offsets_a = as_array(offsets, np.uint64, "offsets")
     if len(offsets_a) != n:
         raise ValueError(f"offsets has {len(offsets_a)} entries for {n} tensors")
-    opts = _options(alignment, inclusive, 0.0)
+    opts = options(alignment, inclusive, 0.0)
     lib.lshm_plan_validate(
-        n, _p(sizes_a, _u64_p), _p(firsts_a, _i64_p), _p(lasts_a, _i64_p),
-        _p(offsets_a, _u64_p), ctypes.byref(opts), _checks.uint64(arena_size, "arena_size"),
+        n, pointer(sizes_a, _u64_p), pointer(firsts_a, _i64_p), pointer(lasts_a, _i64_p),
+        pointer(offsets_a, _u64_p), ctypes.byref(opts), _checks.uint64(arena_size, "arena_size"),
     )
 
 

@@ -95,19 +95,24 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _channel, _ffi, arrays
+from . import _channel, _ffi, _memory
 from ._channel import KEEPALIVE_SECONDS, DeliveryError, fetch_count  # noqa: F401 - public
 from ._ffi import lib
-from .arrays import (
-    _REFERENCES,
+from ._memory import (
+    REFERENCES,
     ArrayOwner,
-    _owner_of,
-    _released,
-    _wrap,
     array_interface,
     data_address,
+    owner_of,
+    released,
+    share_in_place,
+    wrap,
 )
-from .storage import Storage, _share_in_place
+from .storage import (  # noqa: F401 - _storage_from_bytes: what pickles of Storage name
+    Storage,
+    _storage_from_bytes,
+    reduce_storage_by_value,
+)
 
 __all__ = [
     "share_readonly",
@@ -305,7 +310,7 @@ def _share_for_sending(handle: int) -> None:
         )
     # in place, same address, atomic on failure (idempotent: a concurrent share copies once);
     # memory that cannot be shared in place is refused here, in the sender
-    _share_in_place(handle, "pickling for another process", pickle.PicklingError)
+    share_in_place(handle, "pickling for another process", pickle.PicklingError)
 
 
 def _ticket(holder: Any, flags: int, data: int, nbytes: int, key: tuple,
@@ -376,8 +381,8 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
         lib.lshm_segment_close_fd(out.value)
     mapping = _Mapping(out.value, key, fd_kept=keep, sealed=sealed)
     _cache.mappings[key] = mapping
-    if arrays._tracking:
-        arrays._note_new_owner(weakref.ref(mapping))
+    if _memory.tracking:
+        _memory.note_new_owner(weakref.ref(mapping))
     if mapping.size <= SLAB_SIZE:
         _cache.recent.append(mapping)
         del _cache.recent[:-RECENT_SLABS]
@@ -554,10 +559,10 @@ class _ReceivedOwner(ArrayOwner):
                 if handle is None and self._view is not None:
                     offset, nbytes, readonly = self._view
                     handle = _new_view(self._keep.segment, offset, nbytes, readonly)
-                    ref = weakref.ref(self, _released)
-                    _REFERENCES[ref] = handle
-                    if arrays._tracking:
-                        arrays._note_new_owner(ref)
+                    ref = weakref.ref(self, released)
+                    REFERENCES[ref] = handle
+                    if _memory.tracking:
+                        _memory.note_new_owner(ref)
                     _REF.__set__(self, ref)
                     _HANDLE.__set__(self, handle)
         return handle
@@ -687,9 +692,9 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
                     exact.flags.writeable = False
                 return exact
             # a dtype the interface could not say exactly: through a flat view, as below
-            flat = _wrap(owner._handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
+            flat = wrap(owner._handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
         else:
-            flat = _wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
+            flat = wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
     finally:
         if handle is not None:
             lib.lshm_storage_release(handle)
@@ -721,7 +726,7 @@ def _rebuild_storage(batch, token) -> Storage:
 
 
 def _reduce_ndarray(array: np.ndarray):
-    owner = _owner_of(array)
+    owner = owner_of(array)
     if owner is None or array.size == 0:
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
     token = owner._token
@@ -764,21 +769,6 @@ def _reduce_storage(storage: Storage):
     return _rebuild_storage, (_channel.mark(), _export(holder, mapping))
 
 
-def reduce_storage_by_value(storage: Storage, protocol: int):
-    """Plain pickle of a Storage: its bytes (out of band with protocol 5), no fd."""
-    data = storage.asarray()
-    payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
-    return _storage_from_bytes, (payload,)
-
-
-def _storage_from_bytes(payload) -> Storage:
-    view = memoryview(payload).cast("B")
-    storage = Storage(view.nbytes)
-    if view.nbytes:
-        storage.asarray()[:] = np.frombuffer(view, np.uint8)
-    return storage
-
-
 def register() -> None:
     """Register the reducers with multiprocessing (done when pyshm is imported)."""
     ForkingPickler.register(np.ndarray, _reduce_ndarray)
@@ -795,7 +785,7 @@ def register() -> None:
 
 class _Span:
     """The owner-side base of a byte array over part of an owner's memory: ``base`` leads
-    :func:`pyshm.arrays._owner_of` to the owner, which holds the memory."""
+    :func:`pyshm._memory.owner_of` to the owner, which holds the memory."""
 
     __slots__ = ("__array_interface__", "base")
 
@@ -807,9 +797,9 @@ class _Span:
 
 class _MemoryIndex:
     """The pyshm memory of this process by address: the live owners of storages made here
-    (``_REFERENCES``) and the memfds received (the cache of mappings), as ranges sorted by
+    (``REFERENCES``) and the memfds received (the cache of mappings), as ranges sorted by
     start. Built in full at its first use and when too much in it died; in between, the owners
-    and mappings made meanwhile (pyshm.arrays._NEW_OWNERS) are added one by one. Ranges may
+    and mappings made meanwhile (pyshm._memory.NEW_OWNERS) are added one by one. Ranges may
     overlap (an arena's tensors do): a range is looked for among those that start at most the
     longest range's length before it. A range is read from libshm once per owner (a storage's
     memory never moves while an owner holds it)."""
@@ -828,16 +818,16 @@ class _MemoryIndex:
             return None
         if isinstance(found, _Mapping):
             return found.data, found.data + found.size, ref
-        handle = handle or _REFERENCES.get(ref)
+        handle = handle or REFERENCES.get(ref)
         if not handle:
             return None
         data = lib.lshm_storage_data(handle) or 0
         return data, data + lib.lshm_storage_nbytes(handle), ref
 
     def _build(self) -> None:
-        arrays._tracking = True
-        arrays._NEW_OWNERS.clear()
-        references = _REFERENCES.copy()  # (one C call: a collection meanwhile cannot upset it)
+        _memory.tracking = True
+        _memory.NEW_OWNERS.clear()
+        references = REFERENCES.copy()  # (one C call: a collection meanwhile cannot upset it)
         mappings = list(_cache.mappings.data.copy().values())
         entries = [entry for entry in (self._range(ref, handle)
                                        for ref, handle in references.items()) if entry]
@@ -850,8 +840,8 @@ class _MemoryIndex:
     def _add_new(self) -> None:
         import bisect
 
-        new = arrays._NEW_OWNERS[:]
-        del arrays._NEW_OWNERS[:len(new)]
+        new = _memory.NEW_OWNERS[:]
+        del _memory.NEW_OWNERS[:len(new)]
         for ref in new:
             entry = self._range(ref, None)
             if entry is not None:
@@ -865,10 +855,10 @@ class _MemoryIndex:
         (channel lock held)."""
         import bisect
 
-        if (not self.built or not arrays._tracking or self.dead > 1024 + len(self.entries) // 2
-                or len(self.entries) > 1024 + 2 * (len(_REFERENCES) + len(_cache.mappings))):
+        if (not self.built or not _memory.tracking or self.dead > 1024 + len(self.entries) // 2
+                or len(self.entries) > 1024 + 2 * (len(REFERENCES) + len(_cache.mappings))):
             self._build()  # (first use, too many new ones, too much dead)
-        elif arrays._NEW_OWNERS:
+        elif _memory.NEW_OWNERS:
             self._add_new()
         end = address + nbytes
         at = bisect.bisect_right(self.starts, address) - 1
@@ -883,7 +873,7 @@ class _MemoryIndex:
         return None
 
 
-_memory = _MemoryIndex()
+_by_address = _MemoryIndex()
 
 
 def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
@@ -893,7 +883,7 @@ def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
     if nbytes <= 0 or address <= 0:
         return None
     with _state.lock:
-        found = _memory.find(address, nbytes)
+        found = _by_address.find(address, nbytes)
         if isinstance(found, _Mapping):
             return np.asarray(_ReceivedOwner(found, address - found.data, nbytes, found.sealed,
                                              (nbytes,), np.dtype(np.uint8), None, 0))
@@ -924,14 +914,14 @@ class Ref:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"pyshm.ref takes a numpy array of pyshm memory, not "
                             f"{type(array).__name__}")
-        owner = _owner_of(array)
+        owner = owner_of(array)
         if owner is None or (owner._facts is None and not owner._handle):
             raise TypeError("pyshm.ref needs an array of pyshm memory: this one is not; bring "
                             "it in with pyshm.copy(array, shared=True)")
         if owner._facts is None:
             handle = owner._handle
             if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
-                _share_in_place(handle, "pyshm.ref", TypeError)
+                share_in_place(handle, "pyshm.ref", TypeError)
         self.array = array
 
     def __reduce__(self):
@@ -1002,7 +992,7 @@ def share_readonly(array: Any) -> Any:
 
     :class:`TypeError` for memory pyshm does not own.
     """
-    owner = _owner_of(array)
+    owner = owner_of(array)
     if owner is None or owner._handle is None:
         raise TypeError(
             "share_readonly needs an array whose memory pyshm owns; use "
@@ -1027,7 +1017,7 @@ def share_readonly(array: Any) -> Any:
     try:
         # Unshared: in place into a memfd of its own (a small array too), never handed out.
         # Shared already in its slab's memfd: refused by libshm (EINVAL), nothing changed.
-        _share_in_place(handle, "share_readonly", share=lib.lshm_storage_share_readonly)
+        share_in_place(handle, "share_readonly", share=lib.lshm_storage_share_readonly)
     except _ffi.ShmValueError as exc:
         raise _ffi.ShmValueError(
             exc.errno,

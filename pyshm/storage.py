@@ -3,32 +3,21 @@
 from __future__ import annotations
 
 import ctypes
-import errno
+import pickle
 import weakref
-from typing import Any, Optional
+from typing import Optional
+
+import numpy as np
 
 from . import _checks, _ffi
 from ._ffi import lib
+from ._memory import array_from_storage, check_nbytes, create, share_in_place
 
 __all__ = ["Storage", "trim_pool"]
 
 
 def _release(handle: int) -> None:
     lib.lshm_storage_release(handle)
-
-
-def _create(nbytes: int, shared: bool, resizable: bool = False) -> int:
-    """A new C storage of ``nbytes``; the caller owns the returned reference."""
-    nbytes = _check_nbytes(nbytes)
-    out = ctypes.c_void_p()
-    if shared:
-        if resizable:
-            raise ValueError("a shared storage cannot be resizable")
-        lib.lshm_storage_create_shared(nbytes, 0, ctypes.byref(out))
-    else:
-        flags = _ffi.STORAGE_RESIZABLE if resizable else 0
-        lib.lshm_storage_create(nbytes, None, flags, ctypes.byref(out))
-    return out.value
 
 
 class Storage:
@@ -55,7 +44,7 @@ class Storage:
     __slots__ = ("_handle", "_key", "_keep", "_finalizer", "__weakref__")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
-        self._adopt(_create(nbytes, shared, resizable))
+        self._adopt(create(nbytes, shared, resizable))
 
     def _adopt(self, handle: int) -> None:
         self._handle = handle
@@ -81,7 +70,7 @@ class Storage:
         duplicated; the caller keeps ownership of ``fd``.
         """
         fd = _checks.fd(fd)
-        nbytes = _check_nbytes(nbytes)
+        nbytes = check_nbytes(nbytes)
         offset = _checks.uint64(offset, "offset")
         out = ctypes.c_void_p()
         flags = _ffi.STORAGE_READONLY if readonly else 0
@@ -134,8 +123,6 @@ class Storage:
     def __reduce_ex__(self, protocol):
         # Plain pickle copies the bytes (out of band with protocol 5); multiprocessing sends
         # the memory itself (pyshm.reduction registers a ForkingPickler reducer).
-        from .reduction import reduce_storage_by_value
-
         return reduce_storage_by_value(self, protocol)
 
     # ---- accessors --------------------------------------------------------------------------
@@ -201,7 +188,7 @@ class Storage:
         :class:`pyshm.Arena`: its bytes are a slice of the arena's buffer, which cannot be
         shared in place (create the arena with ``shared=True``).
         """
-        _share_in_place(self._as_parameter_, "share_memory_")
+        share_in_place(self._as_parameter_, "share_memory_")
         return self
 
     def copy_(self, other: "Storage") -> "Storage":
@@ -228,50 +215,27 @@ class Storage:
         # good, whatever holds the storage), then any other reference is EBUSY (growing may
         # move the pages and shrinking unmaps the tail: either would leave a live array on
         # freed memory).
-        lib.lshm_storage_resize(self._as_parameter_, _check_nbytes(nbytes))
+        lib.lshm_storage_resize(self._as_parameter_, check_nbytes(nbytes))
         return self
 
     def asarray(self, shape=None, dtype="uint8", offset: int = 0):
         """A numpy array over this storage's bytes (it keeps the memory alive)."""
-        from .arrays import _array_from_storage
-
-        return _array_from_storage(self._as_parameter_, shape, dtype, offset, self._keep)
+        return array_from_storage(self._as_parameter_, shape, dtype, offset, self._keep)
 
 
-def _share_in_place(handle: int, what: str, error: Optional[type] = None,
-                    share: Any = None) -> None:
-    """lshm_storage_share (or `share`, e.g. lshm_storage_share_readonly) of `handle`, with
-    libshm's EBUSY refusal explained in pyshm's terms.
-
-    A storage that owns whole pages is shared in place at the same address. One that does not
-    (in pyshm: a slot of a private arena, whose bytes are a slice of the arena's buffer) would
-    move to a new mapping while the arrays over it stay on the old bytes, so libshm refuses it
-    with EBUSY, changing nothing, while anything besides the arena holds it. `error`: the
-    exception class to raise instead of ShmBufferError (EBUSY).
-    """
-    try:
-        if share is None:
-            rc = _ffi.share_unchecked(handle)
-            if rc >= 0:
-                return
-            _ffi.raise_for(rc, "lshm_storage_share")
-        else:
-            share(handle)
-    except _ffi.ShmBufferError as exc:
-        message = (
-            f"{what}: this memory is a slice of a private pyshm.Arena's buffer, which cannot be "
-            "shared in place (arrays over it would stop aliasing it); create the arena with "
-            "shared=True, or share a copy: pyshm.copy(array, shared=True) "
-            f"({exc.strerror})"
-        )
-        if error is None:
-            raise _ffi.ShmBufferError(errno.EBUSY, message) from None
-        raise error(message) from None
+def reduce_storage_by_value(storage: Storage, protocol: int):
+    """Plain pickle of a Storage: its bytes (out of band with protocol 5), no fd."""
+    data = storage.asarray()
+    payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
+    return _storage_from_bytes, (payload,)
 
 
-def _check_nbytes(nbytes) -> int:
-    """A byte count for C: an int (not a float, even 3.0) in [0, 2**63)."""
-    return _checks.integer(nbytes, "nbytes", 0, _checks.INT64_MAX, "size_t below 2**63")
+def _storage_from_bytes(payload) -> Storage:
+    view = memoryview(payload).cast("B")
+    storage = Storage(view.nbytes)
+    if view.nbytes:
+        storage.asarray()[:] = np.frombuffer(view, np.uint8)
+    return storage
 
 
 def trim_pool() -> int:

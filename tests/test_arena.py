@@ -352,8 +352,8 @@ def test_planned_arena_arrays_keep_their_buffer_reference():
     arena = pyshm.Arena([4096, 4096], [0, 1], [1, 2]).allocate()
     a = arena.array(0)
     b = arena.array(1)
-    owner_a = pyshm.arrays._owner_of(a)
-    owner_b = pyshm.arrays._owner_of(b)
+    owner_a = pyshm._memory.owner_of(a)
+    owner_b = pyshm._memory.owner_of(b)
     assert owner_a._keep is owner_b._keep  # one buffer reference for all arrays on it
     assert owner_a._keep.arena is arena and owner_a._keep.buffer is not None
     del a, b, owner_a, owner_b

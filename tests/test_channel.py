@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pyshm
 from pyshm import _channel, reduction
-from pyshm.arrays import _owner_of
+from pyshm._memory import owner_of as _owner_of
 
 from shm_harness import start_with_pipe
 
@@ -177,6 +177,9 @@ def test_a_process_of_another_user_gets_nothing_and_is_told_why():
     (fd,), _, _ = _channel.fetch(address, [(key, secret)])  # our own user still gets it
     assert fd is not None
     os.close(fd)
+    deadline = time.monotonic() + 5  # (the server thread closes its end of a connection last)
+    while len(os.listdir("/proc/self/fd")) != before and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(os.listdir("/proc/self/fd")) == before
 
 

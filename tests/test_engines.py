@@ -447,13 +447,13 @@ def test_plain_torch_tensors_never_look_for_pyshm_memory():
     torch = torch_or_skip()
     from multiprocessing.reduction import ForkingPickler
 
-    from pyshm import arrays
+    from pyshm import _memory
 
     ForkingPickler.dumps(torch.from_numpy(pyshm.zeros(10, shared=True)))  # (the index is used)
     fresh = pyshm.zeros(10, shared=True)  # (the index would add it at its next use)
-    assert arrays._tracking and arrays._NEW_OWNERS
+    assert _memory.tracking and _memory.NEW_OWNERS
     ForkingPickler.dumps(torch.zeros(1000))
-    assert arrays._NEW_OWNERS  # not looked at
+    assert _memory.NEW_OWNERS  # not looked at
     del fresh
 
 
@@ -490,7 +490,7 @@ def test_tensors_over_memory_made_between_sends_and_past_the_new_owners_bound():
     torch = torch_or_skip()
     from multiprocessing.reduction import ForkingPickler
 
-    from pyshm import arrays
+    from pyshm import _memory
 
     def by_reference(array):
         back = pickle.loads(ForkingPickler.dumps(torch.from_numpy(array)))
@@ -499,10 +499,10 @@ def test_tensors_over_memory_made_between_sends_and_past_the_new_owners_bound():
     assert by_reference(pyshm.zeros(100, shared=True))
     for _ in range(50):  # each new, and older ones dying in between
         assert by_reference(pyshm.zeros(100, shared=True))
-    many = [pyshm.zeros(8, np.uint8, shared=True) for _ in range(arrays._NEW_OWNERS_MAX + 10)]
-    assert not arrays._tracking  # (too many to collect: the index rebuilds at its next use)
+    many = [pyshm.zeros(8, np.uint8, shared=True) for _ in range(_memory.NEW_OWNERS_MAX + 10)]
+    assert not _memory.tracking  # (too many to collect: the index rebuilds at its next use)
     assert by_reference(many[-1]) and by_reference(many[len(many) // 2])
-    assert arrays._tracking
+    assert _memory.tracking
 
 
 # ---- dask.distributed -----------------------------------------------------------------------

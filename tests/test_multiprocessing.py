@@ -28,7 +28,7 @@ import pytest
 
 import pyshm
 from pyshm import _channel, _ffi, reduction
-from pyshm.arrays import _owner_of
+from pyshm._memory import owner_of as _owner_of
 
 from shm_harness import start_with_pipe
 
@@ -510,11 +510,11 @@ def storages_made_on_demand(arrays):
     """In the receiver, for arrays of a memfd mapped here already (the second one): their C
     storages are made when first asked for, once even when two threads ask at once, and
     given back when the array goes; the array is sent back after a write."""
-    from pyshm import arrays as pyshm_arrays
+    from pyshm import _memory as pyshm_memory
 
     _, b = arrays
-    before = len(pyshm_arrays._REFERENCES)
-    assert pyshm.is_shared(b) and len(pyshm_arrays._REFERENCES) == before  # (no view made)
+    before = len(pyshm_memory.REFERENCES)
+    assert pyshm.is_shared(b) and len(pyshm_memory.REFERENCES) == before  # (no view made)
     storages: list = []
 
     def ask():
@@ -526,7 +526,7 @@ def storages_made_on_demand(arrays):
         t.start()
     for t in threads:
         t.join()
-    made = len(pyshm_arrays._REFERENCES) - before
+    made = len(pyshm_memory.REFERENCES) - before
     same = all(st == storages[0] for st in storages)
     refs = _ffi.lib.lshm_storage_refcount(_owner_of(b)._handle)
     for st in storages:

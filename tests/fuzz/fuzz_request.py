@@ -26,7 +26,7 @@ with atheris.instrument_imports(include=["pyshm._channel"]):
     import pyshm
     from pyshm import _channel as C
     from pyshm import reduction
-    from pyshm.arrays import _owner_of
+    from pyshm._memory import owner_of as _owner_of
 
 ARRAYS = [
     pyshm.share_memory_(pyshm.zeros(70_000, np.uint8)),

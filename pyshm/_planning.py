@@ -1,0 +1,94 @@
+"""The planner's binding, shared by pyshm.planner and pyshm.arena: the :class:`Plan` result,
+the checked inputs and options of ``lshm_plan``-style calls, and the Plan built from the C
+library's result. Imports only the binding (``_ffi``)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _checks, _ffi
+from ._ffi import lib
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The result of :func:`plan`.
+
+    ``offsets[i]`` is where tensor ``i`` starts; ``arena_size`` the bytes the arena needs;
+    ``lower_bound`` the most bytes live at one time, which no plan can beat; ``strategy`` the
+    name of the placement that won; ``optimal`` whether ``arena_size`` is proven minimal.
+    """
+
+    offsets: np.ndarray
+    arena_size: int
+    lower_bound: int
+    strategy: str
+    optimal: bool
+    seconds: float
+    alignment: int
+    inclusive: bool
+
+    @property
+    def ratio(self) -> float:
+        """arena_size / lower_bound (1.0 is perfect)."""
+        return self.arena_size / self.lower_bound if self.lower_bound else 1.0
+
+
+Plan.__module__ = "pyshm.planner"  # (its public home: repr, docs, pickles name it there)
+
+
+def options(
+    alignment: int, inclusive: bool, time_limit: float, capacity: int = 0
+) -> _ffi.PlanOptions:
+    alignment = _checks.uint64(alignment, "alignment")
+    if alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two >= 1, got {alignment}")
+    time_limit = _checks.seconds(time_limit, "time_limit")
+    capacity = _checks.uint64(capacity, "capacity")
+    opts = _ffi.PlanOptions()
+    lib.lshm_plan_options_init(ctypes.byref(opts))
+    opts.alignment = alignment
+    opts.flags = _ffi.PLAN_INCLUSIVE if inclusive else 0
+    opts.time_limit = time_limit
+    opts.capacity = capacity
+    return opts
+
+
+def as_array(values: Any, dtype, name: str) -> np.ndarray:
+    return _checks.int_array(values, dtype, name)
+
+
+def inputs(sizes, firsts, lasts):
+    sizes_a = as_array(sizes, np.uint64, "sizes")
+    firsts_a = as_array(firsts, np.int64, "firsts")
+    lasts_a = as_array(lasts, np.int64, "lasts")
+    n = len(sizes_a)
+    if len(firsts_a) != n or len(lasts_a) != n:
+        raise ValueError(
+            f"sizes, firsts and lasts must have one length, got {n}, {len(firsts_a)}, {len(lasts_a)}"
+        )
+    return n, sizes_a, firsts_a, lasts_a
+
+
+def pointer(array: Optional[np.ndarray], ptype):
+    return None if array is None else array.ctypes.data_as(ptype)
+
+
+def plan_from_result(
+    offsets: np.ndarray, result: _ffi.PlanResult, alignment: int, inclusive: bool
+) -> Plan:
+    """A :class:`Plan` from the C library's lshm_plan_result."""
+    return Plan(
+        offsets=offsets,
+        arena_size=int(result.arena_size),
+        lower_bound=int(result.lower_bound),
+        strategy=result.strategy.decode("utf-8", "replace"),
+        optimal=bool(result.optimal),
+        seconds=float(result.seconds),
+        alignment=alignment,
+        inclusive=inclusive,
+    )
