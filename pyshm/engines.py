@@ -29,19 +29,19 @@ What each hook does, and the engine's extension point it uses:
 * **Ray** pickles objects (task arguments and results, actor calls, ``ray.put``) with its
   cloudpickle, where ``ray.util.register_serializer`` replaces the pickling of a type. The
   hook registers one for numpy arrays (and, once torch is imported, for tensors): pyshm
-  memory goes by reference while every node of the cluster is on this machine (Ray chooses
-  the node that reads an object only after it was serialized), everything else exactly as
-  Ray pickles it by default. The deserializer is ``operator.itemgetter``: a stream that goes
-  by value names nothing of pyshm.
+  memory goes as a reference *and* as Ray's own copy (Ray stores objects, reads them many
+  times, later, anywhere in the cluster: only the reader knows whether the sender can still
+  give the memory). A reader gets the sender's memory itself when it can (the sender runs and
+  holds it, on this machine, in this network namespace), else Ray's copy. Everything else is
+  pickled exactly as without pyshm (Ray's own way, or a serializer registered before).
 """
 
 from __future__ import annotations
 
 import importlib.abc
-import os
+import pickle
 import sys
 import threading
-import time
 import warnings
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -58,6 +58,11 @@ _installed: set = set()
 
 def installed() -> frozenset:
     """The engines whose hooks are in ("torch", "joblib", "distributed", "ray")."""
+    if "ray" in _installed:  # (a user may have deregistered it: ray.util.deregister_serializer)
+        from ray.cloudpickle import CloudPickler
+
+        if not getattr(CloudPickler.dispatch.get(np.ndarray), "_pyshm", False):
+            _installed.discard("ray")
     return frozenset(_installed)
 
 
@@ -335,101 +340,120 @@ def _install_distributed() -> None:
 
 # ---- ray ------------------------------------------------------------------------------------
 
-RAY_NODES_SECONDS = 1.0  # how long an answer to "is every node of the cluster here?" holds
-_ray_cluster = [float("-inf"), False]  # (when Ray was last asked, and the answer)
+
+class _ByValue:
+    """An object pickled the way its pickler would pickle it without pyshm (numpy's or torch's
+    own reduction, for that pickler's protocol: out of band with protocol 5)."""
+
+    __slots__ = ("value", "previous")
+
+    def __init__(self, value: Any, previous: Any = None) -> None:
+        self.value, self.previous = value, previous
+
+    def __reduce_ex__(self, protocol: int):
+        if self.previous is not None:  # (a serializer registered before pyshm's: it decides)
+            return self.previous(self.value)
+        return self.value.__reduce_ex__(protocol)
 
 
-def _ray_cluster_here() -> bool:
-    """Whether this process is connected to a Ray cluster whose alive nodes all run on this
-    machine, in this network namespace: Ray decides where an object goes after it is
-    serialized (any task on any node may take it), so a reference is of use only then. Ray is
-    asked at most once every ``RAY_NODES_SECONDS``."""
-    now = time.monotonic()
-    if now - _ray_cluster[0] >= RAY_NODES_SECONDS:
-        ray = sys.modules["ray"]
-        try:
-            nodes = [node for node in ray.nodes() if node.get("Alive")] \
-                if ray.is_initialized() else []
-            here = bool(nodes) and all(_local_host(str(node.get("NodeManagerAddress", "")))
-                                       for node in nodes)
-        except Exception:  # (Ray client mode, a cluster going down: by value is always right)
-            here = False
-        _ray_cluster[:] = [now, here]
-    return _ray_cluster[1]
+_NOT_DELIVERED = (pickle.UnpicklingError, OSError, MemoryError)  # (DeliveryError among them)
 
 
-_ray_lingers: list = []  # (the pid that registered the wait at exit)
+def _ray_array_back(reference: tuple, copy: Any) -> Any:
+    """A pyshm array sent through Ray: the sender's memory itself while the sender can still
+    give it (it runs, holds the memory, and this process can reach it: this machine, this
+    network namespace), else the copy Ray carried beside it (read-only from Ray's object
+    store, as Ray gives any array)."""
+    try:
+        return reduction._rebuild_ndarray(*reference)
+    except _NOT_DELIVERED:
+        return copy
 
 
-def _ray_by_reference() -> bool:
-    """Whether pyshm memory goes by reference through Ray now (_ray_cluster_here). A Ray
-    worker that sends some then waits at its exit until its receivers have it: Ray ends a
-    worker by a normal exit (``max_calls``, idle workers), often before the result is read."""
-    if not _ray_cluster_here():
-        return False
-    if not _ray_lingers or _ray_lingers[0] != os.getpid():
-        ray = sys.modules["ray"]
-        if ray._private.worker.global_worker.mode == ray.WORKER_MODE:
-            import atexit
-
-            from . import _channel
-
-            atexit.register(_channel.linger)
-        _ray_lingers[:] = [os.getpid()]
-    return True
+def _ray_tensor_back(reference: tuple, layout: tuple, copy: Any) -> Any:
+    """The same for a tensor over pyshm memory: over the sender's memory, else Ray's copy."""
+    try:
+        data = reduction._rebuild_ndarray(*reference)
+    except _NOT_DELIVERED:
+        return copy
+    return _rebuild_tensor(data, *layout)
 
 
-def _ray_array(a: np.ndarray) -> tuple:
-    # (a 1-tuple for operator.itemgetter(0), the deserializer: the stream names no pyshm
-    # function but the rebuild of a reference, so any receiver reads what goes by value)
-    if _pyshm_array(a) and _ray_by_reference():
-        return (_Reduced(reduction._reduce_ndarray(a)),)
-    return (_Reduced(a.__reduce_ex__(5)),)  # Ray's own way: numpy's pickle, out of band
+def _ray_array(previous):
+    def serialize(a: np.ndarray) -> tuple:
+        # (a 1-tuple for operator.itemgetter(0), the deserializer)
+        copy = _ByValue(a, previous)
+        if not _pyshm_array(a):
+            return (copy,)
+        rebuild, reference = reduction._reduce_ndarray(a)
+        if rebuild is not reduction._rebuild_ndarray:
+            return (copy,)  # (what pyshm pickles by value itself: empty arrays)
+        return (_Reduced((_ray_array_back, (reference, copy))),)
 
-
-def _ray_tensor_serializer(previous):
-    def serialize(tensor) -> tuple:
-        reduced = _tensor_reduction(tensor) if _ray_by_reference() else None
-        if reduced is None:
-            reduced = previous(tensor) if previous is not None else tensor.__reduce_ex__(5)
-        return (_Reduced(reduced),)
-
+    serialize._pyshm = True
     return serialize
 
 
-def _install_ray() -> None:
+def _ray_tensor(previous):
+    def serialize(tensor) -> tuple:
+        copy = _ByValue(tensor, previous)
+        try:
+            reduced = _tensor_reduction(tensor)
+        except pickle.PicklingError:
+            return (copy,)  # (memory shared read-only: a tensor has no read-only flag; a copy)
+        if reduced is None:
+            return (copy,)
+        (rebuild, reference), layout = reduced[1][0].value, reduced[1][1:]
+        if rebuild is not reduction._rebuild_ndarray:
+            return (copy,)
+        return (_Reduced((_ray_tensor_back, (reference, layout, copy))),)
+
+    serialize._pyshm = True
+    return serialize
+
+
+def _ray_register(kind: type, make) -> None:
+    """Register pyshm's serializer for `kind` with Ray, over whatever is there (Ray's own
+    reducer, a user's serializer: kept for what pyshm sends by value)."""
     import operator
 
     from ray.cloudpickle import CloudPickler
     from ray.util import register_serializer
 
-    if getattr(CloudPickler.dispatch.get(np.ndarray), "_pyshm", False) is False:
-        register_serializer(np.ndarray, serializer=_ray_array,
-                            deserializer=operator.itemgetter(0))
-        CloudPickler.dispatch[np.ndarray]._pyshm = True
+    current = CloudPickler.dispatch.get(kind)
+    if getattr(current, "_pyshm", False):
+        return
+    register_serializer(kind, serializer=make(current), deserializer=operator.itemgetter(0))
+    CloudPickler.dispatch[kind]._pyshm = True
+
+
+def _install_ray() -> None:
+    from ray._private.serialization import SerializationContext
+
+    _ray_register(np.ndarray, _ray_array)
+    init = SerializationContext.__init__
+    if getattr(init, "_pyshm_wraps", None) is None:
+        # Ray's context for a new job registers Ray's own reducers again (its zero-copy tensor
+        # reducer among them, RAY_ENABLE_ZERO_COPY_TORCH_TENSORS): pyshm's go back on top
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            _ray_register(np.ndarray, _ray_array)
+            _install_ray_tensors()
+
+        __init__._pyshm_wraps = init
+        SerializationContext.__init__ = __init__
     _installed.add("ray")
     _install_ray_tensors()
 
 
 def _install_ray_tensors() -> None:
-    """Tensors over pyshm memory through Ray (once both are imported): Ray pickles tensors
-    by value (or, with its zero-copy switch on, by its own reducer: kept for other tensors)."""
+    """Tensors over pyshm memory through Ray (once both are imported)."""
     if "ray" not in _installed or "torch" not in sys.modules or \
             not hasattr(sys.modules["torch"], "nn"):
         return
-    import operator
-
-    from ray.cloudpickle import CloudPickler
-    from ray.util import register_serializer
-
     torch = _torch()
     for kind in (torch.Tensor, torch.nn.Parameter):
-        previous = CloudPickler.dispatch.get(kind)
-        if getattr(previous, "_pyshm", False):
-            continue
-        register_serializer(kind, serializer=_ray_tensor_serializer(previous),
-                            deserializer=operator.itemgetter(0))
-        CloudPickler.dispatch[kind]._pyshm = True
+        _ray_register(kind, _ray_tensor)
 
 
 # ---- installing after an engine's own import --------------------------------------------------

@@ -19,7 +19,8 @@ Workers are started once per engine, before the rounds.
   against a pyshm array made with ``shared=True``;
 * Ray, a local cluster of 2 CPUs: ``ray.put`` then a task on the object and ``ray.get``, a
   ``numpy.zeros`` array (Ray's object store: read in place, read-only, so the worker writes a
-  copy that comes back by value) against a pyshm array made with ``shared=True``.
+  copy that comes back by value) against a pyshm array made with ``shared=True`` (which Ray
+  still copies into its store both ways, beside the reference: see pyshm.engines).
 """
 
 from __future__ import annotations
