@@ -263,6 +263,7 @@ _TABLE = [
     # version and errors
     ("lshm_version", c_int, [], False),
     ("lshm_version_string", c_char_p, [], False),
+    ("lshm_abi_value", c_int, [c_char_p, _u64_p], True),
     ("lshm_strerror", c_char_p, [c_int], False),
     ("lshm_err_name", c_char_p, [c_int], False),
     ("lshm_last_error", c_char_p, [], False),

@@ -458,3 +458,40 @@ def test_the_version_is_written_once_and_the_binding_takes_only_its_own_minor(tm
         assert done.returncode != 0
         assert (f"is libshm {other[0]}.{other[1]}.{other[2]}; this pyshm needs "
                 f"{major}.{minor}.x") in done.stderr
+
+
+# every struct and constant pyshm._ffi mirrors, by its name in lshm.h
+MIRRORED_STRUCTS = {"PlanOptions": "lshm_plan_options", "PlanResult": "lshm_plan_result",
+                    "ArenaCounters": "lshm_arena_counters", "ExportInfo": "lshm_export_info",
+                    "SlabCounters": "lshm_slab_counters"}
+MIRRORED_CONSTANTS = {"STORAGE_RESIZABLE": "LSHM_STORAGE_RESIZABLE",
+                      "STORAGE_SHARED": "LSHM_STORAGE_SHARED",
+                      "STORAGE_READONLY": "LSHM_STORAGE_READONLY",
+                      "STORAGE_INPLACE": "LSHM_STORAGE_INPLACE",
+                      "PLAN_INCLUSIVE": "LSHM_PLAN_INCLUSIVE", "ARENA_SHARED": "LSHM_ARENA_SHARED",
+                      "SLAB_MAX_BYTES": "LSHM_SLAB_MAX_BYTES", "SLAB_BYTES": "LSHM_SLAB_BYTES"}
+
+
+def abi_value(name: str) -> int:
+    value = ctypes.c_uint64()
+    _ffi.lib.lshm_abi_value(name.encode(), ctypes.byref(value))
+    return value.value
+
+
+def test_the_bindings_structs_and_flags_are_the_librarys():
+    structs = {name: cls for name, cls in vars(_ffi).items()
+               if isinstance(cls, type) and issubclass(cls, ctypes.Structure)}
+    assert set(structs) == set(MIRRORED_STRUCTS)  # (a new mirror gets its line above)
+    for name, c_name in MIRRORED_STRUCTS.items():
+        cls = structs[name]
+        assert ctypes.sizeof(cls) == abi_value(c_name), name
+        assert len(cls._fields_) == abi_value(f"{c_name}#fields"), name  # none left out
+        for field, _ in cls._fields_:
+            assert getattr(cls, field).offset == abi_value(f"{c_name}.{field}"), (name, field)
+            assert getattr(cls, field).size == abi_value(f"{c_name}.{field}#size"), (name, field)
+    for name, c_name in MIRRORED_CONSTANTS.items():
+        assert getattr(_ffi, name) == abi_value(c_name), name
+    assert abi_value("LSHM_VERSION_NUMBER") == _ffi.lib.lshm_version()
+    with pytest.raises(pyshm.ShmError) as caught:
+        abi_value("lshm_plan_options.no_such_field")
+    assert caught.value.errno == errno.ENOENT and "no_such_field" in str(caught.value)

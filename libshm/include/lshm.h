@@ -70,6 +70,13 @@ extern "C" {
 LSHM_API int lshm_version(void);
 /* The same as a "major.minor.patch" string with static lifetime. */
 LSHM_API const char *lshm_version_string(void);
+/* The layout of the public structs and the values of the public constants as this library
+ * was built, for bindings that mirror them: `name` is a struct ("lshm_plan_options": its
+ * sizeof; "lshm_plan_options#fields": its number of fields), a field
+ * ("lshm_plan_options.alignment": its offsetof; "lshm_plan_options.alignment#size": its
+ * sizeof) or a constant ("LSHM_STORAGE_SHARED"). Writes *value. Thread-safe.
+ * Errors: -EINVAL (NULL), -ENOENT (no such name). */
+LSHM_API int lshm_abi_value(const char *name, uint64_t *value);
 
 /* Name and description of an error code (negative errno values as returned by this library;
  * a positive value is treated as its negation). Never returns NULL; the string is static. */

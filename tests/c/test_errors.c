@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <stddef.h>
 #include <pthread.h>
 
 static void test_version(void) {
@@ -18,6 +19,23 @@ static void test_version(void) {
     snprintf(expected, sizeof expected, "%d.%d.%d", LSHM_VERSION_MAJOR, LSHM_VERSION_MINOR,
              LSHM_VERSION_PATCH);
     ASSERT(strcmp(lshm_version_string(), expected) == 0);
+}
+
+static void test_abi_values(void) {
+    uint64_t v = 7;
+    ASSERT_OK(lshm_abi_value("lshm_export_info", &v));
+    ASSERT_UINT_EQ(v, sizeof(lshm_export_info));
+    ASSERT_OK(lshm_abi_value("lshm_export_info.nbytes", &v));
+    ASSERT_UINT_EQ(v, offsetof(lshm_export_info, nbytes));
+    ASSERT_OK(lshm_abi_value("lshm_plan_result.strategy#size", &v));
+    ASSERT_UINT_EQ(v, 48);
+    ASSERT_OK(lshm_abi_value("LSHM_SLAB_BYTES", &v));
+    ASSERT_UINT_EQ(v, LSHM_SLAB_BYTES);
+    v = 7;
+    ASSERT_ERR(lshm_abi_value("lshm_export_info.no_such_field", &v), -ENOENT);
+    ASSERT_ERR(lshm_abi_value(NULL, &v), -EINVAL);
+    ASSERT_ERR(lshm_abi_value("LSHM_SLAB_BYTES", NULL), -EINVAL);
+    ASSERT_UINT_EQ(v, 7); /* untouched on failure */
 }
 
 static void test_names(void) {
@@ -100,5 +118,6 @@ int main(void) {
     RUN_TEST(test_names);
     RUN_TEST(test_last_error);
     RUN_TEST(test_fault_injection);
+    RUN_TEST(test_abi_values); /* (last: it leaves a last-error message behind) */
     return 0;
 }
