@@ -183,8 +183,8 @@ struct lshm_storage {
     lshm__slab_memfd *slab_memfd; /* ORIGIN_SLAB, shared: the slab memfd it was shared into
                                  (retained); NULL while unshared or when it has its own fd */
     _Atomic unsigned char exported; /* its fd was handed out or sealed read-only: never pooled */
-    unsigned long fork_epoch; /* share.c's fork epoch when the share began, 0 if never shared
-                                 (see lshm__pool_put) */
+    unsigned long fork_epoch; /* the fork epoch (lshm__pool_epoch) when the share began, 0
+                                 if never shared (see lshm__pool_put) */
     pthread_mutex_t lock;     /* serialises share and resize of this storage */
 };
 
@@ -246,20 +246,36 @@ extern _Atomic unsigned long lshm__share_huge_chunks;
 extern _Atomic int lshm__share_helper_fails_at;
 #endif
 
-/* share.c: fork() waits for shares and resizes in flight. A share or resize calls enter before
+/* fork.c: fork() waits for shares and resizes in flight. A share or resize calls enter before
  * it takes the storage's lock and leave after releasing it (a process-wide read lock, which a
  * pthread_atfork prepare handler takes for writing); nested calls in one thread take it once.
  * No callback that may block on another thread's progress (a Python callback wanting the
  * GIL) may run in between. */
 void lshm__fork_guard_enter(void);
 void lshm__fork_guard_leave(void);
+/* 1 in the child of a fork() (fork.c): no helper threads there. */
+int lshm__forked_child(void);
+/* Whether the fork handlers are registered (they are, at load time, unless pthread_atfork ran
+ * out of memory: then nothing is pooled and nothing goes in slabs). */
+int lshm__fork_handlers_ok(void);
 
-/* The pool of recycled memfds (share.c). lshm__pool_put is called by free_bytes after the
- * storage's own range was unmapped: it keeps s->fd (and clears it) when the memfd can be
- * reused safely (shared in place by lshm_storage_share, never exported, no fork since) and
- * the pool has room; otherwise s->fd is left for the caller to close. ORIGIN_PAGES only. */
+/* ---- the pool of recycled memfds (pool.c) --------------------------------------------------- */
+
+/* Called by free_bytes after the storage's own range was unmapped: keeps s->fd (and clears it)
+ * when the memfd can be reused safely (shared in place by lshm_storage_share, never exported,
+ * no fork since: s->fork_epoch is the current lshm__pool_epoch) and the pool has room;
+ * otherwise s->fd is left for the caller to close. ORIGIN_PAGES only. */
 void lshm__pool_put(lshm_storage *s);
-/* The pool's byte bound, set at the first share from LSHM_POOL_BYTES (tests change it). */
+/* A pooled memfd of exactly `capacity` bytes (the newest one; the caller owns it), or -1. */
+int lshm__pool_take(size_t capacity);
+/* The current fork epoch (bumped by every fork), which a share records in s->fork_epoch. The
+ * first call reads LSHM_POOL_BYTES. */
+unsigned long lshm__pool_epoch(void);
+/* The fork handlers' part (fork.c): lock the pool before a fork; after it, in parent and
+ * child, forget every pooled memfd (close them), bump the epoch and unlock. */
+void lshm__pool_prepare_fork(void);
+void lshm__pool_after_fork(void);
+/* The pool's byte bound, set at the first use from LSHM_POOL_BYTES (tests change it). */
 extern size_t lshm__pool_limit;
 
 /* ---- slabs (slab.c) ------------------------------------------------------------------------ */

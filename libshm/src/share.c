@@ -45,7 +45,8 @@
  *
  * Concurrency: one mutex per storage serialises shares (PyTorch #95606/#96664), so threads
  * sharing one storage at once copy it once and all return 0. A storage already shared returns
- * at once, without the lock. fork() waits for the shares in flight (fork_lock below).
+ * at once, without the lock. fork() waits for the shares in flight (fork.c). Memfds of released
+ * storages come back from the pool (pool.c) when refilling one pays.
  *
  * Seals: our memfds carry F_SEAL_SHRINK|F_SEAL_GROW from the start; F_SEAL_SEAL is added when
  * the fd is first handed out (lshm_storage_fd, lshm_segment_fd), or with F_SEAL_FUTURE_WRITE by
@@ -81,16 +82,10 @@ void lshm__share_pretend_busy(int delta) {
 }
 #endif
 
-/* Set in the child of a fork(): no helper threads there (the work they would share is done on
- * the calling thread). A thread started in a child forked from a process with other threads
- * may need a lock one of those threads held at the fork (AddressSanitizer's allocator is one:
- * a helper hung in its first calloc). */
-static _Atomic int forked_child;
-
 /* pthread_create for a share's helper thread: 0 if it runs; nonzero (do it all on this
  * thread) when it cannot be started or this process is a forked child. */
 static int start_helper(pthread_t *t, void *(*fn)(void *), void *arg) {
-    if (atomic_load_explicit(&forked_child, memory_order_relaxed))
+    if (lshm__forked_child())
         return -1;
     return pthread_create(t, NULL, fn, arg);
 }
@@ -404,214 +399,15 @@ static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
     return chunks_done(fd, data, off, rc);
 }
 
-/* ---- the pool of recycled memfds ---------------------------------------------------------- */
-
-/* A storage shared in place that is released gives its memfd here instead of closing it: the
- * memfd is already sized, sealed and has every page allocated, so the next share of the same
- * capacity only writes into it (7-15 GB/s instead of about 3 into fresh pages: the
- * "pyshm_recycled" rows of `python -m pyshm bench`). Safe only while nobody else can reach the
- * memfd: never exported (fd handed out or sealed read-only) and no fork since the share began (a
- * child inherits the fd and the mapping). Forking empties the pool in parent and child. */
-enum { POOL_MAX_ENTRIES = 256 };
-typedef struct pool_entry {
-    size_t capacity;
-    int fd;
-} pool_entry;
-
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static pool_entry pool[POOL_MAX_ENTRIES];
-static _Atomic int pool_count; /* changed under pool_lock; read without it to skip an empty pool */
-static size_t pool_bytes;
-size_t lshm__pool_limit; /* bytes; 0 disables the pool (tests may change it) */
-static _Atomic unsigned long fork_epoch = 1;
-static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
-
-/* After a fork, in both processes: the pooled memfds are reachable from the other process
- * too, so none may be reused; forget them all. Called with pool_lock held (prepare_fork). */
-static void pool_after_fork(void) {
-    atomic_fetch_add_explicit(&fork_epoch, 1, memory_order_relaxed);
-    for (int i = 0; i < pool_count; i++)
-        lshm__os_close(pool[i].fd);
-    pool_count = 0;
-    pool_bytes = 0;
-    pthread_mutex_unlock(&pool_lock);
-}
-
-/* ---- fork() waits for shares and resizes in flight ----------------------------------------- */
-
-/* A fork() while another thread is inside a share (or resize) would give the child that
- * storage's mutex held by a thread it does not have (its own share would block forever) and,
- * for a chunked share, the chunks swapped so far mapped shared with the parent while the
- * storage says it is private. So shares and resizes hold fork_lock for reading around their
- * locked section, and an atfork prepare handler takes it for writing: fork() waits until none
- * is in flight, and none starts until the fork is done. The child therefore finds every
- * storage either shared completely (mapped shared, as before) or not at all.
- * Writer-preferring, so a fork is not starved by a thread pool that shares continuously; that
- * is also why a thread never takes the read lock twice (fork_depth counts its nesting, e.g. an
- * allocator callback that shares another storage): a second read lock behind a waiting writer
- * would deadlock.
- * Handlers, in one registration so their order is fixed: prepare takes fork_lock, then the slab
- * lock, then pool_lock (the order of a share, which takes those inside its read section);
- * parent and child empty the pool and release pool_lock, release the slab lock (the child also
- * stops sharing into its parent's slab memfds), then fork_lock. glibc's rwlock tells a write
- * unlock from a read unlock by the writer's thread id, which the child's only thread no longer
- * has, so the child re-initialises fork_lock instead (nothing else runs there to hold it). */
-#ifdef PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
-#define FORK_LOCK_INITIALIZER PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
-#else
-#define FORK_LOCK_INITIALIZER PTHREAD_RWLOCK_INITIALIZER
-#endif
-static pthread_rwlock_t fork_lock = FORK_LOCK_INITIALIZER;
-static const pthread_rwlock_t fork_lock_fresh = FORK_LOCK_INITIALIZER;
-static _Thread_local int fork_depth; /* this thread's nesting of fork_guard_enter */
-static _Thread_local int fork_writer; /* this thread's prepare handler holds fork_lock */
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-static int atfork_ok; /* the handlers are registered (written once, under atfork_once) */
-
-static void prepare_fork(void) {
-    /* A fork from inside a share or resize of this very thread (an allocator callback) cannot
-     * wait for itself: it goes ahead, and the child carries on with this thread's call. */
-    if (fork_depth == 0) {
-        pthread_rwlock_wrlock(&fork_lock);
-        fork_writer = 1;
-    }
-    lshm__slab_prepare_fork(); /* a share takes the slab lock inside its read section too */
-    pthread_mutex_lock(&pool_lock);
-}
-
-static void parent_after_fork(void) {
-    pool_after_fork();
-    lshm__slab_after_fork_parent();
-    if (fork_writer) {
-        fork_writer = 0;
-        pthread_rwlock_unlock(&fork_lock);
-    }
-}
-
-static void child_after_fork(void) {
-    atomic_store_explicit(&forked_child, 1, memory_order_relaxed);
-    pool_after_fork();
-    lshm__slab_after_fork_child();
-    fork_writer = 0;
-    fork_lock = fork_lock_fresh;
-    if (fork_depth > 0) /* this thread is inside a share: it will unlock when it leaves */
-        pthread_rwlock_rdlock(&fork_lock);
-}
-
-static void register_atfork(void) {
-    /* Fails only with ENOMEM: then fork() does not wait, and nothing is pooled. */
-    atfork_ok = pthread_atfork(prepare_fork, parent_after_fork, child_after_fork) == 0;
-}
-
-/* At load time, so that no fork can start its handler list before they are in it while the
- * first share of the process runs; the once in fork_guard_enter covers a build without it. */
-__attribute__((constructor)) static void register_atfork_at_load(void) {
-    pthread_once(&atfork_once, register_atfork);
-}
-
-void lshm__fork_guard_enter(void) {
-    pthread_once(&atfork_once, register_atfork);
-    if (fork_depth++ == 0)
-        pthread_rwlock_rdlock(&fork_lock);
-}
-
-void lshm__fork_guard_leave(void) {
-    assert(fork_depth > 0);
-    if (--fork_depth == 0)
-        pthread_rwlock_unlock(&fork_lock);
-}
-
-static void pool_init(void) {
-    uint64_t phys = lshm__os_phys_bytes();
-    uint64_t limit = phys / 8;
-    const char *env = getenv("LSHM_POOL_BYTES");
-    if (env != NULL && *env != '\0') {
-        char *end = NULL;
-        errno = 0;
-        unsigned long long v = strtoull(env, &end, 10);
-        if (errno == 0 && end != env && *end == '\0')
-            limit = v;
-    }
-    lshm__pool_limit = limit > SIZE_MAX ? SIZE_MAX : (size_t)limit;
-    /* Without the fork handlers a child would reuse pooled memfds and share into its parent's
-     * slab memfds: pool nothing, put nothing in slabs. */
-    pthread_once(&atfork_once, register_atfork);
-    if (!atfork_ok) {
-        lshm__pool_limit = 0;
-        atomic_store_explicit(&lshm__slab_max_bytes, 0, memory_order_relaxed);
-    }
-}
-
-static unsigned long current_epoch(void) {
-    pthread_once(&pool_once, pool_init);
-    return atomic_load_explicit(&fork_epoch, memory_order_relaxed);
-}
-
-/* Take a pooled memfd of exactly `capacity` bytes (the newest one), or -1. */
-static int pool_get(size_t capacity) {
-    if (atomic_load_explicit(&pool_count, memory_order_relaxed) == 0)
-        return -1; /* the common case, without the lock */
-    int fd = -1;
-    pthread_mutex_lock(&pool_lock);
-    for (int i = pool_count - 1; i >= 0; i--) {
-        if (pool[i].capacity == capacity) {
-            fd = pool[i].fd;
-            pool_bytes -= capacity;
-            pool[i] = pool[--pool_count];
-            break;
-        }
-    }
-    pthread_mutex_unlock(&pool_lock);
-    return fd;
-}
-
 /* Refilling a pooled memfd beats a fresh share only below the chunk threshold (it saves the
  * memfd's syscalls) and for big shares the process makes alone (the refill is split over two
  * threads). In between, a fresh chunked share is faster: its new pages are the old ones, still
  * cached, while a pooled memfd's pages are cold (64 x 39 MB from one thread: 0.63 s fresh and
  * chunked, 0.78 s refilled). */
-static int pool_pays(size_t capacity, int sharing) {
+static int pool_pays(size_t capacity) {
     if (capacity < atomic_load_explicit(&lshm__share_chunk_threshold, memory_order_relaxed))
         return 1;
-    /* On release nobody knows who will share next; a share knows whether it runs alone. */
-    return sharing ? want_split(capacity)
-                   : capacity >= atomic_load_explicit(&lshm__share_split_threshold,
-                                                      memory_order_relaxed);
-}
-
-void lshm__pool_put(lshm_storage *s) {
-    assert(s->origin == LSHM__ORIGIN_PAGES);
-    /* A storage never shared by lshm_storage_share has fork_epoch 0, never the current one. */
-    if (s->capacity == 0 || !pool_pays(s->capacity, 0) ||
-        atomic_load_explicit(&s->exported, memory_order_relaxed) ||
-        s->fork_epoch != current_epoch())
-        return;
-    int taken = 0;
-    pthread_mutex_lock(&pool_lock);
-    /* Check the epoch again under the lock: a fork empties the pool while holding it. */
-    if (s->fork_epoch == atomic_load_explicit(&fork_epoch, memory_order_relaxed) &&
-        s->capacity <= lshm__pool_limit && pool_bytes <= lshm__pool_limit - s->capacity &&
-        pool_count < POOL_MAX_ENTRIES) {
-        pool[pool_count++] = (pool_entry){s->capacity, s->fd};
-        pool_bytes += s->capacity;
-        taken = 1;
-    }
-    pthread_mutex_unlock(&pool_lock);
-    if (taken)
-        s->fd = -1;
-}
-
-int lshm_pool_trim(void) {
-    pool_entry taken[POOL_MAX_ENTRIES];
-    pthread_mutex_lock(&pool_lock);
-    int n = pool_count;
-    memcpy(taken, pool, (size_t)n * sizeof *pool);
-    pool_count = 0;
-    pool_bytes = 0;
-    pthread_mutex_unlock(&pool_lock);
-    for (int i = 0; i < n; i++)
-        lshm__os_close(taken[i].fd);
-    return n;
+    return want_split(capacity);
 }
 
 /* Overwrite every byte of a pooled memfd of `size` bytes; closes it on failure. */
@@ -691,9 +487,9 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
          * same bytes anywhere in the range it owns. */
         /* The epoch is read before any memfd exists: a fork from here on makes it stale,
          * and the memfd is then never pooled on release. */
-        unsigned long epoch = current_epoch();
-        fd = s->origin == LSHM__ORIGIN_PAGES && s->capacity > 0 && pool_pays(s->capacity, 1)
-                 ? pool_get(s->capacity)
+        unsigned long epoch = lshm__pool_epoch();
+        fd = s->origin == LSHM__ORIGIN_PAGES && s->capacity > 0 && pool_pays(s->capacity)
+                 ? lshm__pool_take(s->capacity)
                  : -1;
         int swapped = 0;
         if (fd >= 0) { /* sized, sealed, populated: only the bytes to write (all of them) */

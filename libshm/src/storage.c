@@ -144,7 +144,7 @@ static void free_bytes(lshm_storage *s) {
     switch ((enum lshm__origin)s->origin) {
     case LSHM__ORIGIN_PAGES:
         /* Private pages or the memfd mapped over them: one munmap either way. The memfd itself
-         * may go to the pool (share.c) instead of being closed. */
+         * may go to the pool (pool.c) instead of being closed. */
         lshm__os_unmap(data, s->capacity);
         if (s->fd >= 0)
             lshm__pool_put(s);
