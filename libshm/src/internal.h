@@ -44,6 +44,8 @@ void lshm__share_pretend_busy(int delta);
 #include <stdint.h>
 
 size_t lshm__os_page_size(void);
+/* Round up to whole pages, -EOVERFLOW (with message) if it wraps. */
+int lshm__round_pages(size_t nbytes, size_t *out);
 /* memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING); `nbytes` only names the file in /proc. */
 int lshm__os_memfd_create(size_t nbytes, int *fd);
 int lshm__os_ftruncate(int fd, uint64_t size);
@@ -306,8 +308,6 @@ void lshm__slab_prepare_fork(void);
 void lshm__slab_after_fork_parent(void);
 void lshm__slab_after_fork_child(void);
 
-/* Size arithmetic: round up to whole pages, -EOVERFLOW (with message) if it wraps. */
-int lshm__round_pages(size_t nbytes, size_t *out);
 /* Fill the common fields of a fresh storage (refcount 1, fd -1, lock initialised). */
 void lshm__storage_prepare(lshm_storage *s, unsigned origin, unsigned flags);
 /* NULL/alignment checks of caller memory for the *_init functions. */

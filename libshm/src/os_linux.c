@@ -287,6 +287,14 @@ int lshm__os_check_mapped(const void *p, size_t len) {
     return 0;
 }
 
+int lshm__round_pages(size_t nbytes, size_t *out) {
+    size_t page = lshm__os_page_size();
+    if (nbytes > SIZE_MAX - (page - 1))
+        return LSHM_FAIL(-EOVERFLOW, "%zu bytes cannot be rounded up to whole pages", nbytes);
+    *out = (nbytes + page - 1) & ~(page - 1);
+    return 0;
+}
+
 int lshm__os_fault_point(const char *site) {
     LSHM_OS_FAULT(site);
     return 0;

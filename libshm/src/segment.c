@@ -1,6 +1,7 @@
 /*
- * segment.c -- segments (one memfd + one mapping, refcounted), attaching received fds, and
- * storages that view a slice of a segment.
+ * segment.c -- segments (one memfd + one mapping, refcounted) and the checks of received fds
+ * (lshm__attach_fd). Storages that view a slice of a segment are built in storage.c, through
+ * the segment's accessors.
  *
  * A segment is the unit that crosses process boundaries: one fd, however many storages view
  * it, which is how a process shares many small arrays without one fd (and one mapping) each.
@@ -196,92 +197,4 @@ int lshm_segment_seal_readonly(lshm_segment *seg) {
     if (fd < 0)
         return LSHM_FAIL(-EBADF, "the segment's fd was closed");
     return lshm__os_seal_readonly(fd);
-}
-
-/* ---- storages viewing a segment ------------------------------------------------------------ */
-
-int lshm_storage_init_view(void *mem, lshm_segment *seg, uint64_t offset, size_t nbytes,
-                           unsigned flags, lshm_storage **out) {
-    int rc = lshm__check_mem(mem, out);
-    if (rc != 0)
-        return rc;
-    if (seg == NULL)
-        return LSHM_FAIL(-EINVAL, "NULL segment");
-    if ((flags & ~LSHM_STORAGE_READONLY) != 0)
-        return LSHM_FAIL(-EINVAL, "unknown view flags 0x%x", flags & ~LSHM_STORAGE_READONLY);
-    if (offset > seg->size || nbytes > seg->size - offset)
-        return LSHM_FAIL(-EINVAL, "view of %zu bytes at %llu outside a %zu-byte segment", nbytes,
-                         (unsigned long long)offset, seg->size);
-    lshm_storage *s = mem;
-    lshm__storage_prepare(s, LSHM__ORIGIN_VIEW,
-                          LSHM_STORAGE_SHARED | (flags | seg->flags));
-    s->segment = lshm_segment_retain(seg);
-    s->nbytes = nbytes;
-    s->capacity = nbytes;
-    s->fd_offset = offset;
-    atomic_store_explicit(&s->data, nbytes > 0 ? (char *)seg->data + offset : NULL,
-                          memory_order_relaxed);
-    *out = s;
-    return 0;
-}
-
-int lshm_storage_create_view(lshm_segment *seg, uint64_t offset, size_t nbytes, unsigned flags,
-                             lshm_storage **out) {
-    lshm_storage *s = NULL;
-    int rc = lshm__storage_malloc(out, &s);
-    if (rc != 0)
-        return rc;
-    return lshm__storage_heap_done(s, lshm_storage_init_view(s, seg, offset, nbytes, flags, out));
-}
-
-/* ---- a storage attached to a received fd --------------------------------------------------- */
-
-int lshm_storage_attach(int fd, uint64_t offset, size_t nbytes, unsigned flags,
-                        lshm_storage **out) {
-    if (out == NULL)
-        return LSHM_FAIL(-EINVAL, "NULL out pointer");
-    int own = -1;
-    uint64_t size;
-    int rc = lshm__attach_fd(fd, offset, nbytes, flags, &own, &size);
-    if (rc != 0)
-        return rc;
-    (void)size;
-    /* Map only the pages that hold [offset, offset + nbytes): mmap wants a page-aligned file
-     * offset, so start at the page below and point data into it. */
-    size_t page = lshm__os_page_size();
-    uint64_t map_offset = offset & ~(uint64_t)(page - 1);
-    size_t lead = (size_t)(offset - map_offset);
-    size_t map_len = 0;
-    void *base = NULL;
-    lshm_storage *s = NULL;
-    if (nbytes > 0) {
-        if (nbytes > SIZE_MAX - lead || (rc = lshm__round_pages(lead + nbytes, &map_len)) != 0) {
-            rc = LSHM_FAIL(-EOVERFLOW, "%zu bytes at offset %llu cannot be mapped", nbytes,
-                           (unsigned long long)offset);
-            goto fail_close;
-        }
-        rc = lshm__os_map_fd(own, map_offset, map_len, (flags & LSHM_STORAGE_READONLY) != 0,
-                             NULL, &base);
-        if (rc != 0)
-            goto fail_close;
-    }
-    if ((rc = lshm__storage_malloc(out, &s)) != 0)
-        goto fail_unmap;
-    lshm__storage_prepare(s, LSHM__ORIGIN_MAPPED, LSHM_STORAGE_SHARED | flags);
-    s->nbytes = nbytes;
-    s->capacity = nbytes;
-    s->map_base = base;
-    s->map_len = map_len;
-    s->fd = own;
-    s->fd_offset = offset;
-    atomic_store_explicit(&s->data, nbytes > 0 ? (char *)base + lead : NULL,
-                          memory_order_relaxed);
-    *out = s;
-    return lshm__storage_heap_done(s, 0);
-
-fail_unmap:
-    lshm__os_unmap(base, map_len);
-fail_close:
-    lshm__os_close(own);
-    return rc;
 }

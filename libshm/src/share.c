@@ -581,36 +581,6 @@ int lshm_storage_share(lshm_storage *s) {
     return share(s, 0);
 }
 
-int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out) {
-    if (out == NULL)
-        return LSHM_FAIL(-EINVAL, "NULL out pointer");
-    if (flags != 0)
-        return LSHM_FAIL(-EINVAL, "unknown flags 0x%x for a shared storage", flags);
-    if (nbytes > 0 && nbytes <= atomic_load_explicit(&lshm__slab_max_bytes,
-                                                       memory_order_relaxed)) {
-        /* Small: a slab storage shared at once (its range of the slab memfd). */
-        lshm_storage *small = NULL;
-        int rc = lshm_storage_create(nbytes, NULL, 0, &small);
-        if (rc == 0 && (rc = lshm_storage_share(small)) != 0)
-            lshm_storage_release(small);
-        if (rc == 0)
-            *out = small;
-        return rc;
-    }
-    lshm_storage *s = NULL;
-    int rc = lshm__storage_malloc(out, &s);
-    if (rc != 0)
-        return rc;
-    lshm_segment *seg = NULL;
-    rc = lshm_segment_create(nbytes, 0, &seg);
-    if (rc != 0)
-        return lshm__storage_heap_done(s, rc); /* frees the struct */
-    rc = lshm_storage_init_view(s, seg, 0, nbytes, 0, out);
-    assert(rc == 0); /* the whole of a fresh segment is always a valid view */
-    lshm_segment_release(seg); /* the storage holds the segment now (or nothing does) */
-    return lshm__storage_heap_done(s, rc);
-}
-
 int lshm_storage_seal_readonly(lshm_storage *s) {
     if (s == NULL)
         return LSHM_FAIL(-EINVAL, "NULL storage");

@@ -1,6 +1,8 @@
 /*
- * storage.c -- storage lifetime: init/fini in place, heap create/release, refcount,
- * allocators, accessors, resize and copy.
+ * storage.c -- storage lifetime: every constructor (init/fini in place, heap create/release,
+ * shared from the start, views of a segment, attach of a received fd), refcount, allocators,
+ * accessors, resize and copy. Segments (segment.c) and the share (share.c) are used through
+ * their own functions; the memfd pool (pool.c) takes a released storage's memfd.
  *
  * A storage's address is its identity (PyTorch keeps its static-runtime storages in one slab
  * and never moves them), so everything here works on a struct the caller placed: _init fills
@@ -43,14 +45,6 @@ size_t lshm_storage_sizeof(void) {
 
 size_t lshm_storage_alignof(void) {
     return _Alignof(lshm_storage);
-}
-
-int lshm__round_pages(size_t nbytes, size_t *out) {
-    size_t page = lshm__os_page_size();
-    if (nbytes > SIZE_MAX - (page - 1))
-        return LSHM_FAIL(-EOVERFLOW, "%zu bytes cannot be rounded up to whole pages", nbytes);
-    *out = (nbytes + page - 1) & ~(page - 1);
-    return 0;
 }
 
 int lshm__check_mem(const void *mem, lshm_storage **out) {
@@ -486,4 +480,125 @@ int lshm_storage_copy(lshm_storage *dst, const lshm_storage *src) {
     if (dst->nbytes > 0)
         memmove(lshm_storage_data(dst), lshm_storage_data(src), dst->nbytes);
     return 0;
+}
+
+/* ---- storages in shared memory from the start: a slab range, or a segment of their own ---- */
+
+int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL out pointer");
+    if (flags != 0)
+        return LSHM_FAIL(-EINVAL, "unknown flags 0x%x for a shared storage", flags);
+    if (nbytes > 0 && nbytes <= atomic_load_explicit(&lshm__slab_max_bytes,
+                                                       memory_order_relaxed)) {
+        /* Small: a slab storage shared at once (its range of the slab memfd). */
+        lshm_storage *small = NULL;
+        int rc = lshm_storage_create(nbytes, NULL, 0, &small);
+        if (rc == 0 && (rc = lshm_storage_share(small)) != 0)
+            lshm_storage_release(small);
+        if (rc == 0)
+            *out = small;
+        return rc;
+    }
+    lshm_storage *s = NULL;
+    int rc = lshm__storage_malloc(out, &s);
+    if (rc != 0)
+        return rc;
+    lshm_segment *seg = NULL;
+    rc = lshm_segment_create(nbytes, 0, &seg);
+    if (rc != 0)
+        return lshm__storage_heap_done(s, rc); /* frees the struct */
+    rc = lshm_storage_init_view(s, seg, 0, nbytes, 0, out);
+    assert(rc == 0); /* the whole of a fresh segment is always a valid view */
+    lshm_segment_release(seg); /* the storage holds the segment now (or nothing does) */
+    return lshm__storage_heap_done(s, rc);
+}
+
+/* ---- storages viewing a segment ------------------------------------------------------------ */
+
+int lshm_storage_init_view(void *mem, lshm_segment *seg, uint64_t offset, size_t nbytes,
+                           unsigned flags, lshm_storage **out) {
+    int rc = lshm__check_mem(mem, out);
+    if (rc != 0)
+        return rc;
+    if (seg == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL segment");
+    if ((flags & ~LSHM_STORAGE_READONLY) != 0)
+        return LSHM_FAIL(-EINVAL, "unknown view flags 0x%x", flags & ~LSHM_STORAGE_READONLY);
+    size_t size = lshm_segment_size(seg);
+    if (offset > size || nbytes > size - offset)
+        return LSHM_FAIL(-EINVAL, "view of %zu bytes at %llu outside a %zu-byte segment", nbytes,
+                         (unsigned long long)offset, size);
+    lshm_storage *s = mem;
+    lshm__storage_prepare(s, LSHM__ORIGIN_VIEW,
+                          LSHM_STORAGE_SHARED | (flags | lshm_segment_flags(seg)));
+    s->segment = lshm_segment_retain(seg);
+    s->nbytes = nbytes;
+    s->capacity = nbytes;
+    s->fd_offset = offset;
+    atomic_store_explicit(&s->data, nbytes > 0 ? (char *)lshm_segment_data(seg) + offset : NULL,
+                          memory_order_relaxed);
+    *out = s;
+    return 0;
+}
+
+int lshm_storage_create_view(lshm_segment *seg, uint64_t offset, size_t nbytes, unsigned flags,
+                             lshm_storage **out) {
+    lshm_storage *s = NULL;
+    int rc = lshm__storage_malloc(out, &s);
+    if (rc != 0)
+        return rc;
+    return lshm__storage_heap_done(s, lshm_storage_init_view(s, seg, offset, nbytes, flags, out));
+}
+
+/* ---- a storage attached to a received fd --------------------------------------------------- */
+
+int lshm_storage_attach(int fd, uint64_t offset, size_t nbytes, unsigned flags,
+                        lshm_storage **out) {
+    if (out == NULL)
+        return LSHM_FAIL(-EINVAL, "NULL out pointer");
+    int own = -1;
+    uint64_t size;
+    int rc = lshm__attach_fd(fd, offset, nbytes, flags, &own, &size);
+    if (rc != 0)
+        return rc;
+    (void)size;
+    /* Map only the pages that hold [offset, offset + nbytes): mmap wants a page-aligned file
+     * offset, so start at the page below and point data into it. */
+    size_t page = lshm__os_page_size();
+    uint64_t map_offset = offset & ~(uint64_t)(page - 1);
+    size_t lead = (size_t)(offset - map_offset);
+    size_t map_len = 0;
+    void *base = NULL;
+    lshm_storage *s = NULL;
+    if (nbytes > 0) {
+        if (nbytes > SIZE_MAX - lead || (rc = lshm__round_pages(lead + nbytes, &map_len)) != 0) {
+            rc = LSHM_FAIL(-EOVERFLOW, "%zu bytes at offset %llu cannot be mapped", nbytes,
+                           (unsigned long long)offset);
+            goto fail_close;
+        }
+        rc = lshm__os_map_fd(own, map_offset, map_len, (flags & LSHM_STORAGE_READONLY) != 0,
+                             NULL, &base);
+        if (rc != 0)
+            goto fail_close;
+    }
+    if ((rc = lshm__storage_malloc(out, &s)) != 0)
+        goto fail_unmap;
+    lshm__storage_prepare(s, LSHM__ORIGIN_MAPPED, LSHM_STORAGE_SHARED | flags);
+    s->nbytes = nbytes;
+    s->capacity = nbytes;
+    s->map_base = base;
+    s->map_len = map_len;
+    s->fd = own;
+    s->fd_offset = offset;
+    atomic_store_explicit(&s->data, nbytes > 0 ? (char *)base + lead : NULL,
+                          memory_order_relaxed);
+    *out = s;
+    return lshm__storage_heap_done(s, 0);
+
+fail_unmap:
+    lshm__os_unmap(base, map_len);
+fail_close:
+    lshm__os_close(own);
+    return rc;
 }
