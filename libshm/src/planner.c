@@ -1250,11 +1250,400 @@ static int exact_probe(const lshm__plan_problem *prob, uint64_t cap, double unti
     return r;
 }
 
+/* Pinned tensors must not collide with each other: 0, -EINVAL naming two that do, or
+ * -ENOMEM. */
+static int check_pinned(const plan_input *in)
+{
+    const size_t m = in->m;
+    plan_input pinned = *in;
+    uint64_t *offset = malloc(m * sizeof *offset);
+    uint32_t *id = malloc(m * sizeof *id);
+    uint32_t *start = malloc(m * sizeof *start), *end = malloc(m * sizeof *end);
+    uint64_t *size = malloc(m * sizeof *size);
+    if (!offset || !id || !start || !end || !size) {
+        free(offset), free(id), free(start), free(end), free(size);
+        return LSHM_FAIL(-ENOMEM, "planner: out of memory");
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < m; i++) {
+        if (in->fixed[i] == UINT64_MAX)
+            continue;
+        id[k] = (uint32_t)i, offset[k] = in->fixed[i], start[k] = in->start[i];
+        end[k] = in->end[i], size[k] = in->size[i];
+        k++;
+    }
+    pinned.m = k, pinned.start = start, pinned.end = end, pinned.size = size;
+    uint32_t a, b;
+    int nomem;
+    int bad = find_overlap(&pinned, offset, &a, &b, &nomem);
+    uint32_t first = bad ? in->orig[id[a]] : 0, second = bad ? in->orig[id[b]] : 0;
+    free(offset), free(id), free(start), free(end), free(size);
+    if (nomem)
+        return LSHM_FAIL(-ENOMEM, "planner: out of memory");
+    if (bad)
+        return LSHM_FAIL(-EINVAL, "fixed offsets of tensors %u and %u collide",
+                         first < second ? first : second, first < second ? second : first);
+    return 0;
+}
+
+/* One lshm_plan call: its input, the best plan so far and the scratch every stage shares.
+ * The stages (portfolio, exact set-up, local search, exact bisection, self-check) return 0, or
+ * OUT_OF_MEMORY (lshm_plan turns it into the error), or another -errno with its message. */
+#define OUT_OF_MEMORY (-ENOMEM)
+typedef struct plan_run {
+    const plan_input *in;
+    const lshm_plan_options *opts;
+    const int64_t *firsts, *lasts; /* the caller's times (the exact search's preorder keys) */
+    double started, deadline;      /* when the call began; started + time_limit */
+    int debug;                     /* LSHM_PLAN_DEBUG: each stage's outcome on stderr */
+    uint64_t lower_bound;
+    uint64_t target; /* opts->capacity: 0 minimises, > 0 looks for a plan that fits */
+    /* the best plan so far */
+    uint64_t best; /* its arena size, NO_PLAN before the first */
+    uint64_t *best_offsets;
+    uint32_t *best_order;
+    int best_fit;
+    char name[48]; /* the strategy that made it */
+    int optimal;   /* proven minimal */
+    int used_exact;
+    /* the tensors the planner places (those not pinned), and scratch */
+    uint32_t *placed;
+    size_t placed_count;
+    uint32_t *order;
+    uint64_t *offsets;
+    uint32_t *scratch_ids;
+    uint64_t *scratch_keys;
+    engine engine;
+    int have_engine;
+    /* the exact search (planner_exact.c) */
+    int exact_allowed; /* no pinned tensors, at most EXACT_MAX_TENSORS */
+    int exact_phase;   /* it runs: a time budget, no proof yet, something left to decide */
+    int fits;          /* capacity mode, and the portfolio's plan fits already */
+    int hopeless;      /* capacity mode below the lower bound: nothing fits */
+    lshm__plan_problem problem;
+    uint64_t *widths;    /* lifetime lengths in the caller's units */
+    uint64_t granule;    /* every canonical plan's arena is a multiple of it */
+    uint64_t lb_rounded; /* the lower bound rounded up to the granule: no plan is smaller */
+    int lb_disproven;    /* the exact search proved no plan of lb_rounded exists */
+} plan_run;
+
+static void run_free(plan_run *r)
+{
+    if (r->have_engine)
+        engine_free(&r->engine);
+    free(r->widths), free(r->best_offsets), free(r->offsets), free(r->order);
+    free(r->best_order), free(r->placed), free(r->scratch_ids), free(r->scratch_keys);
+}
+
+static int run_start(plan_run *r, const plan_input *in, const lshm_plan_options *opts,
+                     const int64_t *firsts, const int64_t *lasts, double started, int debug,
+                     uint64_t lower_bound)
+{
+    const size_t m = in->m, one = m ? m : 1;
+    size_t scratch = m > in->times ? m : (size_t)in->times;
+    memset(r, 0, sizeof *r);
+    r->in = in, r->opts = opts, r->firsts = firsts, r->lasts = lasts, r->debug = debug;
+    r->started = started;
+    r->deadline = started + opts->time_limit;
+    r->lower_bound = lower_bound;
+    r->target = opts->capacity;
+    r->best = NO_PLAN;
+    r->best_fit = FIT_BEST;
+    snprintf(r->name, sizeof r->name, "empty");
+    r->best_offsets = malloc(one * sizeof *r->best_offsets);
+    r->offsets = malloc(one * sizeof *r->offsets);
+    r->order = malloc(one * sizeof *r->order);
+    r->best_order = malloc(one * sizeof *r->best_order);
+    r->placed = malloc(one * sizeof *r->placed);
+    r->scratch_ids = malloc((scratch + 1) * sizeof *r->scratch_ids);
+    r->scratch_keys = malloc((scratch + 1) * sizeof *r->scratch_keys);
+    if (!r->best_offsets || !r->offsets || !r->order || !r->best_order || !r->placed ||
+        !r->scratch_ids || !r->scratch_keys)
+        return OUT_OF_MEMORY;
+    if (m) {
+        /* Dense traces (many tensors live together) use the segment-tree engine. */
+        uint64_t pairs = live_pairs(in);
+        const char *forced = getenv("LSHM_PLAN_ENGINE");
+        int dense = forced && *forced ? forced[0] == 'd'
+                                      : pairs > DENSE_PAIRS_PER_TENSOR * (uint64_t)m;
+        if (engine_init(&r->engine, in, r->scratch_ids, r->scratch_keys, dense))
+            return OUT_OF_MEMORY;
+        r->have_engine = 1;
+    }
+    for (size_t i = 0; i < m; i++)
+        if (in->fixed[i] == UINT64_MAX)
+            r->placed[r->placed_count++] = (uint32_t)i;
+    if (m == 0) {
+        r->best = 0;
+        r->optimal = 1;
+    }
+    return 0;
+}
+
+/* Stage 1: the portfolio of orders and fits, until one reaches the lower bound (or, in
+ * capacity mode, fits). */
+static int run_portfolio(plan_run *r)
+{
+    const plan_input *in = r->in;
+    const size_t m = in->m;
+    order_ctx orders = {in, r->firsts, r->lasts, r->placed, r->placed_count, r->scratch_keys,
+                        r->scratch_ids};
+    const strategy *portfolio_used = m > PORTFOLIO_LARGE ? portfolio_large : portfolio;
+    size_t strategies = m > PORTFOLIO_LARGE ? PORTFOLIO_LARGE_SIZE : PORTFOLIO_SIZE;
+    for (size_t s = 0; s < strategies && m && r->best > r->lower_bound &&
+                       !meets_capacity(r->best, r->target);
+         s++) {
+        const strategy *st = &portfolio_used[s];
+        double began = lshm__plan_now();
+        if (make_order(&orders, st->order, r->order))
+            return OUT_OF_MEMORY;
+        uint64_t arena = engine_run(&r->engine, in, r->order, r->placed_count, st->fit,
+                                    r->offsets, r->best);
+        if (r->engine.nomem)
+            return OUT_OF_MEMORY;
+        if (r->debug)
+            fprintf(stderr, "lshm_plan: %s/%s %s in %.3f ms (%s engine)\n",
+                    order_names[st->order], st->fit == FIT_BEST ? "best" : "first",
+                    arena == UINT64_MAX ? "cut off" : "done", (lshm__plan_now() - began) * 1e3,
+                    r->engine.seg ? "dense" : "sparse");
+        if (arena < r->best) {
+            r->best = arena;
+            r->best_fit = st->fit;
+            memcpy(r->best_offsets, r->offsets, m * sizeof *r->best_offsets);
+            memcpy(r->best_order, r->order, r->placed_count * sizeof *r->order);
+            snprintf(r->name, sizeof r->name, "%s/%s", order_names[st->order],
+                     st->fit == FIT_BEST ? "best-fit" : "first-fit");
+        }
+    }
+    if (m && r->best <= r->lower_bound)
+        r->optimal = 1;
+    return 0;
+}
+
+/* Stage 2: whether the exact search runs, its granule and rounded lower bound, and, in
+ * minimise mode, one decision at the lower bound first (OPT = LB on most real traces, and a
+ * tight capacity is where the search's inference is strongest). */
+static int exact_prepare(plan_run *r)
+{
+    const plan_input *in = r->in;
+    const size_t m = in->m;
+    r->exact_allowed = m && in->n_fixed == 0 && m <= EXACT_MAX_TENSORS;
+    r->fits = meets_capacity(r->best, r->target);
+    r->hopeless = r->target && r->target < r->lower_bound;
+    r->exact_phase = !r->optimal && r->opts->time_limit > 0 && r->exact_allowed && !r->fits &&
+                     !r->hopeless;
+    r->problem = (lshm__plan_problem){m, in->start, in->end, in->size, in->alignment,
+                                      in->times, NULL};
+    r->granule = 1;
+    r->lb_rounded = r->lower_bound;
+    if (!r->exact_phase)
+        return 0;
+    r->widths = malloc(m * sizeof *r->widths);
+    if (!r->widths)
+        return OUT_OF_MEMORY;
+    uint64_t g = 0; /* gcd of the sizes */
+    for (size_t i = 0; i < m; i++) {
+        uint32_t o = in->orig[i];
+        /* lasts - firsts in uint64 (as int64 it overflows beyond INT64_MAX), + 1 when
+         * inclusive saturating (INT64_MIN..INT64_MAX inclusive is 2^64 units) */
+        r->widths[i] = (uint64_t)r->lasts[o] - (uint64_t)r->firsts[o];
+        if ((r->opts->flags & LSHM_PLAN_INCLUSIVE) && r->widths[i] != UINT64_MAX)
+            r->widths[i]++;
+        for (uint64_t a = in->size[i], t; a; t = g % a, g = a, a = t)
+            ;
+    }
+    if (g % in->alignment) /* offsets: multiples of the alignment, arenas of gcd(a, g) */
+        for (uint64_t a = in->alignment, t; a; t = g % a, g = a, a = t)
+            ;
+    /* else every offset is a sum of sizes (rounding to the alignment changes nothing) */
+    r->granule = g;
+    r->problem.width = r->widths;
+    r->lb_rounded = r->lower_bound / g * g; /* rounded up without lb + g - 1 (which may wrap);
+                                             * no overflow: best >= lb is a multiple of g */
+    if (r->lb_rounded < r->lower_bound)
+        r->lb_rounded += g;
+    if (r->best <= r->lb_rounded)
+        r->optimal = 1; /* OPT is a multiple of g too */
+    if (!r->target && r->lb_rounded < r->best) {
+        int found = exact_probe(&r->problem, r->lb_rounded, r->started + r->opts->time_limit / 5,
+                                r->offsets, r->best_offsets, &r->best, r->debug);
+        if (found < 0 && found != -1)
+            return OUT_OF_MEMORY;
+        if (found == 1)
+            r->optimal = r->used_exact = 1;
+        r->lb_disproven = found == 0;
+    }
+    return 0;
+}
+
+/* Stage 3: local search on the best order. Moves a tensor that touches the top to an earlier
+ * place in the order; keeps moves that do not grow the arena (plateaus let the search drift).
+ * With an exact tail coming, it only gets a share of the budget; in capacity mode the exact
+ * search decides right away when it can run. */
+static int local_search(plan_run *r)
+{
+    const plan_input *in = r->in;
+    const size_t m = in->m, count = r->placed_count;
+    if (r->optimal || r->fits || r->hopeless || r->opts->time_limit <= 0 || count <= 1 ||
+        (r->target && r->exact_allowed))
+        return 0;
+    double until = r->exact_allowed ? lshm__plan_now() + r->opts->time_limit * 0.05
+                                    : r->deadline;
+    uint64_t current = r->best, seed = 0x5DEECE66Dull ^ m;
+    uint32_t *order = r->order;
+    memcpy(order, r->best_order, count * sizeof *order);
+    memcpy(r->offsets, r->best_offsets, m * sizeof *r->offsets);
+    uint64_t *tried = malloc(m * sizeof *tried);
+    uint32_t *at_top = malloc(m * sizeof *at_top);
+    if (!tried || !at_top) {
+        free(tried), free(at_top);
+        return OUT_OF_MEMORY;
+    }
+    int improved = 0;
+    for (unsigned iter = 0; r->best > r->lower_bound && !meets_capacity(r->best, r->target);
+         iter++) {
+        if ((iter & 7) == 0 && lshm__plan_now() > until)
+            break;
+        size_t top_count = 0; /* positions in order of tensors whose block touches the top */
+        for (size_t j = 0; j < count; j++)
+            if (r->offsets[order[j]] + in->size[order[j]] == current)
+                at_top[top_count++] = (uint32_t)j;
+        size_t from = top_count ? at_top[rng_next(&seed) % top_count] : rng_next(&seed) % count;
+        size_t to = from == 0 ? 1 + rng_next(&seed) % (count - 1) : rng_next(&seed) % from;
+        /* move order[from] to `to` (to < from: earlier; to > from: swap down) */
+        uint32_t moved = order[from];
+        if (to < from) {
+            memmove(order + to + 1, order + to, (from - to) * sizeof *order);
+            order[to] = moved;
+        } else {
+            order[from] = order[to];
+            order[to] = moved;
+        }
+        uint64_t arena = engine_run(&r->engine, in, order, count, r->best_fit, tried,
+                                    current + 1);
+        if (r->engine.nomem) {
+            free(tried), free(at_top);
+            return OUT_OF_MEMORY;
+        }
+        if (arena <= current) {
+            current = arena;
+            memcpy(r->offsets, tried, m * sizeof *r->offsets);
+            if (arena < r->best) {
+                r->best = arena;
+                memcpy(r->best_offsets, tried, m * sizeof *r->best_offsets);
+                memcpy(r->best_order, order, count * sizeof *order);
+                improved = 1;
+            }
+        } else if (to < from) { /* undo */
+            memmove(order + to, order + to + 1, (from - to) * sizeof *order);
+            order[from] = moved;
+        } else {
+            order[to] = order[from];
+            order[from] = moved;
+        }
+    }
+    free(tried), free(at_top);
+    if (improved)
+        snprintf(r->name + strlen(r->name), sizeof r->name - strlen(r->name), "+local");
+    if (r->best <= r->lower_bound)
+        r->optimal = 1;
+    return 0;
+}
+
+/* Stage 4: exact decision search (planner_exact.c).
+ *  - capacity mode: one decision at the target with the whole remaining budget;
+ *  - minimise mode (after the lower-bound probe of exact_prepare): rounds of bisection between
+ *    the lowest capacity not disproven and the best plan, every decision with the same time
+ *    slice, the slice doubling each round; a round begins with LB again while LB is not
+ *    disproven. How long a decision takes varies a lot from one capacity to the next (a
+ *    capacity a little above one solved in 0.1 s may take seconds), so a capacity that timed
+ *    out is only skipped for the rest of its round. Capacities are multiples of the granule:
+ *    the gcd of the sizes when the alignment divides it (every canonical offset is a sum of
+ *    sizes then), else the gcd of that and the alignment. */
+static int exact_bisection(plan_run *r)
+{
+    if (!r->exact_phase || r->optimal || meets_capacity(r->best, r->target))
+        return 0;
+    const uint64_t g = r->granule;
+    uint64_t high = r->best;                                        /* best plan found */
+    uint64_t low = r->lb_disproven ? r->lb_rounded + g : r->lb_rounded; /* below: infeasible */
+    uint64_t round_low = high; /* ... or timed out in this round */
+    /* resolution: a round stops bisecting when the gap left is below 1/64 of the first */
+    uint64_t resolution = low < high ? ((high - low) / 64 + g - 1) / g * g : 0;
+    int first = 1, rounds = 0;
+    double slice = 0;
+    while (low < high) {
+        double now = lshm__plan_now();
+        if (now >= r->deadline)
+            break;
+        uint64_t capacity;
+        double until;
+        if (r->target) {
+            if (!first)
+                break;
+            capacity = r->target;
+            until = r->deadline;
+        } else {
+            int new_round = round_low + resolution >= high;
+            if (new_round) {
+                round_low = low;
+                slice = slice ? 2 * slice : (r->deadline - now) / 16;
+                rounds++;
+            }
+            capacity = round_low + (high - round_low) / g / 2 * g;
+            if (new_round && rounds > 1 && round_low == r->lb_rounded) /* LB again, longer */
+                capacity = round_low;
+            until = now + slice;
+        }
+        first = 0;
+        int found = exact_probe(&r->problem, capacity, until < r->deadline ? until : r->deadline,
+                                r->offsets, r->best_offsets, &r->best, r->debug);
+        if (found < 0 && found != -1)
+            return OUT_OF_MEMORY;
+        if (found == 1) {
+            high = r->best;
+            r->used_exact = 1;
+        } else {
+            if (found == 0 && capacity >= low)
+                low = capacity + g;
+            if (capacity >= round_low)
+                round_low = capacity + g;
+            if (round_low < low)
+                round_low = low;
+        }
+    }
+    if (!r->target && low >= high)
+        r->optimal = 1;
+    return 0;
+}
+
+/* Stage 5, before anything is written back: the plan is valid (no live overlap, aligned,
+ * within the arena, pins kept). */
+static int self_check(plan_run *r)
+{
+    const plan_input *in = r->in;
+    if (in->m == 0)
+        return 0;
+    uint32_t a, b;
+    int nomem;
+    int bad = find_overlap(in, r->best_offsets, &a, &b, &nomem);
+    if (nomem)
+        return OUT_OF_MEMORY;
+    for (size_t i = 0; i < in->m && !bad; i++)
+        bad = (r->best_offsets[i] & (in->alignment - 1)) != 0 ||
+              r->best_offsets[i] + in->size[i] > r->best ||
+              (in->fixed[i] != UINT64_MAX && in->fixed[i] != r->best_offsets[i]);
+    assert(!bad);
+    if (bad)
+        return LSHM_FAIL(-EFAULT, "planner bug: strategy %s produced an invalid plan", r->name);
+    return 0;
+}
+
 int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int64_t *lasts,
               const int64_t *fixed_offsets, const lshm_plan_options *opts, uint64_t *offsets,
               lshm_plan_result *result)
 {
-    double t0 = lshm__plan_now();
+    double started = lshm__plan_now();
     const int debug = getenv("LSHM_PLAN_DEBUG") != NULL;
     if (n > 0 && !offsets)
         return LSHM_FAIL(-EINVAL, "offsets is NULL with n = %zu", n);
@@ -1267,337 +1656,49 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     int err = input_build(&in, n, sizes, firsts, lasts, fixed_offsets, NULL, opts);
     if (err)
         return err;
-    const size_t m = in.m;
     uint64_t lb = 0;
     err = lower_bound(&in, &lb);
+    if (!err && in.n_fixed)
+        err = check_pinned(&in);
     if (err) {
         input_free(&in);
         return err;
     }
-
-    /* Pinned tensors must not collide with each other. */
-    if (in.n_fixed) {
-        plan_input pin = in;
-        uint64_t *off = malloc(m * sizeof *off);
-        uint32_t *idx = malloc(m * sizeof *idx);
-        uint32_t *st = malloc(m * sizeof *st), *en = malloc(m * sizeof *en);
-        uint64_t *sz = malloc(m * sizeof *sz);
-        if (!off || !idx || !st || !en || !sz) {
-            free(off), free(idx), free(st), free(en), free(sz);
-            input_free(&in);
-            return LSHM_FAIL(-ENOMEM, "planner: out of memory");
-        }
-        size_t k = 0;
-        for (size_t i = 0; i < m; i++) {
-            if (in.fixed[i] == UINT64_MAX)
-                continue;
-            idx[k] = (uint32_t)i, off[k] = in.fixed[i], st[k] = in.start[i], en[k] = in.end[i];
-            sz[k] = in.size[i];
-            k++;
-        }
-        pin.m = k, pin.start = st, pin.end = en, pin.size = sz;
-        uint32_t a, b;
-        int nomem;
-        int bad = find_overlap(&pin, off, &a, &b, &nomem);
-        uint32_t oa = bad ? in.orig[idx[a]] : 0, ob = bad ? in.orig[idx[b]] : 0;
-        free(off), free(idx), free(st), free(en), free(sz);
-        if (nomem || bad) {
-            input_free(&in);
-            if (nomem)
-                return LSHM_FAIL(-ENOMEM, "planner: out of memory");
-            return LSHM_FAIL(-EINVAL, "fixed offsets of tensors %u and %u collide",
-                             oa < ob ? oa : ob, oa < ob ? ob : oa);
+    plan_run run;
+    err = run_start(&run, &in, opts, firsts, lasts, started, debug, lb);
+    if (!err)
+        err = run_portfolio(&run);
+    if (!err)
+        err = exact_prepare(&run);
+    if (!err)
+        err = local_search(&run);
+    if (!err)
+        err = exact_bisection(&run);
+    if (!err) {
+        if (run.used_exact)
+            snprintf(run.name, sizeof run.name, "exact");
+        if (in.m && run.best <= lb)
+            run.optimal = 1;
+        err = self_check(&run);
+    }
+    if (err == OUT_OF_MEMORY)
+        err = LSHM_FAIL(-ENOMEM, "planner: out of memory for %zu tensors", n);
+    if (!err) {
+        for (size_t i = 0; i < n; i++)
+            offsets[i] = (fixed_offsets && fixed_offsets[i] >= 0) ? (uint64_t)fixed_offsets[i]
+                                                                   : 0;
+        for (size_t j = 0; j < in.m; j++)
+            offsets[in.orig[j]] = run.best_offsets[j];
+        if (result) {
+            memset(result, 0, sizeof *result);
+            result->arena_size = run.best;
+            result->lower_bound = lb;
+            result->optimal = run.optimal;
+            snprintf(result->strategy, sizeof result->strategy, "%s", run.name);
+            result->seconds = lshm__plan_now() - started;
         }
     }
-
-    size_t scratch = m > in.times ? m : (size_t)in.times;
-    uint64_t *best_off = malloc((m ? m : 1) * sizeof *best_off);
-    uint64_t *cur_off = malloc((m ? m : 1) * sizeof *cur_off);
-    uint32_t *order = malloc((m ? m : 1) * sizeof *order);
-    uint32_t *best_order = malloc((m ? m : 1) * sizeof *best_order);
-    uint32_t *items = malloc((m ? m : 1) * sizeof *items);
-    uint32_t *tmp = malloc((scratch + 1) * sizeof *tmp);
-    uint64_t *key = malloc((scratch + 1) * sizeof *key);
-    uint64_t *width = NULL; /* lifetime lengths for the exact search's preorders */
-    engine eng;
-    memset(&eng, 0, sizeof eng);
-    int have_engine = 0;
-    if (!best_off || !cur_off || !order || !best_order || !items || !tmp || !key)
-        goto nomem;
-    if (m) {
-        /* Dense traces (many tensors live together) use the segment-tree engine. */
-        uint64_t pairs = live_pairs(&in);
-        const char *ev = getenv("LSHM_PLAN_ENGINE");
-        int dense = ev && *ev ? ev[0] == 'd' : pairs > DENSE_PAIRS_PER_TENSOR * (uint64_t)m;
-        if (engine_init(&eng, &in, tmp, key, dense))
-            goto nomem;
-        have_engine = 1;
-    }
-
-    uint64_t best = NO_PLAN;
-    int best_fit = FIT_BEST;
-    char name[48] = "empty";
-    int optimal = 0;
-    size_t count = 0;
-    for (size_t i = 0; i < m; i++)
-        if (in.fixed[i] == UINT64_MAX)
-            items[count++] = (uint32_t)i;
-    order_ctx oc = {&in, firsts, lasts, items, count, key, tmp};
-
-    if (m == 0) {
-        best = 0;
-        optimal = 1;
-    }
-    /* Phase 1: the portfolio. */
-    const strategy *pf = m > PORTFOLIO_LARGE ? portfolio_large : portfolio;
-    size_t npf = m > PORTFOLIO_LARGE ? PORTFOLIO_LARGE_SIZE : PORTFOLIO_SIZE;
-    const uint64_t target = opts->capacity; /* 0: minimise */
-    for (size_t s = 0; s < npf && m && best > lb && !meets_capacity(best, target); s++) {
-        double ts = lshm__plan_now();
-        if (make_order(&oc, pf[s].order, order))
-            goto nomem;
-        uint64_t arena = engine_run(&eng, &in, order, count, pf[s].fit, cur_off, best);
-        if (eng.nomem)
-            goto nomem;
-        if (debug)
-            fprintf(stderr, "lshm_plan: %s/%s %s in %.3f ms (%s engine)\n",
-                    order_names[pf[s].order], pf[s].fit == FIT_BEST ? "best" : "first",
-                    arena == UINT64_MAX ? "cut off" : "done", (lshm__plan_now() - ts) * 1e3,
-                    eng.seg ? "dense" : "sparse");
-        if (arena < best) {
-            best = arena;
-            best_fit = pf[s].fit;
-            memcpy(best_off, cur_off, m * sizeof *best_off);
-            memcpy(best_order, order, count * sizeof *order);
-            snprintf(name, sizeof name, "%s/%s", order_names[pf[s].order],
-                     pf[s].fit == FIT_BEST ? "best-fit" : "first-fit");
-        }
-    }
-    if (m && best <= lb)
-        optimal = 1;
-
-    double deadline = t0 + opts->time_limit;
-    int exact_ok = m && in.n_fixed == 0 && m <= EXACT_MAX_TENSORS;
-    /* With a capacity below the lower bound nothing fits: no search. */
-    int fits = meets_capacity(best, target);
-    int hopeless = target && target < lb;
-    int exact_phase = !optimal && opts->time_limit > 0 && exact_ok && !fits && !hopeless;
-    lshm__plan_problem prob = {m, in.start, in.end, in.size, in.alignment, in.times, NULL};
-    uint64_t g = 1;           /* every canonical plan's arena is a multiple of g (phase 3) */
-    uint64_t lb_cap = lb;     /* LB rounded up to g: no plan is smaller */
-    int lb_disproven = 0, used_exact = 0;
-    if (exact_phase) {
-        width = malloc(m * sizeof *width);
-        if (!width)
-            goto nomem;
-        g = 0; /* gcd of the sizes */
-        for (size_t i = 0; i < m; i++) {
-            uint32_t o = in.orig[i];
-            /* lasts - firsts in uint64 (as int64 it overflows beyond INT64_MAX), + 1 when
-             * inclusive saturating (INT64_MIN..INT64_MAX inclusive is 2^64 units) */
-            width[i] = (uint64_t)lasts[o] - (uint64_t)firsts[o];
-            if ((opts->flags & LSHM_PLAN_INCLUSIVE) && width[i] != UINT64_MAX)
-                width[i]++;
-            for (uint64_t a = in.size[i], t; a; t = g % a, g = a, a = t)
-                ;
-        }
-        if (g % in.alignment) /* offsets: multiples of the alignment, arenas of gcd(a, g) */
-            for (uint64_t a = in.alignment, t; a; t = g % a, g = a, a = t)
-                ;
-        /* else every offset is a sum of sizes (rounding to the alignment changes nothing) */
-        prob.width = width;
-        lb_cap = lb / g * g; /* rounded up without lb + g - 1 (which may wrap); no overflow:
-                              * best >= lb is a multiple of g */
-        if (lb_cap < lb)
-            lb_cap += g;
-        if (best <= lb_cap)
-            optimal = 1; /* OPT is a multiple of g too */
-        /* Minimise mode asks for LB first, before the local search: OPT = LB on most real
-         * traces, and a tight capacity is where the search's inference is strongest. */
-        if (!target && lb_cap < best) {
-            int r = exact_probe(&prob, lb_cap, t0 + opts->time_limit / 5, cur_off, best_off,
-                                &best, debug);
-            if (r < 0 && r != -1)
-                goto nomem;
-            if (r == 1)
-                optimal = used_exact = 1;
-            lb_disproven = r == 0;
-        }
-    }
-    /* Phase 2: local search on the best order. Moves a tensor that touches the top to an
-     * earlier place in the order; keeps moves that do not grow the arena (plateaus let the
-     * search drift). With an exact tail coming, it only gets a share of the budget; in
-     * capacity mode the exact search decides right away when it can run. */
-    if (!optimal && !fits && !hopeless && opts->time_limit > 0 && count > 1 &&
-        !(target && exact_ok)) {
-        double ls_deadline = exact_ok ? lshm__plan_now() + opts->time_limit * 0.05 : deadline;
-        uint64_t cur = best, seed = 0x5DEECE66Dull ^ m;
-        memcpy(order, best_order, count * sizeof *order);
-        memcpy(cur_off, best_off, m * sizeof *cur_off);
-        uint64_t *try_off = malloc(m * sizeof *try_off);
-        uint32_t *tops = malloc(m * sizeof *tops);
-        if (!try_off || !tops) {
-            free(try_off), free(tops);
-            goto nomem;
-        }
-        int improved_any = 0;
-        for (unsigned iter = 0; best > lb && !meets_capacity(best, target); iter++) {
-            if ((iter & 7) == 0 && lshm__plan_now() > ls_deadline)
-                break;
-            size_t nt = 0; /* positions in order of tensors whose block touches the top */
-            for (size_t j = 0; j < count; j++)
-                if (cur_off[order[j]] + in.size[order[j]] == cur)
-                    tops[nt++] = (uint32_t)j;
-            size_t p = nt ? tops[rng_next(&seed) % nt] : rng_next(&seed) % count;
-            size_t q;
-            if (p == 0) {
-                q = 1 + rng_next(&seed) % (count - 1);
-            } else {
-                q = rng_next(&seed) % p;
-            }
-            /* move order[p] to q (q < p: earlier; q > p: swap down) */
-            uint32_t moved = order[p];
-            if (q < p) {
-                memmove(order + q + 1, order + q, (p - q) * sizeof *order);
-                order[q] = moved;
-            } else {
-                order[p] = order[q];
-                order[q] = moved;
-            }
-            uint64_t arena = engine_run(&eng, &in, order, count, best_fit, try_off, cur + 1);
-            if (eng.nomem) {
-                free(try_off), free(tops);
-                goto nomem;
-            }
-            if (arena <= cur) {
-                cur = arena;
-                memcpy(cur_off, try_off, m * sizeof *cur_off);
-                if (arena < best) {
-                    best = arena;
-                    memcpy(best_off, try_off, m * sizeof *best_off);
-                    memcpy(best_order, order, count * sizeof *order);
-                    improved_any = 1;
-                }
-            } else if (q < p) {
-                memmove(order + q, order + q + 1, (p - q) * sizeof *order);
-                order[p] = moved;
-            } else {
-                order[q] = order[p];
-                order[p] = moved;
-            }
-        }
-        free(try_off), free(tops);
-        if (improved_any)
-            snprintf(name + strlen(name), sizeof name - strlen(name), "+local");
-        if (best <= lb)
-            optimal = 1;
-    }
-
-    /* Phase 3: exact decision search (planner_exact.c).
-     *  - capacity mode: one decision at the target with the whole remaining budget;
-     *  - minimise mode (after the LB probe above): rounds of bisection between the lowest
-     *    capacity not disproven and the best plan, every decision with the same time slice,
-     *    the slice doubling each round; a round begins with LB again while LB is not
-     *    disproven. How long a decision takes varies a lot from one capacity to the next (a
-     *    capacity a little above one solved in 0.1 s may take seconds), so a capacity that
-     *    timed out is only skipped for the rest of its round. Capacities are multiples of g,
-     *    the gcd of the sizes when the alignment divides it (every canonical offset is a sum
-     *    of sizes then), else the gcd of that and the alignment. */
-    if (exact_phase && !optimal && !meets_capacity(best, target)) {
-        uint64_t hi = best;                          /* best plan found */
-        uint64_t lo = lb_disproven ? lb_cap + g : lb_cap; /* below: infeasible (proven) */
-        uint64_t rlo = hi;                           /* ... or timed out in this round */
-        /* resolution: a round stops bisecting when the gap left is below 1/64 of the first */
-        uint64_t res = lo < hi ? ((hi - lo) / 64 + g - 1) / g * g : 0;
-        int first = 1, rounds = 0;
-        double slice = 0;
-        while (lo < hi) {
-            double now = lshm__plan_now();
-            if (now >= deadline)
-                break;
-            uint64_t cap;
-            double t;
-            if (target) {
-                if (!first)
-                    break;
-                cap = target;
-                t = deadline;
-            } else {
-                int new_round = rlo + res >= hi;
-                if (new_round) {
-                    rlo = lo;
-                    slice = slice ? 2 * slice : (deadline - now) / 16;
-                    rounds++;
-                }
-                cap = rlo + (hi - rlo) / g / 2 * g;
-                if (new_round && rounds > 1 && rlo == lb_cap) /* LB again, longer slice */
-                    cap = rlo;
-                t = now + slice;
-            }
-            first = 0;
-            int r = exact_probe(&prob, cap, t < deadline ? t : deadline, cur_off, best_off,
-                                &best, debug);
-            if (r < 0 && r != -1)
-                goto nomem;
-            if (r == 1) {
-                hi = best;
-                used_exact = 1;
-            } else {
-                if (r == 0 && cap >= lo)
-                    lo = cap + g;
-                if (cap >= rlo)
-                    rlo = cap + g;
-                if (rlo < lo)
-                    rlo = lo;
-            }
-        }
-        if (!target && lo >= hi)
-            optimal = 1;
-    }
-    if (used_exact)
-        snprintf(name, sizeof name, "exact");
-    if (m && best <= lb)
-        optimal = 1;
-
-    /* Self-check before anything is written back. */
-    if (m) {
-        uint32_t a, b;
-        int nomem;
-        int bad = find_overlap(&in, best_off, &a, &b, &nomem);
-        if (nomem)
-            goto nomem;
-        for (size_t i = 0; i < m && !bad; i++)
-            bad = (best_off[i] & (in.alignment - 1)) != 0 || best_off[i] + in.size[i] > best ||
-                  (in.fixed[i] != UINT64_MAX && in.fixed[i] != best_off[i]);
-        assert(!bad);
-        if (bad) {
-            err = LSHM_FAIL(-EFAULT, "planner bug: strategy %s produced an invalid plan", name);
-            goto out;
-        }
-    }
-
-    for (size_t i = 0; i < n; i++)
-        offsets[i] = (fixed_offsets && fixed_offsets[i] >= 0) ? (uint64_t)fixed_offsets[i] : 0;
-    for (size_t j = 0; j < m; j++)
-        offsets[in.orig[j]] = best_off[j];
-    if (result) {
-        memset(result, 0, sizeof *result);
-        result->arena_size = best;
-        result->lower_bound = lb;
-        result->optimal = optimal;
-        snprintf(result->strategy, sizeof result->strategy, "%s", name);
-        result->seconds = lshm__plan_now() - t0;
-    }
-    err = 0;
-    goto out;
-nomem:
-    err = LSHM_FAIL(-ENOMEM, "planner: out of memory for %zu tensors", n);
-out:
-    if (have_engine)
-        engine_free(&eng);
-    free(width);
-    free(best_off), free(cur_off), free(order), free(best_order), free(items), free(tmp),
-        free(key);
+    run_free(&run);
     input_free(&in);
     return err;
 }
