@@ -520,15 +520,15 @@ typedef struct engine {
     int seg;
     uint32_t W;             /* leaves (power of two) */
     uint32_t *slo, *shi;    /* [m] slot range [slo, shi) per tensor */
-    struct iset *here, *sub; /* [2W] */
+    struct interval_set *here, *sub; /* [2W] */
     size_t blocks_cap;      /* capacity of blocks in dense mode (grows) */
     int nomem;
 } engine;
 
-typedef struct iset {
+typedef struct interval_set {
     block *v;
     uint32_t len, cap;
-} iset;
+} interval_set;
 
 static void engine_free(engine *e)
 {
@@ -553,11 +553,11 @@ static int engine_init_seg(engine *e, const plan_input *in)
     }
     for (size_t i = 0; i < e->m; i++)
         slot[in->start[i]] = slot[in->end[i]] = 1;
-    uint32_t ns = 0; /* slot[t] = number of boundaries < t */
+    uint32_t boundaries = 0; /* slot[t] = number of boundaries < t */
     for (uint32_t t = 0; t <= T; t++) {
         uint32_t b = slot[t];
-        slot[t] = ns;
-        ns += b;
+        slot[t] = boundaries;
+        boundaries += b;
     }
     for (size_t i = 0; i < e->m; i++) {
         e->slo[i] = slot[in->start[i]];
@@ -565,7 +565,7 @@ static int engine_init_seg(engine *e, const plan_input *in)
     }
     free(slot);
     uint32_t W = 1;
-    while (W < ns)
+    while (W < boundaries)
         W <<= 1;
     e->W = W;
     e->here = calloc(2 * (size_t)W, sizeof *e->here);
@@ -578,7 +578,7 @@ static int engine_init_seg(engine *e, const plan_input *in)
 
 /* Adds [lo, hi) to the coalesced set; returns 0 if it was already covered, 1 if the set
  * changed. Touching ranges merge (a gap of 0 bytes holds nothing). */
-static int iset_add(engine *e, iset *s, uint64_t lo, uint64_t hi)
+static int iset_add(engine *e, interval_set *s, uint64_t lo, uint64_t hi)
 {
     block *v = s->v;
     uint32_t a = 0, b = s->len;
@@ -644,7 +644,7 @@ static void seg_insert(engine *e, uint32_t i, uint64_t lo, uint64_t hi)
 }
 
 /* Merges the coalesced set s into the coalesced, sorted e->blocks[0..*k) (scratch after it). */
-static int seg_merge(engine *e, size_t *k, const iset *s)
+static int seg_merge(engine *e, size_t *k, const interval_set *s)
 {
     if (!s->len)
         return 0;
@@ -995,55 +995,56 @@ static int make_order(order_ctx *c, int which, uint32_t *out)
         return 0;
     case ORDER_CONFLICTS: {
         uint32_t T = in->times;
-        uint32_t *ns = calloc((size_t)T + 2, sizeof *ns), *ne = calloc((size_t)T + 2, sizeof *ne);
-        if (!ns || !ne) {
-            free(ns), free(ne);
+        uint32_t *starts_before = calloc((size_t)T + 2, sizeof *starts_before);
+        uint32_t *ends_by = calloc((size_t)T + 2, sizeof *ends_by);
+        if (!starts_before || !ends_by) {
+            free(starts_before), free(ends_by);
             return -ENOMEM;
         }
         for (size_t i = 0; i < m; i++) {
-            ns[in->start[i] + 1]++; /* ns[t] = starts < t */
-            ne[in->end[i]]++;       /* ne[t] = ends <= t */
+            starts_before[in->start[i] + 1]++; /* starts_before[t] = starts < t */
+            ends_by[in->end[i]]++;       /* ends_by[t] = ends <= t */
         }
         for (uint32_t t = 1; t <= T + 1; t++) {
-            ns[t] += ns[t - 1];
-            ne[t] += ne[t - 1];
+            starts_before[t] += starts_before[t - 1];
+            ends_by[t] += ends_by[t - 1];
         }
         for (size_t i = 0; i < m; i++)
             key[i] = ~in->size[i];
         sort_by_key(out, count, key, c->tmp);
         for (size_t i = 0; i < m; i++)
-            key[i] = ~(uint64_t)(ns[in->end[i]] - ne[in->start[i]]);
+            key[i] = ~(uint64_t)(starts_before[in->end[i]] - ends_by[in->start[i]]);
         sort_by_key(out, count, key, c->tmp);
-        free(ns), free(ne);
+        free(starts_before), free(ends_by);
         return 0;
     }
     case ORDER_BREADTH: {
         /* breadth(t) = bytes live at t; tasks visited by breadth desc (then time); a tensor is
          * placed at the first visited task it is live at, larger tensors first within a task */
         uint32_t T = in->times;
-        uint64_t *br = calloc((size_t)T + 1, sizeof *br);
+        uint64_t *live_bytes = calloc((size_t)T + 1, sizeof *live_bytes);
         uint32_t *rank = malloc(((size_t)T + 1) * sizeof *rank);
         uint32_t *tasks = malloc(((size_t)T + 1) * sizeof *tasks);
-        uint32_t *tt = malloc(((size_t)T + 1) * sizeof *tt);
+        uint32_t *sort_scratch = malloc(((size_t)T + 1) * sizeof *sort_scratch);
         size_t w = 1;
         while (w < T)
             w <<= 1;
         uint32_t *seg = malloc(2 * w * sizeof *seg);
-        if (!br || !rank || !tasks || !tt || !seg) {
-            free(br), free(rank), free(tasks), free(tt), free(seg);
+        if (!live_bytes || !rank || !tasks || !sort_scratch || !seg) {
+            free(live_bytes), free(rank), free(tasks), free(sort_scratch), free(seg);
             return -ENOMEM;
         }
         for (size_t i = 0; i < m; i++) {
-            br[in->start[i]] += in->size[i];
-            br[in->end[i]] -= in->size[i];
+            live_bytes[in->start[i]] += in->size[i];
+            live_bytes[in->end[i]] -= in->size[i];
         }
         for (uint32_t t = 1; t < T; t++)
-            br[t] += br[t - 1];
+            live_bytes[t] += live_bytes[t - 1];
         for (uint32_t t = 0; t < T; t++) {
             tasks[t] = t;
-            br[t] = ~br[t];
+            live_bytes[t] = ~live_bytes[t];
         }
-        sort_by_key(tasks, T, br, tt);
+        sort_by_key(tasks, T, live_bytes, sort_scratch);
         for (uint32_t r = 0; r < T; r++)
             rank[tasks[r]] = r;
         for (size_t x = 0; x < 2 * w; x++)
@@ -1075,7 +1076,7 @@ static int make_order(order_ctx *c, int which, uint32_t *out)
             key[i] = best;
         }
         sort_by_key(out, count, key, c->tmp);
-        free(br), free(rank), free(tasks), free(tt), free(seg);
+        free(live_bytes), free(rank), free(tasks), free(sort_scratch), free(seg);
         return 0;
     }
     }
@@ -1168,23 +1169,24 @@ int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *firsts,
 static uint64_t live_pairs(const plan_input *in)
 {
     uint32_t T = in->times;
-    uint32_t *ns = calloc((size_t)T + 2, sizeof *ns), *ne = calloc((size_t)T + 2, sizeof *ne);
+    uint32_t *starts_before = calloc((size_t)T + 2, sizeof *starts_before);
+    uint32_t *ends_by = calloc((size_t)T + 2, sizeof *ends_by);
     uint64_t sum = 0;
-    if (!ns || !ne) {
-        free(ns), free(ne);
+    if (!starts_before || !ends_by) {
+        free(starts_before), free(ends_by);
         return 0;
     }
     for (size_t i = 0; i < in->m; i++) {
-        ns[in->start[i] + 1]++; /* ns[t] = starts < t */
-        ne[in->end[i]]++;       /* ne[t] = ends <= t */
+        starts_before[in->start[i] + 1]++; /* starts_before[t] = starts < t */
+        ends_by[in->end[i]]++;       /* ends_by[t] = ends <= t */
     }
     for (uint32_t t = 1; t <= T + 1; t++) {
-        ns[t] += ns[t - 1];
-        ne[t] += ne[t - 1];
+        starts_before[t] += starts_before[t - 1];
+        ends_by[t] += ends_by[t - 1];
     }
     for (size_t i = 0; i < in->m; i++)
-        sum += ns[in->end[i]] - ne[in->start[i]] - 1;
-    free(ns), free(ne);
+        sum += starts_before[in->end[i]] - ends_by[in->start[i]] - 1;
+    free(starts_before), free(ends_by);
     return sum / 2;
 }
 

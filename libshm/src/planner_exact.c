@@ -41,14 +41,14 @@ typedef struct exact {
     uint64_t capacity, alignment;
     uint32_t nsec;
     uint32_t *sec_lo, *sec_hi;      /* [n] sections [lo, hi) covered by each tensor */
-    uint32_t *ov_start, *ov;        /* CSR: conflicting tensors of each tensor */
-    uint32_t *sb_start, *sb;        /* CSR: tensors of each section */
+    uint32_t *conflict_start, *conflicts;      /* CSR: conflicting tensors of each tensor */
+    uint32_t *section_start, *section_tensors; /* CSR: tensors of each section */
     uint64_t *floor, *total;        /* [nsec] */
     uint32_t *cuts;                 /* [nsec] unplaced tensors crossing the boundary s | s + 1 */
     uint64_t *min_off;              /* [n] */
     uint64_t *off;                  /* [n] UINT64_MAX while unplaced */
     uint32_t *rank;                 /* [n] preorder rank within the current (sub)problem */
-    uint64_t *kw, *ka, *kt;         /* [n] preorder keys */
+    uint64_t *key_width, *key_area, *key_time; /* [n] preorder keys */
     int heuristic;                  /* 0: WAT, 1: TAW, 2: TWA */
     uint32_t *pool;                 /* stack of ordering lists, parts and saved ranks */
     uint32_t *sort_tmp;             /* [n] */
@@ -89,8 +89,8 @@ static int pre_before(const exact *x, uint32_t a, uint32_t b)
 {
     static const int keys[3][3] = {{0, 1, 2}, {2, 1, 0}, {2, 0, 1}}; /* WAT, TAW, TWA */
     for (int q = 0; q < 3; q++) {
-        const uint64_t *k = keys[x->heuristic][q] == 0 ? x->kw
-                            : keys[x->heuristic][q] == 1 ? x->ka : x->kt;
+        const uint64_t *k = keys[x->heuristic][q] == 0 ? x->key_width
+                            : keys[x->heuristic][q] == 1 ? x->key_area : x->key_time;
         if (k[a] != k[b])
             return k[a] > k[b];
     }
@@ -198,8 +198,8 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
          * such tensor overlaps b, so with b's own sections they form one range [alo, ahi). */
         uint32_t alo = x->sec_lo[b], ahi = x->sec_hi[b];
         int hatless = 1, ok = 1;
-        for (uint32_t e = x->ov_start[b]; e < x->ov_start[b + 1]; e++) {
-            uint32_t c = x->ov[e];
+        for (uint32_t e = x->conflict_start[b]; e < x->conflict_start[b + 1]; e++) {
+            uint32_t c = x->conflicts[e];
             uint64_t mc = x->min_off[c];
             if (mc == UINT64_MAX)
                 continue;
@@ -224,8 +224,8 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
          * stops at the first one at or below the floor (then nothing changes). */
         for (uint32_t s = alo; s < ahi && ok; s++) {
             uint64_t lo = UINT64_MAX, fl = x->floor[s];
-            for (uint32_t e = x->sb_start[s]; e < x->sb_start[s + 1]; e++) {
-                uint32_t c = x->sb[e];
+            for (uint32_t e = x->section_start[s]; e < x->section_start[s + 1]; e++) {
+                uint32_t c = x->section_tensors[e];
                 if (x->min_off[c] < lo) {
                     lo = x->min_off[c];
                     if (lo <= fl)
@@ -300,14 +300,14 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
                        uint32_t *pool)
 {
     uint32_t *ids = pool;
-    size_t ns = 0;
+    size_t unplaced = 0;
     for (size_t j = 0; j < k; j++)
         if (x->off[list[j]] == UINT64_MAX)
-            ids[ns++] = list[j];
-    uint32_t *saved = ids + ns;
-    for (size_t j = 0; j < ns; j++)
+            ids[unplaced++] = list[j];
+    uint32_t *saved = ids + unplaced;
+    for (size_t j = 0; j < unplaced; j++)
         saved[j] = x->rank[ids[j]];
-    size_t used = 2 * ns;
+    size_t used = 2 * unplaced;
     int r = 1;
     uint32_t lo = plo;
     while (lo < phi && r == 1) {
@@ -316,7 +316,7 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
             hi++;
         uint32_t *part = pool + used;
         size_t pk = 0;
-        for (size_t j = 0; j < ns; j++) {
+        for (size_t j = 0; j < unplaced; j++) {
             uint32_t c = ids[j];
             if (x->sec_lo[c] >= lo && x->sec_lo[c] < hi)
                 part[pk++] = c;
@@ -329,7 +329,7 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
                 for (uint32_t s = x->sec_lo[c]; s < x->sec_hi[c]; s++)
                     if (x->total[s] > t)
                         t = x->total[s];
-                x->kt[c] = t;
+                x->key_time[c] = t;
             }
             sort_pre(x, part, pk);
             for (size_t j = 0; j < pk; j++)
@@ -342,7 +342,7 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
         }
         lo = hi;
     }
-    for (size_t j = 0; j < ns; j++) {
+    for (size_t j = 0; j < unplaced; j++) {
         x->rank[ids[j]] = saved[j];
         if (r != 1)
             x->off[ids[j]] = UINT64_MAX;
@@ -353,9 +353,10 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
 static void exact_free(exact *x)
 {
     free(x->cuts);
-    free(x->sec_lo), free(x->sec_hi), free(x->ov_start), free(x->ov), free(x->sb_start);
-    free(x->sb), free(x->floor), free(x->total), free(x->min_off), free(x->off), free(x->rank);
-    free(x->kw), free(x->ka), free(x->kt), free(x->sort_tmp);
+    free(x->sec_lo), free(x->sec_hi), free(x->conflict_start), free(x->conflicts);
+    free(x->section_start), free(x->section_tensors), free(x->floor), free(x->total);
+    free(x->min_off), free(x->off), free(x->rank);
+    free(x->key_width), free(x->key_area), free(x->key_time), free(x->sort_tmp);
     free(x->pool), free(x->undo);
 }
 
@@ -379,10 +380,10 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     /* sections: between consecutive distinct boundaries */
     uint32_t T = p->times;
     uint32_t *sec_of = calloc((size_t)T + 2, sizeof *sec_of);
-    uint8_t *isb = calloc((size_t)T + 2, 1);
-    x.kw = malloc(n * sizeof *x.kw);
-    x.ka = malloc(n * sizeof *x.ka);
-    x.kt = malloc(n * sizeof *x.kt);
+    uint8_t *is_boundary = calloc((size_t)T + 2, 1);
+    x.key_width = malloc(n * sizeof *x.key_width);
+    x.key_area = malloc(n * sizeof *x.key_area);
+    x.key_time = malloc(n * sizeof *x.key_time);
     x.sort_tmp = malloc(n * sizeof *x.sort_tmp);
     uint32_t *pre = malloc(n * sizeof *pre);
     x.sec_lo = malloc(n * sizeof *x.sec_lo);
@@ -390,21 +391,22 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     x.min_off = calloc(n, sizeof *x.min_off);
     x.off = malloc(n * sizeof *x.off);
     x.rank = calloc(n, sizeof *x.rank);
-    x.ov_start = calloc(n + 1, sizeof *x.ov_start);
+    x.conflict_start = calloc(n + 1, sizeof *x.conflict_start);
     /* stack: a search on k tensors uses k entries, a split below it at most 3 (k - 1) before
      * its own searches, so 2 n (n + 1) plus the root's split bound it */
     x.pool = malloc((2 * n * (n + 1) + 4 * n + 16) * sizeof *x.pool);
-    if (!sec_of || !isb || !x.kw || !x.ka || !x.kt || !x.sort_tmp || !pre || !x.sec_lo ||
-        !x.sec_hi || !x.min_off || !x.off || !x.rank || !x.ov_start || !x.pool)
+    if (!sec_of || !is_boundary || !x.key_width || !x.key_area || !x.key_time || !x.sort_tmp ||
+        !pre || !x.sec_lo || !x.sec_hi || !x.min_off || !x.off || !x.rank ||
+        !x.conflict_start || !x.pool)
         goto out;
     for (size_t i = 0; i < n; i++)
-        isb[p->start[i]] = isb[p->end[i]] = 1;
+        is_boundary[p->start[i]] = is_boundary[p->end[i]] = 1;
     uint32_t s = 0;
     int started = 0;
     for (uint32_t t = 0; t <= T; t++) {
-        if (isb[t] && started)
+        if (is_boundary[t] && started)
             s++;
-        if (isb[t])
+        if (is_boundary[t])
             started = 1;
         sec_of[t] = s; /* section that begins at the last boundary <= t */
     }
@@ -416,9 +418,9 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     }
     x.floor = calloc(x.nsec + 1, sizeof *x.floor);
     x.total = calloc(x.nsec + 1, sizeof *x.total);
-    x.sb_start = calloc(x.nsec + 2, sizeof *x.sb_start);
+    x.section_start = calloc(x.nsec + 2, sizeof *x.section_start);
     x.cuts = calloc(x.nsec + 1, sizeof *x.cuts);
-    if (!x.floor || !x.total || !x.sb_start || !x.cuts)
+    if (!x.floor || !x.total || !x.section_start || !x.cuts)
         goto out;
     for (size_t i = 0; i < n; i++)
         for (uint32_t q = x.sec_lo[i]; q + 1 < x.sec_hi[i]; q++)
@@ -427,28 +429,28 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     for (size_t i = 0; i < n; i++) {
         for (uint32_t q = x.sec_lo[i]; q < x.sec_hi[i]; q++) {
             x.total[q] += p->size[i];
-            x.sb_start[q + 1]++;
+            x.section_start[q + 1]++;
         }
         cover += x.sec_hi[i] - x.sec_lo[i];
     }
     for (uint32_t q = 0; q < x.nsec; q++) {
-        x.sb_start[q + 1] += x.sb_start[q];
+        x.section_start[q + 1] += x.section_start[q];
         if (x.total[q] > capacity) { /* the search relies on every section passing at first */
             ret = 0;
             goto out;
         }
     }
-    x.sb = malloc((cover + 1) * sizeof *x.sb);
-    if (!x.sb)
+    x.section_tensors = malloc((cover + 1) * sizeof *x.section_tensors);
+    if (!x.section_tensors)
         goto out;
     {
         uint32_t *cur = malloc((x.nsec + 1) * sizeof *cur);
         if (!cur)
             goto out;
-        memcpy(cur, x.sb_start, (x.nsec + 1) * sizeof *cur);
+        memcpy(cur, x.section_start, (x.nsec + 1) * sizeof *cur);
         for (size_t i = 0; i < n; i++)
             for (uint32_t q = x.sec_lo[i]; q < x.sec_hi[i]; q++)
-                x.sb[cur[q]++] = (uint32_t)i;
+                x.section_tensors[cur[q]++] = (uint32_t)i;
         free(cur);
     }
     /* conflicts: tensors with overlapping lifetimes */
@@ -456,20 +458,20 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
     for (size_t i = 0; i < n; i++)
         for (size_t j = 0; j < n; j++)
             if (i != j && p->start[i] < p->end[j] && p->start[j] < p->end[i])
-                x.ov_start[i + 1]++, pairs++;
+                x.conflict_start[i + 1]++, pairs++;
     for (size_t i = 0; i < n; i++)
-        x.ov_start[i + 1] += x.ov_start[i];
-    x.ov = malloc((pairs + 1) * sizeof *x.ov);
-    if (!x.ov)
+        x.conflict_start[i + 1] += x.conflict_start[i];
+    x.conflicts = malloc((pairs + 1) * sizeof *x.conflicts);
+    if (!x.conflicts)
         goto out;
     for (size_t i = 0, e = 0; i < n; i++)
         for (size_t j = 0; j < n; j++)
             if (i != j && p->start[i] < p->end[j] && p->start[j] < p->end[i])
-                x.ov[e++] = (uint32_t)j;
+                x.conflicts[e++] = (uint32_t)j;
     for (size_t i = 0; i < n; i++) {
-        x.kw[i] = p->width ? p->width[i] : (uint64_t)(p->end[i] - p->start[i]);
-        unsigned __int128 area = (unsigned __int128)p->size[i] * x.kw[i]; /* saturated */
-        x.ka[i] = area >> 64 ? UINT64_MAX : (uint64_t)area;
+        x.key_width[i] = p->width ? p->width[i] : (uint64_t)(p->end[i] - p->start[i]);
+        unsigned __int128 area = (unsigned __int128)p->size[i] * x.key_width[i]; /* saturated */
+        x.key_area[i] = area >> 64 ? UINT64_MAX : (uint64_t)area;
     }
     for (size_t i = 0; i < n; i++)
         pre[i] = (uint32_t)i;
@@ -505,7 +507,7 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
         limit *= 2;
     }
 out:
-    free(sec_of), free(isb), free(pre);
+    free(sec_of), free(is_boundary), free(pre);
     exact_free(&x);
     return ret;
 }
