@@ -46,8 +46,7 @@
 
 #define PLAN_MAX_TENSORS ((size_t)1 << 28) /* compressed times must fit in 31 bits */
 
-double lshm__plan_now(void)
-{
+double lshm__plan_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -57,8 +56,7 @@ static inline uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~
 static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
 /* xorshift64*: deterministic pseudo-random numbers for the local search. */
-static inline uint64_t rng_next(uint64_t *s)
-{
+static inline uint64_t rng_next(uint64_t *s) {
     uint64_t x = *s;
     x ^= x >> 12;
     x ^= x << 25;
@@ -71,8 +69,7 @@ static inline uint64_t rng_next(uint64_t *s)
 
 /* Sort items[0..m) ascending by key[items[i]], stable. tmp has room for m items. Byte passes in
  * which every key has the same byte are skipped, so small keys cost one or two passes. */
-static void sort_by_key(uint32_t *items, size_t m, const uint64_t *key, uint32_t *tmp)
-{
+static void sort_by_key(uint32_t *items, size_t m, const uint64_t *key, uint32_t *tmp) {
     size_t count[256];
     uint64_t all_or = 0, all_and = ~(uint64_t)0;
     for (size_t i = 0; i < m; i++) {
@@ -119,8 +116,7 @@ typedef struct plan_input {
                                * to wrap); validation: 0 (unused) */
 } plan_input;
 
-static void input_free(plan_input *in)
-{
+static void input_free(plan_input *in) {
     free(in->orig);
     free(in->start);
     free(in->end);
@@ -129,8 +125,7 @@ static void input_free(plan_input *in)
     memset(in, 0, sizeof *in);
 }
 
-static int check_options(const lshm_plan_options *opts, uint64_t *alignment, unsigned *flags)
-{
+static int check_options(const lshm_plan_options *opts, uint64_t *alignment, unsigned *flags) {
     lshm_plan_options defaults;
     if (!opts) {
         lshm_plan_options_init(&defaults);
@@ -155,8 +150,7 @@ static int check_options(const lshm_plan_options *opts, uint64_t *alignment, uns
  * refuses nothing but an offset + size that really overflows 64 bits. */
 static int input_build(plan_input *in, size_t n, const uint64_t *sizes, const int64_t *firsts,
                        const int64_t *lasts, const int64_t *fixed, const uint64_t *given,
-                       const lshm_plan_options *opts)
-{
+                       const lshm_plan_options *opts) {
     memset(in, 0, sizeof *in);
     unsigned flags = 0;
     int err = check_options(opts, &in->alignment, &flags);
@@ -290,8 +284,7 @@ typedef struct pad_entry {
 
 /* max over t of (sum of padded sizes live at t) - (largest padding among them): all but the
  * topmost live tensor occupy at least their padded size, the topmost at least its size. */
-static int lower_bound(const plan_input *in, uint64_t *out)
-{
+static int lower_bound(const plan_input *in, uint64_t *out) {
     size_t m = in->m;
     uint32_t T = in->times;
     *out = 0;
@@ -371,13 +364,11 @@ typedef struct treap {
     uint32_t root;
 } treap;
 
-static inline int tkey_less(const treap *t, uint32_t a, uint32_t b)
-{
+static inline int tkey_less(const treap *t, uint32_t a, uint32_t b) {
     return t->off[a - 1] < t->off[b - 1] || (t->off[a - 1] == t->off[b - 1] && a < b);
 }
 
-static uint32_t treap_insert(treap *t, uint32_t root, uint32_t x)
-{
+static uint32_t treap_insert(treap *t, uint32_t root, uint32_t x) {
     if (!root)
         return x;
     if (tkey_less(t, x, root)) {
@@ -400,8 +391,7 @@ static uint32_t treap_insert(treap *t, uint32_t root, uint32_t x)
     return root;
 }
 
-static uint32_t treap_merge(treap *t, uint32_t a, uint32_t b)
-{
+static uint32_t treap_merge(treap *t, uint32_t a, uint32_t b) {
     if (!a || !b)
         return a ? a : b;
     if (t->prio[a] > t->prio[b]) {
@@ -412,8 +402,7 @@ static uint32_t treap_merge(treap *t, uint32_t a, uint32_t b)
     return b;
 }
 
-static uint32_t treap_erase(treap *t, uint32_t root, uint32_t x)
-{
+static uint32_t treap_erase(treap *t, uint32_t root, uint32_t x) {
     if (!root)
         return 0;
     if (root == x)
@@ -428,8 +417,7 @@ static uint32_t treap_erase(treap *t, uint32_t root, uint32_t x)
 /* Checks that no two tensors of `in` that are live together overlap with offsets `off` (indexed
  * like in). Returns 0, or 1 and the offending pair. */
 static int find_overlap(const plan_input *in, const uint64_t *off, uint32_t *pa, uint32_t *pb,
-                        int *nomem)
-{
+                        int *nomem) {
     size_t m = in->m;
     *nomem = 0;
     if (m == 0)
@@ -530,8 +518,7 @@ typedef struct interval_set {
     uint32_t len, cap;
 } interval_set;
 
-static void engine_free(engine *e)
-{
+static void engine_free(engine *e) {
     free(e->pos), free(e->ps), free(e->pe), free(e->pmax), free(e->plo), free(e->phi);
     free(e->blocks);
     if (e->here)
@@ -541,8 +528,7 @@ static void engine_free(engine *e)
 }
 
 /* Dense mode setup: slots between consecutive distinct boundaries. */
-static int engine_init_seg(engine *e, const plan_input *in)
-{
+static int engine_init_seg(engine *e, const plan_input *in) {
     uint32_t T = in->times;
     uint32_t *slot = calloc((size_t)T + 1, sizeof *slot);
     e->slo = malloc(e->m * sizeof *e->slo);
@@ -578,8 +564,7 @@ static int engine_init_seg(engine *e, const plan_input *in)
 
 /* Adds [lo, hi) to the coalesced set; returns 0 if it was already covered, 1 if the set
  * changed. Touching ranges merge (a gap of 0 bytes holds nothing). */
-static int iset_add(engine *e, interval_set *s, uint64_t lo, uint64_t hi)
-{
+static int iset_add(engine *e, interval_set *s, uint64_t lo, uint64_t hi) {
     block *v = s->v;
     uint32_t a = 0, b = s->len;
     while (a < b) { /* first range with v.hi >= lo */
@@ -624,8 +609,7 @@ static int iset_add(engine *e, interval_set *s, uint64_t lo, uint64_t hi)
     return 1;
 }
 
-static void seg_insert(engine *e, uint32_t i, uint64_t lo, uint64_t hi)
-{
+static void seg_insert(engine *e, uint32_t i, uint64_t lo, uint64_t hi) {
     uint32_t l = e->slo[i] + e->W, r = e->shi[i] + e->W;
     for (; l < r; l >>= 1, r >>= 1) {
         if (l & 1) {
@@ -644,8 +628,7 @@ static void seg_insert(engine *e, uint32_t i, uint64_t lo, uint64_t hi)
 }
 
 /* Merges the coalesced set s into the coalesced, sorted e->blocks[0..*k) (scratch after it). */
-static int seg_merge(engine *e, size_t *k, const interval_set *s)
-{
+static int seg_merge(engine *e, size_t *k, const interval_set *s) {
     if (!s->len)
         return 0;
     size_t need = 2 * (*k + s->len);
@@ -677,8 +660,7 @@ static int seg_merge(engine *e, size_t *k, const interval_set *s)
 
 /* Collects into e->blocks the union (coalesced, sorted) of the occupied ranges meeting tensor
  * i's slots; returns how many ranges. */
-static size_t seg_query(engine *e, uint32_t i)
-{
+static size_t seg_query(engine *e, uint32_t i) {
     size_t k = 0;
     const uint32_t l0 = e->slo[i], r0 = e->shi[i];
     uint32_t l = l0 + e->W, r = r0 + e->W;
@@ -701,8 +683,7 @@ static size_t seg_query(engine *e, uint32_t i)
     return e->nomem ? 0 : k;
 }
 
-static int engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint64_t *key, int dense)
-{
+static int engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint64_t *key, int dense) {
     size_t m = in->m;
     memset(e, 0, sizeof *e);
     e->m = m;
@@ -744,8 +725,7 @@ static int engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint64_t 
     return 0;
 }
 
-static void engine_reset(engine *e)
-{
+static void engine_reset(engine *e) {
     if (e->seg) {
         for (size_t v = 0; v < 2 * (size_t)e->W; v++)
             e->here[v].len = e->sub[v].len = 0;
@@ -755,8 +735,7 @@ static void engine_reset(engine *e)
     memset(e->phi, 0, e->m * sizeof *e->phi);
 }
 
-static void sort_blocks(block *b, size_t k)
-{
+static void sort_blocks(block *b, size_t k) {
     while (k > 16) {
         /* median of three, Hoare partition; recurse on the smaller side */
         uint64_t x = b[0].lo, y = b[k / 2].lo, z = b[k - 1].lo;
@@ -797,8 +776,7 @@ static void sort_blocks(block *b, size_t k)
 }
 
 /* Collects into e->blocks the placed tensors whose lifetime meets [a, b); returns how many. */
-static size_t engine_query(engine *e, uint32_t a, uint32_t b)
-{
+static size_t engine_query(engine *e, uint32_t a, uint32_t b) {
     uint32_t stack_lo[128], stack_hi[128];
     size_t sp = 0, k = 0;
     stack_lo[sp] = 0;
@@ -826,8 +804,7 @@ static size_t engine_query(engine *e, uint32_t a, uint32_t b)
     return k;
 }
 
-static void engine_insert(engine *e, uint32_t i, uint64_t offset)
-{
+static void engine_insert(engine *e, uint32_t i, uint64_t offset) {
     if (e->seg) {
         seg_insert(e, i, offset, offset + e->size[i]);
         return;
@@ -853,8 +830,7 @@ enum { FIT_BEST = 0, FIT_FIRST = 1 };
 /* The offset for tensor i given the placed ones: best fit (smallest gap that holds it, lowest
  * on ties) or first fit (lowest gap that holds it); else the aligned top of the overlapping
  * blocks. */
-static uint64_t engine_choose(engine *e, uint32_t i, int fit)
-{
+static uint64_t engine_choose(engine *e, uint32_t i, int fit) {
     size_t k = e->seg ? seg_query(e, i) : engine_query(e, e->start[i], e->end[i]);
     block *bl = e->blocks;
     if (!e->seg)
@@ -885,8 +861,7 @@ static uint64_t engine_choose(engine *e, uint32_t i, int fit)
 /* Places the pinned tensors, then order[0..count) with `fit`. Writes off[] (by tensor) and
  * returns the arena, or UINT64_MAX as soon as the arena reaches `cutoff`. */
 static uint64_t engine_run(engine *e, const plan_input *in, const uint32_t *order, size_t count,
-                           int fit, uint64_t *off, uint64_t cutoff)
-{
+                           int fit, uint64_t *off, uint64_t cutoff) {
     engine_reset(e);
     uint64_t arena = 0;
     if (in->n_fixed) {
@@ -940,15 +915,13 @@ typedef struct order_ctx {
     uint32_t *tmp;                 /* [max(m, T)] */
 } order_ctx;
 
-static uint64_t duration_of(const order_ctx *c, uint32_t i)
-{
+static uint64_t duration_of(const order_ctx *c, uint32_t i) {
     uint32_t o = c->in->orig[i];
     return (uint64_t)c->lasts[o] - (uint64_t)c->firsts[o];
 }
 
 /* Fills out[0..count) with the non-pinned tensors in the given order. */
-static int make_order(order_ctx *c, int which, uint32_t *out)
-{
+static int make_order(order_ctx *c, int which, uint32_t *out) {
     const plan_input *in = c->in;
     size_t count = c->count, m = in->m;
     uint64_t *key = c->key;
@@ -1085,8 +1058,7 @@ static int make_order(order_ctx *c, int which, uint32_t *out)
 
 /* ---- public API ---------------------------------------------------------------------------- */
 
-void lshm_plan_options_init(lshm_plan_options *opts)
-{
+void lshm_plan_options_init(lshm_plan_options *opts) {
     if (!opts)
         return;
     memset(opts, 0, sizeof *opts);
@@ -1097,8 +1069,7 @@ void lshm_plan_options_init(lshm_plan_options *opts)
 
 int lshm_plan_lower_bound(size_t n, const uint64_t *sizes, const int64_t *firsts,
                           const int64_t *lasts, const lshm_plan_options *opts,
-                          uint64_t *lower_bound_out)
-{
+                          uint64_t *lower_bound_out) {
     if (!lower_bound_out)
         return LSHM_FAIL(-EINVAL, "lower_bound is NULL");
     plan_input in;
@@ -1116,8 +1087,7 @@ int lshm_plan_lower_bound(size_t n, const uint64_t *sizes, const int64_t *firsts
 
 int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *firsts,
                        const int64_t *lasts, const uint64_t *offsets,
-                       const lshm_plan_options *opts, uint64_t arena_size)
-{
+                       const lshm_plan_options *opts, uint64_t arena_size) {
     if (n > 0 && !offsets)
         return LSHM_FAIL(-EINVAL, "offsets is NULL with n = %zu", n);
     plan_input in;
@@ -1166,8 +1136,7 @@ int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *firsts,
 
 /* Number of pairs of tensors live together: sum over i of (starts before end_i) - (ends at or
  * before start_i) - 1, halved. 0 if out of memory (the sparse engine is then used). */
-static uint64_t live_pairs(const plan_input *in)
-{
+static uint64_t live_pairs(const plan_input *in) {
     uint32_t T = in->times;
     uint32_t *starts_before = calloc((size_t)T + 2, sizeof *starts_before);
     uint32_t *ends_by = calloc((size_t)T + 2, sizeof *ends_by);
@@ -1224,16 +1193,14 @@ static const strategy portfolio_large[] = {
 
 /* 1 when capacity mode (target > 0) has a plan (best != NO_PLAN) that fits: a capacity of
  * UINT64_MAX is met by the first plan, not by the absence of one. */
-static inline int meets_capacity(uint64_t best, uint64_t target)
-{
+static inline int meets_capacity(uint64_t best, uint64_t target) {
     return target && best != NO_PLAN && best <= target;
 }
 
 /* One exact decision: a plan within `cap` before `until`? On success it becomes the best plan.
  * Returns what lshm__plan_exact returns. */
 static int exact_probe(const lshm__plan_problem *prob, uint64_t cap, double until,
-                       uint64_t *cur_off, uint64_t *best_off, uint64_t *best, int debug)
-{
+                       uint64_t *cur_off, uint64_t *best_off, uint64_t *best, int debug) {
     double now = lshm__plan_now();
     int r = lshm__plan_exact(prob, cap, until, cur_off);
     if (debug)
@@ -1254,8 +1221,7 @@ static int exact_probe(const lshm__plan_problem *prob, uint64_t cap, double unti
 
 /* Pinned tensors must not collide with each other: 0, -EINVAL naming two that do, or
  * -ENOMEM. */
-static int check_pinned(const plan_input *in)
-{
+static int check_pinned(const plan_input *in) {
     const size_t m = in->m;
     plan_input pinned = *in;
     uint64_t *offset = malloc(m * sizeof *offset);
@@ -1329,8 +1295,7 @@ typedef struct plan_run {
     int lb_disproven;    /* the exact search proved no plan of lb_rounded exists */
 } plan_run;
 
-static void run_free(plan_run *r)
-{
+static void run_free(plan_run *r) {
     if (r->have_engine)
         engine_free(&r->engine);
     free(r->widths), free(r->best_offsets), free(r->offsets), free(r->order);
@@ -1339,8 +1304,7 @@ static void run_free(plan_run *r)
 
 static int run_start(plan_run *r, const plan_input *in, const lshm_plan_options *opts,
                      const int64_t *firsts, const int64_t *lasts, double started, int debug,
-                     uint64_t lower_bound)
-{
+                     uint64_t lower_bound) {
     const size_t m = in->m, one = m ? m : 1;
     size_t scratch = m > in->times ? m : (size_t)in->times;
     memset(r, 0, sizeof *r);
@@ -1384,8 +1348,7 @@ static int run_start(plan_run *r, const plan_input *in, const lshm_plan_options 
 
 /* Stage 1: the portfolio of orders and fits, until one reaches the lower bound (or, in
  * capacity mode, fits). */
-static int run_portfolio(plan_run *r)
-{
+static int run_portfolio(plan_run *r) {
     const plan_input *in = r->in;
     const size_t m = in->m;
     order_ctx orders = {in, r->firsts, r->lasts, r->placed, r->placed_count, r->scratch_keys,
@@ -1425,8 +1388,7 @@ static int run_portfolio(plan_run *r)
 /* Stage 2: whether the exact search runs, its granule and rounded lower bound, and, in
  * minimise mode, one decision at the lower bound first (OPT = LB on most real traces, and a
  * tight capacity is where the search's inference is strongest). */
-static int exact_prepare(plan_run *r)
-{
+static int exact_prepare(plan_run *r) {
     const plan_input *in = r->in;
     const size_t m = in->m;
     r->exact_allowed = m && in->n_fixed == 0 && m <= EXACT_MAX_TENSORS;
@@ -1482,8 +1444,7 @@ static int exact_prepare(plan_run *r)
  * place in the order; keeps moves that do not grow the arena (plateaus let the search drift).
  * With an exact tail coming, it only gets a share of the budget; in capacity mode the exact
  * search decides right away when it can run. */
-static int local_search(plan_run *r)
-{
+static int local_search(plan_run *r) {
     const plan_input *in = r->in;
     const size_t m = in->m, count = r->placed_count;
     if (r->optimal || r->fits || r->hopeless || r->opts->time_limit <= 0 || count <= 1 ||
@@ -1562,8 +1523,7 @@ static int local_search(plan_run *r)
  *    out is only skipped for the rest of its round. Capacities are multiples of the granule:
  *    the gcd of the sizes when the alignment divides it (every canonical offset is a sum of
  *    sizes then), else the gcd of that and the alignment. */
-static int exact_bisection(plan_run *r)
-{
+static int exact_bisection(plan_run *r) {
     if (!r->exact_phase || r->optimal || meets_capacity(r->best, r->target))
         return 0;
     const uint64_t g = r->granule;
@@ -1621,8 +1581,7 @@ static int exact_bisection(plan_run *r)
 
 /* Stage 5, before anything is written back: the plan is valid (no live overlap, aligned,
  * within the arena, pins kept). */
-static int self_check(plan_run *r)
-{
+static int self_check(plan_run *r) {
     const plan_input *in = r->in;
     if (in->m == 0)
         return 0;
@@ -1643,8 +1602,7 @@ static int self_check(plan_run *r)
 
 int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int64_t *lasts,
               const int64_t *fixed_offsets, const lshm_plan_options *opts, uint64_t *offsets,
-              lshm_plan_result *result)
-{
+              lshm_plan_result *result) {
     double started = lshm__plan_now();
     const int debug = getenv("LSHM_PLAN_DEBUG") != NULL;
     if (n > 0 && !offsets)

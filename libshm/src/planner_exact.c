@@ -59,8 +59,7 @@ typedef struct exact {
     int timed_out, nomem;
 } exact;
 
-static int grow_undo(exact *x)
-{
+static int grow_undo(exact *x) {
     size_t cap = x->undo_cap ? 2 * x->undo_cap : 1024;
     change *u = realloc(x->undo, cap * sizeof *u);
     if (!u) {
@@ -72,8 +71,7 @@ static int grow_undo(exact *x)
     return 0;
 }
 
-static inline int push_change(exact *x, uint32_t idx, uint64_t value)
-{
+static inline int push_change(exact *x, uint32_t idx, uint64_t value) {
     if (x->undo_len == x->undo_cap && grow_undo(x))
         return -1;
     x->undo[x->undo_len].idx = idx;
@@ -85,8 +83,7 @@ static inline int push_change(exact *x, uint32_t idx, uint64_t value)
 static inline uint64_t up(uint64_t v, uint64_t a) { return (v + a - 1) & ~(a - 1); }
 
 /* Preorder comparison: 1 when a goes before b under the current heuristic. */
-static int pre_before(const exact *x, uint32_t a, uint32_t b)
-{
+static int pre_before(const exact *x, uint32_t a, uint32_t b) {
     static const int keys[3][3] = {{0, 1, 2}, {2, 1, 0}, {2, 0, 1}}; /* WAT, TAW, TWA */
     for (int q = 0; q < 3; q++) {
         const uint64_t *k = keys[x->heuristic][q] == 0 ? x->key_width
@@ -97,8 +94,7 @@ static int pre_before(const exact *x, uint32_t a, uint32_t b)
     return a < b;
 }
 
-static void sort_pre(exact *x, uint32_t *a, size_t n)
-{
+static void sort_pre(exact *x, uint32_t *a, size_t n) {
     if (n < 2)
         return;
     if (n <= 16) {
@@ -129,8 +125,7 @@ static void sort_pre(exact *x, uint32_t *a, size_t n)
 
 /* ordering: unplaced tensors sorted by (min_off, rank); insertion sort from the parent's
  * (already nearly sorted) list. */
-static size_t build_ordering(exact *x, const uint32_t *parent, size_t pn, uint32_t *out)
-{
+static size_t build_ordering(exact *x, const uint32_t *parent, size_t pn, uint32_t *out) {
     size_t k = 0;
     const uint64_t *mo = x->min_off;
     for (size_t j = 0; j < pn; j++) {
@@ -158,8 +153,7 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
  * Undo log entries: idx < n: min_off of a tensor; idx >= n: floor of section idx - n.
  * Returns 1 (all placed), 0 (no placement), -1 (node limit or deadline), -2 (no memory). */
 static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, uint64_t last_off,
-                  uint32_t last_rank, uint32_t plo, uint32_t phi, uint64_t mtot)
-{
+                  uint32_t last_rank, uint32_t plo, uint32_t phi, uint64_t mtot) {
     if (--x->nodes_left < 0)
         return -1;
     if ((x->nodes_left & 255) == 0 && lshm__plan_now() > x->deadline) {
@@ -297,8 +291,7 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
  * pool holds the saved ranks, the parts, then the search lists. On failure every tensor of the
  * parts is unplaced again; the ranks of the parent's search are restored in every case. */
 static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, uint32_t phi,
-                       uint32_t *pool)
-{
+                       uint32_t *pool) {
     uint32_t *ids = pool;
     size_t unplaced = 0;
     for (size_t j = 0; j < k; j++)
@@ -350,8 +343,7 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
     return r;
 }
 
-static void exact_free(exact *x)
-{
+static void exact_free(exact *x) {
     free(x->cuts);
     free(x->sec_lo), free(x->sec_hi), free(x->conflict_start), free(x->conflicts);
     free(x->section_start), free(x->section_tensors), free(x->floor), free(x->total);
@@ -361,8 +353,7 @@ static void exact_free(exact *x)
 }
 
 int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double deadline,
-                     uint64_t *offsets)
-{
+                     uint64_t *offsets) {
     exact x;
     memset(&x, 0, sizeof x);
     const size_t n = p->n;
