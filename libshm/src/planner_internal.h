@@ -33,4 +33,116 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
 /* Seconds on CLOCK_MONOTONIC. */
 double lshm__plan_now(void);
 
+/* ---- shared by the planner's files (planner.c and its stages) ------------------------------ */
+
+#include "lshm.h"
+
+#define PLAN_MAX_TENSORS ((size_t)1 << 28) /* compressed times must fit in 31 bits */
+
+static inline uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
+static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+/* xorshift64*: deterministic pseudo-random numbers for the local search. */
+static inline uint64_t rng_next(uint64_t *s) {
+    uint64_t x = *s;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *s = x;
+    return x * 0x2545F4914F6CDD1Dull;
+}
+
+/* Sort items[0..m) ascending by key[items[i]], stable (planner_input.c). */
+void lshm__plan_sort_by_key(uint32_t *items, size_t m, const uint64_t *key, uint32_t *tmp);
+
+/* The caller's input, checked and compressed (planner_input.c). */
+typedef struct plan_input {
+    size_t n_all;             /* n given by the caller */
+    size_t m;                 /* tensors that occupy memory: size > 0 and non-empty lifetime */
+    uint32_t *orig;           /* [m] caller index */
+    uint32_t *start, *end;    /* [m] compressed half-open lifetime */
+    uint64_t *size;           /* [m] bytes */
+    uint64_t *fixed;          /* [m] pinned offset or UINT64_MAX */
+    size_t n_fixed;
+    uint64_t alignment;
+    uint32_t times;           /* T: all ends <= T */
+    uint64_t total;           /* planning: an upper bound of any end we may produce (checked not
+                               * to wrap); validation: 0 (unused) */
+} plan_input;
+void lshm__plan_input_free(plan_input *in);
+int lshm__plan_input_build(plan_input *in, size_t n, const uint64_t *sizes,
+                           const int64_t *firsts, const int64_t *lasts,
+                           const int64_t *fixed_offsets, const uint64_t *offsets,
+                           const lshm_plan_options *opts);
+/* The lower bound: the most bytes live at one time (with forced alignment padding). */
+int lshm__plan_lower_bound(const plan_input *in, uint64_t *out);
+/* 1 and two overlapping tensors (a, b) if the offsets overlap in space and time; *nomem. */
+int lshm__plan_find_overlap(const plan_input *in, const uint64_t *off, uint32_t *pa,
+                            uint32_t *pb, int *nomem);
+
+/* The placement engine (planner_engine.c). */
+enum { FIT_BEST = 0, FIT_FIRST = 1 };
+
+typedef struct block {
+    uint64_t lo, hi;
+} block;
+
+typedef struct engine {
+    size_t m;
+    const uint32_t *start, *end;
+    const uint64_t *size;
+    uint64_t alignment;
+    uint32_t *pos;      /* [m] tensor -> position in start order */
+    uint32_t *ps, *pe;  /* [m] start/end by position */
+    uint32_t *pmax;     /* [m] max end of the placed tensors in the subtree of this node; 0 none */
+    uint64_t *plo, *phi; /* [m] placed block by position; phi == 0: not placed */
+    block *blocks;      /* [m] scratch: placed blocks overlapping in time */
+    /* Dense mode (seg != 0): a segment tree over the time slots (intervals between consecutive
+     * lifetime boundaries). Node v keeps two coalesced, offset-sorted sets of occupied offset
+     * ranges: here[v], the blocks whose canonical cover includes v (live over all of v), and
+     * sub[v], every block stored at v or below (sub[parent] contains sub[child]). The placed
+     * blocks meeting [l, r) are then the union of sub[] over the canonical nodes of [l, r) and
+     * here[] over the ancestors of those nodes, i.e. over the paths from leaves l and r - 1 to
+     * the root. A query costs the size of these coalesced sets, not the number of overlapping
+     * blocks: on dense traces (thousands of live tensors) that is 20-40x fewer. */
+    int seg;
+    uint32_t W;             /* leaves (power of two) */
+    uint32_t *slo, *shi;    /* [m] slot range [slo, shi) per tensor */
+    struct interval_set *here, *sub; /* [2W] */
+    size_t blocks_cap;      /* capacity of blocks in dense mode (grows) */
+    int nomem;
+} engine;
+
+typedef struct interval_set {
+    block *v;
+    uint32_t len, cap;
+} interval_set;
+void lshm__plan_engine_free(engine *e);
+int lshm__plan_engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint64_t *key,
+                           int dense);
+uint64_t lshm__plan_engine_run(engine *e, const plan_input *in, const uint32_t *order,
+                               size_t count, int fit, uint64_t *off, uint64_t cutoff);
+
+/* The orders (planner_order.c). */
+enum {
+    ORDER_SIZE,      /* size desc, lifetime desc, start: TFLite, XNNPACK, XLA spatial, nativert */
+    ORDER_BREADTH,   /* Pisarchyk & Lee greedy by breadth */
+    ORDER_START,     /* execution order: ONNX Runtime, ggml, IREE (online best fit) */
+    ORDER_LIFETIME,  /* lifetime desc, size desc: XLA temporal, Levental greedy by longest */
+    ORDER_CONFLICTS, /* number of conflicts desc, size desc: TVM greedy_by_conflicts */
+    ORDER_AREA,      /* size x lifetime desc */
+    ORDER_START_SIZE, /* start, larger first on equal start */
+    ORDER_COUNT
+};
+extern const char *const lshm__plan_order_names[ORDER_COUNT];
+typedef struct order_ctx {
+    const plan_input *in;
+    const int64_t *firsts, *lasts; /* caller's times, for lifetimes in real units */
+    uint32_t *items;               /* [m] tensors that are not pinned */
+    size_t count;
+    uint64_t *key;                 /* [max(m, T)] */
+    uint32_t *tmp;                 /* [max(m, T)] */
+} order_ctx;
+int lshm__plan_make_order(order_ctx *c, int which, uint32_t *out);
+
 #endif
