@@ -179,6 +179,7 @@ class ArrayOwner:
         if self._ref is not None:
             released(self._ref)
 
+
 def normalize_shape(shape: ShapeLike) -> tuple:
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)

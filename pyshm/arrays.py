@@ -29,6 +29,8 @@ from ._memory import (  # noqa: F401 - ArrayOwner: public here, as before
 )
 from .storage import Storage
 
+ArrayOwner.__module__ = __name__  # (its public home, as before: repr and docs name it here)
+
 __all__ = [
     "ArrayOwner",
     "empty",
@@ -95,11 +97,17 @@ def storage_of(array: Any) -> Optional[Storage]:
     Two handles on the same storage compare equal.
     """
     owner = owner_of(array)
-    if owner is None:
-        return None
+    return None if owner is None else _owner_storage(owner)
+
+
+def _owner_storage(owner: ArrayOwner) -> Storage:
+    """A new :class:`Storage` handle (its own reference) on the owner's C storage."""
     storage = Storage._from_handle(lib.lshm_storage_retain(owner._handle))
     storage._keep = owner._keep
     return storage
+
+
+ArrayOwner.storage = _owner_storage  # (kept: the method it always had)
 
 
 def is_shared(array: Any) -> bool:

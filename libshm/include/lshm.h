@@ -75,7 +75,9 @@ LSHM_API const char *lshm_version_string(void);
  * sizeof; "lshm_plan_options#fields": its number of fields), a field
  * ("lshm_plan_options.alignment": its offsetof; "lshm_plan_options.alignment#size": its
  * sizeof) or a constant ("LSHM_STORAGE_SHARED"). Writes *value. Thread-safe.
- * Errors: -EINVAL (NULL), -ENOENT (no such name). */
+ * Errors: -EINVAL (NULL), -ENOENT (no such name). A struct or constant added to this header
+ * gets its lines in libshm/src/abi.c too (the field counts there are written by hand: a field
+ * added into padding changes no sizeof). */
 LSHM_API int lshm_abi_value(const char *name, uint64_t *value);
 
 /* Name and description of an error code (negative errno values as returned by this library;

@@ -41,6 +41,13 @@ pyshm``) never imports this package.
 
 from __future__ import annotations
 
-from .runner import add_arguments, format_report, main, run
-
 __all__ = ["add_arguments", "format_report", "main", "run"]
+
+
+def __getattr__(name: str):
+    # (lazily: a worker that imports one case module, e.g. the receiver's, loads nothing else)
+    if name in __all__:
+        from . import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

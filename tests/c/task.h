@@ -88,7 +88,6 @@
             TEST_FAIL("%s left %d fds open", #fn, fds_after_ - fds_before_);                  \
     } while (0)
 
-/* One byte over a pipe or socket between parent and child (a step of a handshake). */
 /* The fd of a segment (lshm_segment_fd), failing the test when there is none. */
 static inline int segment_fd(lshm_segment *seg) {
     int fd = -1;
@@ -96,6 +95,7 @@ static inline int segment_fd(lshm_segment *seg) {
     return fd;
 }
 
+/* One byte over a pipe or socket between parent and child (a step of a handshake). */
 static inline void send_byte(int sock, char b) {
     ASSERT_EQ(write(sock, &b, 1), 1);
 }
