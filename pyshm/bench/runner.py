@@ -497,7 +497,8 @@ def _find(result: dict, case: str, method: str, threads: int) -> Optional[dict]:
 
 
 def _targets(result: dict) -> list:
-    """Each target of the issue: the measured value, met or not, and what may weaken it."""
+    """Each speed target (the TARGET_* constants): the measured value, met or not, and what may
+    weaken it."""
     ran = {entry["case"] for entry in result["cases"]}
     off_threads = result["config"]["threads"] if 2 in result["config"]["threads"] else [2]
     big_text = size_text(result["config"]["big_bytes"])
