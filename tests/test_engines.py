@@ -645,7 +645,11 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
                     assert float(back.sum()) == 2 * (1 << 18) and (array == 1).all()
         finally:
             worker.terminate()
-            worker.wait(30)
+            try:  # (a worker closing gracefully may wait on its scheduler: never left running)
+                worker.wait(10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait(30)
 
 
 # ---- Ray ------------------------------------------------------------------------------------
