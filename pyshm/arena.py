@@ -14,6 +14,7 @@ from . import _checks, _ffi
 from ._ffi import _i64_p, _u64_p, lib
 from ._memory import (
     ArrayOwner,
+    HandleLifetime,
     ShapeLike,
     array_from_storage,
     nbytes_of,
@@ -62,22 +63,21 @@ def _unless_no_data(func, *args) -> bool:
     return True
 
 
-class _ArenaKeep:
+class _ArenaKeep(HandleLifetime):
     """What an arena array's owner keeps alive (its ``_keep``): the arena, and one C reference
     to the buffer the array's bytes lie in (``buffer``, an lshm_arena_buffer address, or None
     for ordinary memory), released when the last array over that buffer is gone. So a re-plan
     or :meth:`Arena.trim` never unmaps bytes a live array points at, even after ``free()``.
     One object per buffer is shared by all the arena's arrays on it."""
 
-    __slots__ = ("arena", "buffer", "_finalizer", "__weakref__")
+    __slots__ = ("arena", "buffer")
 
     def __init__(self, arena: "Arena", buffer: Optional[int]) -> None:
         self.arena = arena
         self.buffer = buffer
         if buffer is not None:
             lib.lshm_arena_buffer_retain(buffer)
-            self._finalizer = weakref.finalize(self, lib.lshm_arena_buffer_release, buffer)
-            self._finalizer.atexit = False
+            self._release_with(lib.lshm_arena_buffer_release, buffer)
         else:
             self._finalizer = None
 
@@ -97,7 +97,7 @@ def _destroy(handle: int, live: dict) -> None:
         pass  # something still holds a storage: leaking beats freeing memory in use
 
 
-class Arena:
+class Arena(HandleLifetime):
     """Tensors with planned offsets in one buffer, as numpy arrays.
 
     Two ways to make one:
@@ -192,8 +192,7 @@ class Arena:
         self._keeps: "weakref.WeakValueDictionary[Optional[int], _ArenaKeep]" = (
             weakref.WeakValueDictionary()
         )
-        self._finalizer = weakref.finalize(self, _destroy, handle, self._live)
-        self._finalizer.atexit = False
+        self._release_with(_destroy, handle, self._live)
 
     # ---- lifetime -------------------------------------------------------------------------
 

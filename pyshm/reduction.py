@@ -101,6 +101,7 @@ from ._ffi import lib
 from ._memory import (
     REFERENCES,
     ArrayOwner,
+    HandleLifetime,
     array_interface,
     data_address,
     owner_of,
@@ -140,15 +141,14 @@ _state = _channel.state
 # --------------------------------------------------------------------------------------------
 
 
-class _Mapping:
+class _Mapping(HandleLifetime):
     """One reference to a mapped segment (a memfd received), cached weakly.
 
     Every array or storage built on it holds this object, so the cache entry lives exactly as
     long as something uses the mapping.
     """
 
-    __slots__ = ("segment", "key", "size", "fd_kept", "sealed", "data", "flags", "ours",
-                 "_finalizer", "__weakref__")
+    __slots__ = ("segment", "key", "size", "fd_kept", "sealed", "data", "flags", "ours")
 
     def __init__(self, segment: int, key: tuple, fd_kept: bool, sealed: bool) -> None:
         self.segment = segment
@@ -163,8 +163,7 @@ class _Mapping:
         # one of our own slab memfds, come back without its storage being found: only then can
         # a later token naming it be a storage of ours (lshm_slab_knows says why that holds)
         self.ours = self.size == SLAB_SIZE and bool(lib.lshm_slab_knows(key[0], key[1]))
-        self._finalizer = weakref.finalize(self, _drop_segment, segment, fd_kept)
-        self._finalizer.atexit = False
+        self._release_with(_drop_segment, segment, fd_kept)
 
     def view_facts(self, offset: int, nbytes: int, readonly: bool) -> tuple:
         """(flags, data, nbytes) of a view of [offset, offset + nbytes) of this mapping, as

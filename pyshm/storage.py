@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import pickle
-import weakref
 from typing import Optional
 
 import numpy as np
 
 from . import _checks, _ffi
 from ._ffi import lib
-from ._memory import array_from_storage, check_nbytes, create, share_in_place
+from ._memory import HandleLifetime, array_from_storage, check_nbytes, create, share_in_place
 
 __all__ = ["Storage", "trim_pool"]
 
@@ -20,7 +19,7 @@ def _release(handle: int) -> None:
     lib.lshm_storage_release(handle)
 
 
-class Storage:
+class Storage(HandleLifetime):
     """A refcounted byte buffer owned by libshm, usable from Python and numpy.
 
     Lifetime contract:
@@ -41,7 +40,7 @@ class Storage:
     """
 
     # _keep: what the memory depends on (a mapping received from another process), or None
-    __slots__ = ("_handle", "_key", "_keep", "_finalizer", "__weakref__")
+    __slots__ = ("_handle", "_key", "_keep")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
         self._adopt(create(nbytes, shared, resizable))
@@ -50,8 +49,7 @@ class Storage:
         self._handle = handle
         self._keep = None
         self._key = handle  # the address, kept after close for a stable hash
-        self._finalizer = weakref.finalize(self, _release, handle)
-        self._finalizer.atexit = False
+        self._release_with(_release, handle)
 
     @classmethod
     def _from_handle(cls, handle: int) -> "Storage":
