@@ -754,6 +754,14 @@ def test_ray_carries_tensors_over_pyshm_memory(ray_session):
     plain = torch.zeros(1024)  # torch's own tensors: by value, as before
     back, _ = ray.get(ray.remote(add_one_tensor_and_say_where).remote(plain))
     assert float(plain.sum()) == 0 and float(back.sum()) == 1024
+    frozen = pyshm.share_readonly(pyshm.zeros(1024, np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch warns of non-writable numpy arrays)
+        readonly = torch.from_numpy(frozen)
+    # memory shared read-only: a tensor has no read-only flag, so it goes as Ray's copy, which
+    # the worker may write (the memory itself would crash it)
+    back, _ = ray.get(ray.remote(add_one_tensor_and_say_where).remote(readonly))
+    assert float(back.sum()) == 1024 and float(frozen.sum()) == 0
 
 
 def test_ray_registered_when_imported_after_pyshm():

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 import pyshm
-from pyshm.bench.measure import measure_into, row_stats
+from pyshm.bench.measure import measure_rounds, row_stats
 
 __all__ = ["run_case", "NBYTES"]
 
@@ -189,6 +189,10 @@ def _engines(nbytes, use_torch):
     return engines, notes
 
 
+def _milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
 def _round_trip(make, state) -> tuple:
     """(seconds of one round trip, None): the data made untimed, the result checked."""
     call, check = make(state)
@@ -223,18 +227,14 @@ def run_case(nbytes: int, repeats: int, use_torch: bool = True, progress=None) -
             for key, _, _ in engine.methods:
                 errors[engine.key, key] = f"{type(exc).__name__}: {exc}"
     try:
-        for round_index in range(repeats):
-            done = []
-            for engine in engines:
+        def plan(round_index):
+            for engine in engines:  # (each engine's methods alternate which goes first)
                 methods = engine.methods[round_index % 2:] + engine.methods[:round_index % 2]
-                for key, label, make in methods:
-                    if (engine.key, key) in errors:
-                        continue
-                    measure_into(runs, errors, done, (engine.key, key), f"{engine.key} {key}",
-                                 lambda: _round_trip(make, engine.state),
-                                 lambda seconds: f"{seconds * 1e3:.1f} ms")
-            if progress:
-                progress(f"engines round {round_index + 1}/{repeats}: " + ", ".join(done))
+                for key, _, make in methods:
+                    yield ((engine.key, key), f"{engine.key} {key}",
+                           lambda: _round_trip(make, engine.state), _milliseconds)
+
+        measure_rounds(runs, errors, repeats, plan, progress, "engines")
     finally:
         _stop(engines)
     rows = []

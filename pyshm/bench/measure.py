@@ -143,9 +143,8 @@ def row_stats(seconds: list, loads: list, count: int, nbytes: int, per_share: bo
 
 def measure_into(runs: dict, errors: dict, done: list, key, label: str, run: Callable,
                  text: Callable) -> None:
-    """One timed run of a method (also for :mod:`pyshm.bench_processes` and the receiver and
-    engine cases): ``run()`` gives (seconds, other CPUs' load or None), kept in ``runs[key]``;
-    a failure is kept in ``errors[key]`` and the others go on. ``done`` gets the progress
+    """One timed run of a method (every case's): ``run()`` gives (seconds, other CPUs' load or
+    None), kept in ``runs[key]``; a failure is kept in ``errors[key]`` and the others go on. ``done`` gets the progress
     text (``text(seconds)``, or FAILED)."""
     try:
         seconds, others = run()
@@ -155,6 +154,20 @@ def measure_into(runs: dict, errors: dict, done: list, key, label: str, run: Cal
         return
     runs[key].append((seconds, others))
     done.append(f"{label} {text(seconds)}")
+
+
+def measure_rounds(runs: dict, errors: dict, repeats: int, plan: Callable, progress,
+                   case: str) -> None:
+    """``repeats`` rounds of measure_into: round i times every (key, label, run, text) that
+    ``plan(i)`` gives (in that order: it interleaves the methods) whose key has not failed,
+    then reports the round through ``progress``."""
+    for round_index in range(repeats):
+        done: list = []
+        for key, label, run, text in plan(round_index):
+            if key not in errors:
+                measure_into(runs, errors, done, key, label, run, text)
+        if progress:
+            progress(f"{case} round {round_index + 1}/{repeats}: " + ", ".join(done))
 
 
 def target_notes(median_text: str, met: bool, met_on_median: bool, rows: tuple,

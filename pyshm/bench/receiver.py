@@ -31,7 +31,7 @@ import numpy as np
 import pyshm
 from pyshm.bench.measure import (
     cpu_snapshot,
-    measure_into,
+    measure_rounds,
     other_load,
     row_stats,
     stop_pools,
@@ -162,17 +162,13 @@ def run_case(nbytes: int, repeats: int, use_torch: bool = True, progress=None) -
                 _run_once(method, 4 << 20)  # warm: the receiving side's first calls
             except Exception as exc:
                 errors[method.key] = f"{type(exc).__name__}: {exc}"
-        for round_index in range(repeats):
-            done = []
+        def plan(round_index):
             shift = round_index % len(methods)
             for method in methods[shift:] + methods[:shift]:
-                if method.key in errors:
-                    continue
-                measure_into(runs, errors, done, method.key, method.label,
-                             lambda: _run_once(method, nbytes),
-                             lambda seconds: f"{seconds * 1e3:.1f} ms")
-            if progress:
-                progress(f"receiver round {round_index + 1}/{repeats}: " + ", ".join(done))
+                yield (method.key, method.label, lambda: _run_once(method, nbytes),
+                       lambda seconds: f"{seconds * 1e3:.1f} ms")
+
+        measure_rounds(runs, errors, repeats, plan, progress, "receiver")
     finally:
         stop_pools(methods)
     rows = []
