@@ -199,9 +199,10 @@ def test_python_m_pyshm_works_from_the_repository_root(tmp_path):
 
 
 COPY_WITH_A_HOLE = """
-    import ctypes, errno, os, sys
+    import ctypes, difflib, errno, os, sys
     import numpy as np
     import pyshm
+    import shm_harness as H
     nbytes, hole = int(sys.argv[1]), int(sys.argv[2])
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -218,15 +219,26 @@ COPY_WITH_A_HOLE = """
     assert pyshm.copy(source, shared=True)[nbytes - 1] == 7  # (whole: copied)
     assert libc.munmap(ctypes.c_void_p(base + hole), 16384) == 0  # now a hole in it
     fds = maps = None
-    for attempt in range(3):  # (the first may leave the helper thread's malloc arena)
+    for attempt in range(3):
         try:
             pyshm.copy(source, shared=True)
             print("copied")
         except pyshm.ShmError as exc:
             assert exc.errno == errno.EFAULT, exc
-            now = len(os.listdir("/proc/self/fd")), open("/proc/self/maps").read()
-            assert fds is None or now == (fds, maps), "left something behind"
-            fds, maps = now
+            # What a failed copy could leave: an fd, a memfd mapping, or an anonymous
+            # reservation as big as the copy (64 MiB). Left out: glibc's malloc heaps and thread
+            # stacks (the helper thread's, H.outside_malloc_heaps) and Python's own 1 MiB arenas
+            # for the lists made here (anonymous growth below 8 MiB).
+            lines = H.outside_malloc_heaps(H.maps_lines())
+            anon = sum(int(f[0].split("-")[1], 16) - int(f[0].split("-")[0], 16)
+                       for f in map(str.split, lines) if len(f) == 5)
+            now = H.describe_fds(), [line for line in lines if "/memfd:" in line], anon
+            if fds is not None:
+                assert now[0] == fds, f"left fds behind: {fds} -> {now[0]}"
+                assert now[1] == maps[1] and now[2] - maps[2] < 8 << 20, (
+                    f"left mappings behind ({now[2] - maps[2]} anonymous bytes more):\\n"
+                    + "\\n".join(difflib.unified_diff(maps[0], lines, lineterm="")))
+            fds, maps = now[0], (lines, now[1], now[2])
             print("EFAULT")
 """
 
@@ -238,6 +250,9 @@ def test_a_shared_copy_of_foreign_memory_with_a_hole_is_an_error_not_a_crash(hug
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(COPY_WITH_A_HOLE), str(nbytes),
          str(int(nbytes * where) // 4096 * 4096)],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, LSHM_HUGE=huge))
-    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+        capture_output=True, text=True, timeout=120, env=dict(
+            os.environ, LSHM_HUGE=huge, PYTHONPATH=os.pathsep.join(filter(None, [
+                os.path.dirname(os.path.abspath(__file__)),  # (shm_harness)
+                os.environ.get("PYTHONPATH", "")]))))
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
     assert done.stdout.split() == ["EFAULT"] * 3
