@@ -15,8 +15,10 @@ Workers are started once per engine, before the rounds.
   comes back by value)
   against a pyshm array made with ``shared=True``;
 * dask.distributed ``LocalCluster`` (one process worker), a client with direct transfers:
-  ``scatter`` then ``submit`` and ``result``, a ``numpy.zeros`` array (by value both ways)
-  against a pyshm array made with ``shared=True``;
+  ``scatter`` then ``submit`` and ``result`` ("dask"), and ``submit(f, array)`` with the
+  array as the task's argument, pickled into the task, through the scheduler ("dask
+  submit"): a ``numpy.zeros`` array (by value both ways) against a pyshm array made with
+  ``shared=True``;
 * Ray, a local cluster of 2 CPUs: ``ray.put`` then a task on the object and ``ray.get``, a
   ``numpy.zeros`` array (Ray's object store: read in place, read-only, so the worker writes a
   copy that comes back by value) against a pyshm array made with ``shared=True`` (which Ray
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 
 import numpy as np
 
@@ -52,6 +55,23 @@ def touch_array(array):
     out = np.array(array)  # (joblib's memmaps are read-only: the worker writes a copy)
     out[-1] = MARK
     return out
+
+
+def _array_methods(nbytes, run, own_label) -> list:
+    """An engine's two methods for numpy arrays, given run(state, array) -> the timed call:
+    a ``numpy.zeros`` array, and a pyshm array made with ``shared=True`` whose write by the
+    worker must be in the parent's own memory."""
+    def own(state):
+        array = np.zeros(nbytes, np.uint8)
+        return run(state, array), lambda back: int(back[-1]) == MARK
+
+    def ours(state):
+        array = pyshm.zeros(nbytes, np.uint8, shared=True)
+
+        def check(back):
+            return int(back[-1]) == MARK and int(array[-1]) == MARK
+        return run(state, array), check
+    return [("own", own_label, own), ("pyshm", "pyshm", ours)]
 
 
 class _Engine:
@@ -94,57 +114,52 @@ def _joblib_engine(nbytes):
         joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(int)(0) for _ in range(2))
         return None
 
-    def run(array):
+    def run(_, array):
         # (n_jobs=2: with one job joblib runs the task in this process)
         return lambda: joblib.Parallel(n_jobs=2, backend="loky")(
             joblib.delayed(touch_array)(array) for _ in range(1))[0]
 
-    def own(_):
-        array = np.zeros(nbytes, np.uint8)
-        return run(array), lambda back: int(back[-1]) == MARK
-
-    def ours(_):
-        array = pyshm.zeros(nbytes, np.uint8, shared=True)
-
-        def check(back):
-            return int(back[-1]) == MARK and int(array[-1]) == MARK
-        return run(array), check
-
     return _Engine("joblib", f"joblib {joblib.__version__} loky", start, lambda _: None,
-                   [("own", "own (memmap)", own), ("pyshm", "pyshm", ours)])
+                   _array_methods(nbytes, run, "own (memmap)"))
 
 
-def _dask_engine(nbytes):
+def _dask_engines(nbytes):
+    """Two engines over one cluster: data scattered then named in a task, and the array as the
+    task's argument (pickled into the task: through the scheduler)."""
     import distributed
 
+    cluster: list = []
+
     def start():
-        cluster = distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
-                                           dashboard_address=None)
-        client = distributed.Client(cluster, direct_to_workers=True)
-        client.submit(int, 0).result()
-        return cluster, client
+        if not cluster:
+            made = distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                            dashboard_address=None)
+            cluster.extend([made, distributed.Client(made, direct_to_workers=True)])
+            cluster[1].submit(int, 0).result()
+        return cluster[1]
 
-    def stop(state):
-        state[1].close()
-        state[0].close()
+    def stop(_):
+        if cluster:
+            cluster[1].close()
+            cluster[0].close()
+            cluster.clear()
 
-    def run(client, array):
+    def scatter(client, array):
         return lambda: client.submit(touch_array, client.scatter(array, hash=False),
                                      pure=False).result()
 
-    def own(state):
-        array = np.zeros(nbytes, np.uint8)
-        return run(state[1], array), lambda back: int(back[-1]) == MARK
+    def argument(client, array):
+        def call():
+            with warnings.catch_warnings():  # (by value, dask warns of "a large graph")
+                warnings.filterwarnings("ignore", "Sending large graph")
+                return client.submit(touch_array, array, pure=False).result()
+        return call
 
-    def ours(state):
-        array = pyshm.zeros(nbytes, np.uint8, shared=True)
-
-        def check(back):
-            return int(back[-1]) == MARK and int(array[-1]) == MARK
-        return run(state[1], array), check
-
-    return _Engine("dask", f"distributed {distributed.__version__}", start, stop,
-                   [("own", "own (by value)", own), ("pyshm", "pyshm", ours)])
+    label = f"distributed {distributed.__version__}"
+    return [_Engine("dask", label, start, stop,
+                    _array_methods(nbytes, scatter, "own (by value)")),
+            _Engine("dask submit", label, start, stop,
+                    _array_methods(nbytes, argument, "own (by value)"))]
 
 
 def _ray_engine(nbytes):
@@ -160,28 +175,18 @@ def _ray_engine(nbytes):
         # (ray.put, then a task on it: Ray's zero-copy way, the object store read in place)
         return lambda: ray.get(task.remote(ray.put(array)))
 
-    def own(task):
-        array = np.zeros(nbytes, np.uint8)
-        return run(task, array), lambda back: int(back[-1]) == MARK
-
-    def ours(task):
-        array = pyshm.zeros(nbytes, np.uint8, shared=True)
-
-        def check(back):
-            return int(back[-1]) == MARK and int(array[-1]) == MARK
-        return run(task, array), check
-
     return _Engine("ray", f"ray {ray.__version__}", start, lambda _: ray.shutdown(),
-                   [("own", "own (object store)", own), ("pyshm", "pyshm", ours)])
+                   _array_methods(nbytes, run, "own (object store)"))
 
 
 def _engines(nbytes, use_torch):
     engines, notes = [], {}
     makers = [("torch", _torch_engine)] if use_torch else []
-    makers += [("joblib", _joblib_engine), ("dask", _dask_engine), ("ray", _ray_engine)]
+    makers += [("joblib", _joblib_engine), ("dask", _dask_engines), ("ray", _ray_engine)]
     for name, make in makers:
         try:
-            engines.append(make(nbytes))
+            made = make(nbytes)
+            engines.extend(made if isinstance(made, list) else [made])
         except ImportError as exc:
             notes[name] = f"not installed ({exc})"
     if not use_torch:

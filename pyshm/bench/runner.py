@@ -600,12 +600,13 @@ def format_report(result: dict) -> str:
     for case in result["cases"]:
         unit = ("us" if case["per_share"] else
                 "ms" if case["case"].startswith(("receiver", "engines")) else "s")
-        head = (f"{'method':<22}{'threads':>8}{'min ' + unit:>10}{'median ' + unit:>11}"
+        width = max([22] + [len(row["label"]) + 1 for row in case["rows"]])
+        head = (f"{'method':<{width}}{'threads':>8}{'min ' + unit:>10}{'median ' + unit:>11}"
                 f"{'GB/s':>8}{'quiet':>7}"
                 + "".join(f"{base_titles[base]:>15}" for base in bases))
         lines += ["", case["title"], head, "-" * len(head)]
         for row in case["rows"]:
-            text = f"{row['label']:<22}{row['threads']:>8}"
+            text = f"{row['label']:<{width}}{row['threads']:>8}"
             if not row["seconds"]:
                 lines.append(f"{text}  {row['error'] or 'no result'}")
                 continue
