@@ -46,7 +46,7 @@ import numpy as np
 import pyshm
 from pyshm.bench.measure import (
     cpu_snapshot,
-    measure_into,
+    measure_rounds,
     other_load,
     quiet_text,
     row_stats,
@@ -217,19 +217,17 @@ def run_case(count: int, single: int, start_method: str = "fork", repeats: int =
             method.pool = method.module.get_context(start_method).Pool(1)
             method.pool.apply(int, (0,))  # worker started
             _run_once(method, "batched", 8)  # warm: imports, first fetches, trackers
-        for round_index in range(repeats):
+        def plan(round_index):
+            shift = round_index % len(methods)  # (which method goes first rotates)
             for traffic in TRAFFIC:
-                done = []
-                shift = round_index % len(methods)
                 for method in methods[shift:] + methods[:shift]:
-                    if (method.label, traffic) in errors:
-                        continue
-                    measure_into(runs, errors, done, (method.label, traffic), method.label,
-                                 lambda: _run_once(method, traffic, counts[traffic]),
-                                 lambda seconds: f"{seconds / counts[traffic] * 1e6:.0f} us")
-                if progress:
-                    progress(f"processes round {round_index + 1}/{repeats}, {traffic}: "
-                             + ", ".join(done))
+                    yield ((method.label, traffic), f"{method.label}, {_SHORT[traffic]}",
+                           lambda method=method, traffic=traffic: _run_once(
+                               method, traffic, counts[traffic]),
+                           lambda seconds, traffic=traffic:
+                               f"{seconds / counts[traffic] * 1e6:.0f} us")
+
+        measure_rounds(runs, errors, repeats, plan, progress, "processes")
     finally:
         stop_pools(methods)
     rows = []
