@@ -125,18 +125,19 @@ static void sort_pre(exact *x, uint32_t *a, size_t n) {
 
 /* ordering: unplaced tensors sorted by (min_off, rank); insertion sort from the parent's
  * (already nearly sorted) list. */
-static size_t build_ordering(exact *x, const uint32_t *parent, size_t pn, uint32_t *out) {
+static size_t build_ordering(exact *x, const uint32_t *parent, size_t parent_count,
+                             uint32_t *out) {
     size_t k = 0;
-    const uint64_t *mo = x->min_off;
-    for (size_t j = 0; j < pn; j++) {
+    const uint64_t *min_offs = x->min_off;
+    for (size_t j = 0; j < parent_count; j++) {
         uint32_t b = parent[j];
         if (x->off[b] != UINT64_MAX)
             continue;
         size_t q = k++;
-        uint64_t mb = mo[b];
+        uint64_t b_min_off = min_offs[b];
         while (q > 0) {
             uint32_t c = out[q - 1];
-            if (mo[c] < mb || (mo[c] == mb && x->rank[c] < x->rank[b]))
+            if (min_offs[c] < b_min_off || (min_offs[c] == b_min_off && x->rank[c] < x->rank[b]))
                 break;
             out[q] = c;
             q--;
@@ -146,21 +147,23 @@ static size_t build_ordering(exact *x, const uint32_t *parent, size_t pn, uint32
     return k;
 }
 
-static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, uint32_t phi,
-                       uint32_t *pool);
+static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t sec_from,
+                       uint32_t sec_to, uint32_t *pool);
 
-/* Searches the unplaced tensors of parent[0..pn), all within sections [plo, phi).
- * Undo log entries: idx < n: min_off of a tensor; idx >= n: floor of section idx - n.
- * Returns 1 (all placed), 0 (no placement), -1 (node limit or deadline), -2 (no memory). */
-static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, uint64_t last_off,
-                  uint32_t last_rank, uint32_t plo, uint32_t phi, uint64_t mtot) {
+/* Searches the unplaced tensors of parent[0..parent_count), all within sections
+ * [sec_from, sec_to). Undo log entries: idx < n: min_off of a tensor; idx >= n: floor of
+ * section idx - n. Returns 1 (all placed), 0 (no placement), -1 (node limit or deadline),
+ * -2 (no memory). */
+static int search(exact *x, const uint32_t *parent, size_t parent_count, uint32_t *mine,
+                  uint64_t last_off, uint32_t last_rank, uint32_t sec_from, uint32_t sec_to,
+                  uint64_t max_total) {
     if (--x->nodes_left < 0)
         return -1;
     if ((x->nodes_left & 255) == 0 && lshm__plan_now() > x->deadline) {
         x->timed_out = 1;
         return -1;
     }
-    size_t k = build_ordering(x, parent, pn, mine);
+    size_t k = build_ordering(x, parent, parent_count, mine);
     if (k == 0)
         return 1;
     uint64_t min_height = UINT64_MAX;
@@ -234,23 +237,23 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
                     ok = 0;
             }
         }
-        /* Every section of [plo, phi) passed this check with offset last_off when this search
-         * began; placing b at o leaves max(floor, o) + total unchanged on b's own sections
+        /* Every section of [sec_from, sec_to) passed this check with offset last_off when this
+         * search began; placing b at o leaves max(floor, o) + total unchanged on b's own sections
          * (floor <= o there before, height after, total down by b's size), and raised floors
          * were checked above. So only a higher offset needs the full pass. */
-        /* mtot bounds the totals of [plo, phi) (they only fall on the way down): when
-         * o + mtot fits, no section can fail; else a full pass also renews the bound. */
-        uint64_t mt = mtot;
-        if (ok && o > last_off && o + mtot > x->capacity) {
-            mt = 0;
-            for (uint32_t s = plo; s < phi; s++) {
+        /* max_total bounds the totals of [sec_from, sec_to) (they only fall on the way down):
+         * when o + max_total fits, no section can fail; else a full pass also renews the bound. */
+        uint64_t bound_total = max_total;
+        if (ok && o > last_off && o + max_total > x->capacity) {
+            bound_total = 0;
+            for (uint32_t s = sec_from; s < sec_to; s++) {
                 uint64_t f = x->floor[s] > o ? x->floor[s] : o;
                 if (f + x->total[s] > x->capacity) {
                     ok = 0;
                     break;
                 }
-                if (x->total[s] > mt)
-                    mt = x->total[s];
+                if (x->total[s] > bound_total)
+                    bound_total = x->total[s];
             }
         }
         /* Dynamic decomposition: when no unplaced tensor crosses a boundary any more, the two
@@ -258,12 +261,12 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
          * this node, with no retrying of the others). */
         int split = 0;
         for (uint32_t s = x->sec_lo[b]; s + 1 < x->sec_hi[b]; s++)
-            if (--x->cuts[s] == 0 && s + 1 > plo && s + 1 < phi)
+            if (--x->cuts[s] == 0 && s + 1 > sec_from && s + 1 < sec_to)
                 split = 1;
         int r = 0;
         if (ok)
-            r = split ? solve_split(x, mine, k, plo, phi, mine + k)
-                      : search(x, mine, k, mine + k, o, x->rank[b], plo, phi, mt);
+            r = split ? solve_split(x, mine, k, sec_from, sec_to, mine + k)
+                      : search(x, mine, k, mine + k, o, x->rank[b], sec_from, sec_to, bound_total);
         for (uint32_t s = x->sec_lo[b]; s + 1 < x->sec_hi[b]; s++)
             x->cuts[s]++;
         for (uint32_t s = x->sec_lo[b]; s < x->sec_hi[b]; s++)
@@ -286,12 +289,13 @@ static int search(exact *x, const uint32_t *parent, size_t pn, uint32_t *mine, u
     return 0;
 }
 
-/* Splits the unplaced tensors of list[0..k) (within sections [plo, phi)) at the boundaries no
- * unplaced tensor crosses and solves each part with a fresh canonical search and preorder.
- * pool holds the saved ranks, the parts, then the search lists. On failure every tensor of the
- * parts is unplaced again; the ranks of the parent's search are restored in every case. */
-static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, uint32_t phi,
-                       uint32_t *pool) {
+/* Splits the unplaced tensors of list[0..k) (within sections [sec_from, sec_to)) at the
+ * boundaries no unplaced tensor crosses and solves each part with a fresh canonical search and
+ * preorder. pool holds the saved ranks, the parts, then the search lists. On failure every
+ * tensor of the parts is unplaced again; the ranks of the parent's search are restored in
+ * every case. */
+static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t sec_from,
+                       uint32_t sec_to, uint32_t *pool) {
     uint32_t *ids = pool;
     size_t unplaced = 0;
     for (size_t j = 0; j < k; j++)
@@ -302,21 +306,21 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
         saved[j] = x->rank[ids[j]];
     size_t used = 2 * unplaced;
     int r = 1;
-    uint32_t lo = plo;
-    while (lo < phi && r == 1) {
+    uint32_t lo = sec_from;
+    while (lo < sec_to && r == 1) {
         uint32_t hi = lo + 1;
-        while (hi < phi && x->cuts[hi - 1] != 0)
+        while (hi < sec_to && x->cuts[hi - 1] != 0)
             hi++;
         uint32_t *part = pool + used;
-        size_t pk = 0;
+        size_t part_count = 0;
         for (size_t j = 0; j < unplaced; j++) {
             uint32_t c = ids[j];
             if (x->sec_lo[c] >= lo && x->sec_lo[c] < hi)
-                part[pk++] = c;
+                part[part_count++] = c;
         }
-        used += pk;
-        if (pk) {
-            for (size_t j = 0; j < pk; j++) {
+        used += part_count;
+        if (part_count) {
+            for (size_t j = 0; j < part_count; j++) {
                 uint32_t c = part[j];
                 uint64_t t = 0;
                 for (uint32_t s = x->sec_lo[c]; s < x->sec_hi[c]; s++)
@@ -324,14 +328,14 @@ static int solve_split(exact *x, const uint32_t *list, size_t k, uint32_t plo, u
                         t = x->total[s];
                 x->key_time[c] = t;
             }
-            sort_pre(x, part, pk);
-            for (size_t j = 0; j < pk; j++)
+            sort_pre(x, part, part_count);
+            for (size_t j = 0; j < part_count; j++)
                 x->rank[part[j]] = (uint32_t)j;
-            uint64_t mt = 0;
+            uint64_t bound_total = 0;
             for (uint32_t s = lo; s < hi; s++)
-                if (x->total[s] > mt)
-                    mt = x->total[s];
-            r = search(x, part, pk, pool + used, 0, 0, lo, hi, mt);
+                if (x->total[s] > bound_total)
+                    bound_total = x->total[s];
+            r = search(x, part, part_count, pool + used, 0, 0, lo, hi, bound_total);
         }
         lo = hi;
     }
