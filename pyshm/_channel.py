@@ -335,21 +335,6 @@ def mark() -> _Mark:
     return m
 
 
-def this_threads_batch() -> Optional[_Batch]:
-    """The batch this thread's last message began (see _Mark), or None."""
-    return getattr(state.local, "batch", None)
-
-
-def forget_batch_since(before: Optional[_Batch]) -> None:
-    """Drop the batch a pickling that failed began, if it began one: this thread's batch
-    when it is not `before` (what it was when that pickling started)."""
-    batch = this_threads_batch()
-    if batch is not None and batch is not before:
-        with state.lock:
-            if state.batches.get(batch.id) is batch:
-                _drop(batch.id)
-
-
 def _new_batch(frame: int) -> _Batch:
     """A new batch, registered (lock held)."""
     batch = _Batch(state.next_batch, frame)

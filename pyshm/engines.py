@@ -26,13 +26,8 @@ What each hook does, and the engine's extension point it uses:
   registers a wrapper there: shared pyshm memory sent straight to a process on this machine
   goes as a pickled reference (under distributed's own "pickle" header, so any receiver
   rebuilds it), everything else (another machine, a scheduler, disk) by value as before.
-  Task arguments (``submit(f, a)``, ``map``, arrays in a graph) are pickled into the task by
-  ``distributed.protocol.pickle.dumps``, which has no registry: the hook wraps it, and the two
-  calls that say where a message goes (``Client._graph_to_futures``, for the client's
-  scheduler, and ``distributed.protocol.dumps``, whose context names the recipient). A
-  message to a process on this machine is pickled with cloudpickle and shared pyshm arrays
-  by reference; the scheduler, which unpickles the graph, holds the memory while the task
-  lives and passes it on the same way (to a worker elsewhere: by value).
+  Task arguments (``submit(f, a)``) are pickled into the task, through the scheduler, with
+  no registry: they go by value (the README says why no hook there is safe).
 * **Ray** pickles objects (task arguments and results, actor calls, ``ray.put``) with its
   cloudpickle, where ``ray.util.register_serializer`` replaces the pickling of a type. The
   hook registers one for numpy arrays (and, once torch is imported, for tensors): pyshm
@@ -55,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _channel, reduction
+from . import reduction
 from .arrays import is_shared
 
 __all__ = ["install", "installed"]
@@ -79,7 +74,8 @@ def install() -> frozenset:
     whose internals are not what the hook expects gets no hook (and never an error)."""
     for name, module, hook in (("torch", "torch.multiprocessing.reductions", _install_torch),
                                ("joblib", "joblib._memmapping_reducer", _install_joblib),
-                               ("distributed", "distributed.client", _install_distributed),
+                               ("distributed", "distributed.protocol.serialize",
+                                _install_distributed),
                                ("ray", "ray.util.serialization", _install_ray)):
         if name not in _installed and module in sys.modules:
             try:
@@ -301,25 +297,21 @@ def _schedulers() -> set:
     return found
 
 
-def _address_here(address: Any) -> bool:
-    """Whether a distributed address (``tcp://host:port``...) is a process on this machine,
-    in this network namespace."""
-    if not isinstance(address, str) or "://" not in address:
-        return False
-    scheme, _, rest = address.partition("://")
-    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
-    return scheme in ("tcp", "tls", "ws", "wss") and _local_host(host)
-
-
 def _recipient_here(context: Any) -> bool:
     """Whether a distributed message goes straight to a process on this machine (not through
     a scheduler, see _schedulers): only then is a reference of any use. No recipient
-    (spilling to disk, a cache) means no, and so does ``inproc://`` (the same process:
-    distributed passes objects as they are)."""
+    (spilling to disk, a cache) means no."""
     recipient = context.get("recipient") if isinstance(context, dict) else None
     if isinstance(recipient, dict):  # (distributed gives the comm's peer info)
         recipient = recipient.get("address")
-    return _address_here(recipient) and recipient not in _schedulers()
+    if not isinstance(recipient, str) or "://" not in recipient:
+        return False
+    scheme, _, rest = recipient.partition("://")
+    if scheme == "inproc":
+        return False  # (the same process: distributed passes objects as they are)
+    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
+    return (scheme in ("tcp", "tls", "ws", "wss") and _local_host(host)
+            and recipient not in _schedulers())
 
 
 def _install_distributed() -> None:
@@ -328,7 +320,6 @@ def _install_distributed() -> None:
 
     original = dask_numpy.serialize_numpy_ndarray
     if getattr(dask_serialize.dispatch(np.ndarray), "_pyshm_wraps", None) is not None:
-        _install_distributed_tasks()
         _installed.add("distributed")
         return
 
@@ -346,137 +337,7 @@ def _install_distributed() -> None:
 
     serialize_ndarray._pyshm_wraps = original
     dask_serialize.register(np.ndarray)(serialize_ndarray)
-    _install_distributed_tasks()
     _installed.add("distributed")
-
-
-# Task arguments (client.submit(f, a), client.map, arrays in a graph) are pickled into the
-# task with distributed.protocol.pickle.dumps, which has no registry: plain pickle, or
-# cloudpickle when the pickle names __main__. Twice: the client pickles the graph for its
-# scheduler, which unpickles it, and the scheduler pickles each task for its worker (in the
-# comm's protocol.dumps, whose context names the worker). In exactly those two calls, when the
-# recipient is on this machine, the hook pickles the message with cloudpickle and shared pyshm
-# arrays by reference (everything else as cloudpickle does: numpy's own reduction, out of
-# band). The scheduler maps the memory when it unpickles the graph and holds it while the task
-# lives (so a retry still has it), and passes it on by reference or, to a worker elsewhere,
-# by value.
-
-_sending = threading.local()  # .here: this thread pickles a message for a process here
-
-
-class _SendingHere:
-    __slots__ = ("here", "prior")
-
-    def __init__(self, here: bool) -> None:
-        self.here = here
-
-    def __enter__(self) -> None:
-        self.prior = getattr(_sending, "here", False)
-        _sending.here = self.here
-
-    def __exit__(self, *exc) -> None:
-        _sending.here = self.prior
-
-
-def _dask_reduce_array(protocol: int):
-    def reduce_array(a: np.ndarray):
-        if a.size > 0 and reduction.owner_of(a) is not None and is_shared(a):
-            return reduction._reduce_ndarray(a)
-        return a.__reduce_ex__(protocol)
-    return reduce_array
-
-
-_PICKLER: list = []
-
-
-def _pickler_with(dispatch_table: dict, *args, **kwargs):
-    """A cloudpickle pickler with this dispatch table (which a pickler reads when made)."""
-    if not _PICKLER:
-        import cloudpickle
-
-        class Pickler(cloudpickle.Pickler):
-            def __init__(self, table: dict, *args, **kwargs) -> None:
-                self.dispatch_table = table
-                super().__init__(*args, **kwargs)
-
-        _PICKLER.append(Pickler)
-    return _PICKLER[0](dispatch_table, *args, **kwargs)
-
-
-def _dumps_by_reference(x: Any, buffer_callback: Any, protocol: int) -> bytes:
-    import io
-
-    import cloudpickle
-
-    protocol = protocol or pickle.HIGHEST_PROTOCOL
-    buffers: list = []
-    out = io.BytesIO()
-    table = dict(cloudpickle.Pickler.dispatch_table)
-    table[np.ndarray] = _dask_reduce_array(protocol)
-    pickler = _pickler_with(table, out, protocol=protocol, buffer_callback=(
-        buffers.append if protocol >= 5 and buffer_callback is not None else None))
-    before = _channel.this_threads_batch()
-    try:
-        pickler.dump(x)
-    except BaseException:
-        _channel.forget_batch_since(before)  # (nobody will ask for what it holds)
-        raise
-    for buffer in buffers:
-        buffer_callback(buffer)
-    return out.getvalue()
-
-
-def _wrap_pickle_dumps(original):
-    def dumps(x, *, buffer_callback=None, protocol=pickle.HIGHEST_PROTOCOL):
-        if getattr(_sending, "here", False) and reduction.holds_memory():
-            try:
-                return _dumps_by_reference(x, buffer_callback, protocol)
-            except Exception:  # (what cloudpickle refuses: distributed's own ways, by value)
-                pass
-        return original(x, buffer_callback=buffer_callback, protocol=protocol)
-
-    dumps._pyshm_wraps = original
-    return dumps
-
-
-def _wrap_protocol_dumps(original):
-    def dumps(msg, serializers=None, on_error="message", context=None, frame_split_size=None):
-        with _SendingHere(reduction.holds_memory() and _recipient_here(context)):
-            return original(msg, serializers=serializers, on_error=on_error, context=context,
-                            frame_split_size=frame_split_size)
-
-    dumps._pyshm_wraps = original
-    return dumps
-
-
-def _wrap_graph_to_futures(original):
-    def _graph_to_futures(self, *args, **kwargs):
-        try:
-            address = self.scheduler.address
-        except AttributeError:
-            address = None
-        here = _address_here(address) or (isinstance(address, str)
-                                          and address.startswith("inproc://"))
-        with _SendingHere(here):
-            return original(self, *args, **kwargs)
-
-    _graph_to_futures._pyshm_wraps = original
-    return _graph_to_futures
-
-
-def _install_distributed_tasks() -> None:
-    import distributed.protocol
-    import distributed.protocol.core
-    import distributed.protocol.pickle
-    from distributed.client import Client
-
-    for owner, name, wrap in ((distributed.protocol.pickle, "dumps", _wrap_pickle_dumps),
-                              (distributed.protocol.core, "dumps", _wrap_protocol_dumps),
-                              (distributed.protocol, "dumps", _wrap_protocol_dumps),
-                              (Client, "_graph_to_futures", _wrap_graph_to_futures)):
-        current = getattr(owner, name)
-        if getattr(current, "_pyshm_wraps", None) is None:
-            setattr(owner, name, wrap(current))
 
 
 # ---- ray ------------------------------------------------------------------------------------
@@ -602,7 +463,7 @@ def _install_ray_tensors() -> None:
 # the module whose import completes each engine's reducers
 # (torch.multiprocessing's own import registers torch's reducers, at its end)
 _WATCHED = {"torch.multiprocessing": "torch", "joblib._memmapping_reducer": "joblib",
-            "distributed": "distributed", "ray": "ray"}
+            "distributed.protocol": "distributed", "ray": "ray"}
 
 
 class _Loader(importlib.abc.Loader):

@@ -892,12 +892,6 @@ def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
     return np.asarray(_Span(address, nbytes, readonly, found))
 
 
-def holds_memory() -> bool:
-    """Whether this process has any pyshm memory alive: storages of its own or mappings
-    received (else no pickling here can meet a pyshm array)."""
-    return bool(_memory.REFERENCES) or len(_cache.mappings) > 0
-
-
 def pickled_off_the_callers_thread() -> bool:
     """Whether this pickling runs on one of multiprocessing's own threads (a Queue's feeder,
     a Pool's task handler: also loky's and joblib's), where no implicit share is made."""
