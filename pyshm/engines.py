@@ -23,8 +23,8 @@ What each hook does, and the engine's extension point it uses:
   ``reduce_array_memmap_backward``): a pyshm array goes by reference, anything else as before.
 * **dask.distributed** serializes numpy arrays with the serializer it registers for them in
   its ``dask_serialize`` registry (scatter, results, transfers between workers); the hook
-  registers a wrapper there: shared pyshm memory sent straight to a process on this machine
-  goes as a pickled reference (under distributed's own "pickle" header, so any receiver
+  registers a wrapper there: shared pyshm memory sent straight to a process of this user on
+  this machine goes as a pickled reference (under distributed's own "pickle" header, so any receiver
   rebuilds it), everything else (another machine, a scheduler, disk) by value as before.
   Task arguments (``submit(f, a)``) are pickled into the task, through the scheduler, with
   no registry: they go by value (the README says why no hook there is safe).
@@ -297,10 +297,54 @@ def _schedulers() -> set:
     return found
 
 
+_TCP_STATES = ("01", "0A")  # ESTABLISHED, LISTEN (/proc/net/tcp's st column)
+
+
+def _proc_net_address(host: str) -> tuple:
+    """How /proc/net/tcp{,6} write ``host``'s address: each 32-bit word in hex, in this
+    machine's byte order; with the wildcard that a listener bound to every address shows."""
+    import ipaddress
+    import struct
+
+    address = ipaddress.ip_address(host.strip("[]"))
+    packed = address.packed
+    words = "".join(f"{w:08X}" for w in struct.unpack(f"={len(packed) // 4}I", packed))
+    if address.version == 4:  # (also as an IPv4-mapped address of a dual-stack socket)
+        mapped = ipaddress.IPv6Address(f"::ffff:{address}").packed
+        return words, "00000000", "".join(
+            f"{w:08X}" for w in struct.unpack("=4I", mapped)), "0" * 32
+    return words, "0" * 32
+
+
+def _peer_uids(host: str, port: int) -> set:
+    """The uids owning the TCP sockets of this network namespace at (host, port), listening
+    or connected: the process a message to that address reaches (empty if none is found)."""
+    try:
+        wanted = _proc_net_address(host)
+    except ValueError:
+        return set()
+    suffix = f":{port:04X}"
+    uids = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as lines:
+                next(lines, None)
+                for line in lines:
+                    fields = line.split()
+                    if len(fields) > 7 and fields[3] in _TCP_STATES and \
+                            fields[1].endswith(suffix) and \
+                            fields[1][:-len(suffix)] in wanted:
+                        uids.add(int(fields[7]))
+        except (OSError, ValueError):
+            continue
+    return uids
+
+
 def _recipient_here(context: Any) -> bool:
-    """Whether a distributed message goes straight to a process on this machine (not through
-    a scheduler, see _schedulers): only then is a reference of any use. No recipient
-    (spilling to disk, a cache) means no."""
+    """Whether a distributed message goes straight to a process of this user on this machine
+    (not through a scheduler, see _schedulers): only then is a reference of any use (a
+    process of another user would be refused the memory, and a worker that cannot unpickle a
+    message stops). No recipient (spilling to disk, a cache) means no."""
     recipient = context.get("recipient") if isinstance(context, dict) else None
     if isinstance(recipient, dict):  # (distributed gives the comm's peer info)
         recipient = recipient.get("address")
@@ -309,9 +353,14 @@ def _recipient_here(context: Any) -> bool:
     scheme, _, rest = recipient.partition("://")
     if scheme == "inproc":
         return False  # (the same process: distributed passes objects as they are)
-    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
-    return (scheme in ("tcp", "tls", "ws", "wss") and _local_host(host)
-            and recipient not in _schedulers())
+    host, _, port = rest.rpartition(":")
+    if scheme not in ("tcp", "tls", "ws", "wss") or not port.isdigit() or \
+            not _local_host(host) or recipient in _schedulers():
+        return False
+    import os
+
+    # (the socket's owner: a worker of another user on this machine gets the bytes)
+    return _peer_uids(host, int(port)) == {os.geteuid()}
 
 
 def _install_distributed() -> None:

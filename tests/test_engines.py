@@ -591,21 +591,68 @@ def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable():
         assert shared and total == 5.0 * (1 << 18)
 
 
+def listening_as(uid: int):
+    """(port, child pid) of a socket listening on 127.0.0.1 in a forked child that became
+    `uid`: a process of another user on this machine (the child waits to be killed)."""
+    import socket
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            server = socket.socket()
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            os.write(write_end, str(server.getsockname()[1]).encode())
+            time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    port = int(os.read(read_end, 16) or b"0")
+    os.close(read_end)
+    return port, pid
+
+
 def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
     engine_or_skip("distributed")
-    from distributed.protocol import deserialize, serialize
+    import socket
 
     array = pyshm.zeros(1 << 18, np.uint8, shared=True)
     array[::7] = 5
-    here = {"recipient": {"address": "tcp://127.0.0.1:8786"}}
-    for context, by_reference in ((here, True),
-                                  ({"recipient": {"address": "tcp://203.0.113.7:8786"}}, False),
-                                  ({"recipient": {"address": "tcp://node7.example:8786"}}, False),
-                                  (None, False)):  # (spilling to disk: no recipient)
+    ours = socket.socket()  # (a process of ours listens there: ourselves)
+    ours.bind(("127.0.0.1", 0))
+    ours.listen()
+    here = {"recipient": {"address": f"tcp://127.0.0.1:{ours.getsockname()[1]}"}}
+    cases = [(here, True),
+             ({"recipient": {"address": "tcp://127.0.0.1:1"}}, False),  # (nobody there)
+             ({"recipient": {"address": "tcp://203.0.113.7:8786"}}, False),
+             ({"recipient": {"address": "tcp://node7.example:8786"}}, False),
+             (None, False)]  # (spilling to disk: no recipient)
+    other = None
+    if os.geteuid() == 0:  # a worker of another user here: it would be refused the memory
+        other = listening_as(65534)
+        cases.append(({"recipient": {"address": f"tcp://127.0.0.1:{other[0]}"}}, False))
+    try:
+        check_dask_serialize(array, here, cases)
+    finally:
+        ours.close()
+        if other is not None:
+            os.kill(other[1], 9)
+            os.waitpid(other[1], 0)
+
+
+def check_dask_serialize(array, here, cases):
+    from distributed.protocol import deserialize, serialize
+
+    for context, by_reference in cases:
         header, frames = serialize(array, serializers=("dask",), context=context)
         frames = [bytes(frame) for frame in frames]  # (as they would arrive)
         size = sum(len(frame) for frame in frames)
-        assert (size < 1000) == by_reference
+        assert (size < 1000) == by_reference, context
         back = deserialize(header, frames)
         assert (back == array).all()
         assert (back.ctypes.data == array.ctypes.data) == by_reference
