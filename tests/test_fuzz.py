@@ -8,8 +8,9 @@ broken property fails with the reproducer's path and the end of the log. The com
 is also replayed once as a regression test.
 
 clang and atheris are installed by .ci/run: with CI=true their absence fails these tests;
-elsewhere it skips them. Known, unfixed library bugs are stepped around (tools/fuzz.py
-KNOWN_BUGS); their reproducers in tests/fuzz/crashes replay only with PYSHM_FUZZ_CRASHES=1.
+elsewhere it skips them. A known, unfixed library bug would be stepped around (tools/fuzz.py
+KNOWN_BUGS, empty today) and its reproducer kept in tests/fuzz/crashes, where every test run
+checks that it still crashes (none is kept today: those tests skip).
 """
 
 import importlib.util
@@ -133,8 +134,6 @@ def test_seed_corpus_replays_cleanly(target, binaries):
     assert result.returncode == 0, _tail(result.stdout + result.stderr)
 
 
-@pytest.mark.skipif(os.environ.get("PYSHM_FUZZ_CRASHES") != "1",
-                    reason="known, unfixed bugs: set PYSHM_FUZZ_CRASHES=1 to replay them")
 @pytest.mark.parametrize("target", ["plan", "attach", "arena", "csv", "request"])
 def test_known_crashes_still_reproduce(target, build_dir):
     """Each file in tests/fuzz/crashes/<target> still crashes the strict build; once one does
