@@ -26,8 +26,10 @@ What each hook does, and the engine's extension point it uses:
   registers a wrapper there: shared pyshm memory sent straight to a process of this user on
   this machine goes as a pickled reference (under distributed's own "pickle" header, so any receiver
   rebuilds it), everything else (another machine, a scheduler, disk) by value as before.
-  Task arguments (``submit(f, a)``) are pickled into the task, through the scheduler, with
-  no registry: they go by value (the README says why no hook there is safe).
+  Task arguments (``submit(f, a)``, ``map``) are pickled into the task, which goes through
+  the scheduler, where no reference is safe: ``Client.submit`` and ``Client.map`` are wrapped
+  to scatter each shared pyshm array among them straight to a worker here first (by
+  reference, through the hook above) and pass its future instead.
 * **Ray** pickles objects (task arguments and results, actor calls, ``ray.put``) with its
   cloudpickle, where ``ray.util.register_serializer`` replaces the pickling of a type. The
   hook registers one for numpy arrays (and, once torch is imported, for tensors): pyshm
@@ -74,8 +76,7 @@ def install() -> frozenset:
     whose internals are not what the hook expects gets no hook (and never an error)."""
     for name, module, hook in (("torch", "torch.multiprocessing.reductions", _install_torch),
                                ("joblib", "joblib._memmapping_reducer", _install_joblib),
-                               ("distributed", "distributed.protocol.serialize",
-                                _install_distributed),
+                               ("distributed", "distributed.client", _install_distributed),
                                ("ray", "ray.util.serialization", _install_ray)):
         if name not in _installed and module in sys.modules:
             try:
@@ -369,6 +370,7 @@ def _install_distributed() -> None:
 
     original = dask_numpy.serialize_numpy_ndarray
     if getattr(dask_serialize.dispatch(np.ndarray), "_pyshm_wraps", None) is not None:
+        _install_distributed_arguments()
         _installed.add("distributed")
         return
 
@@ -386,7 +388,103 @@ def _install_distributed() -> None:
 
     serialize_ndarray._pyshm_wraps = original
     dask_serialize.register(np.ndarray)(serialize_ndarray)
+    _install_distributed_arguments()
     _installed.add("distributed")
+
+
+# Task arguments: Client.submit and Client.map pickle their arguments into the task, which
+# goes through the scheduler (where no reference is safe: it keeps task messages, and it would
+# have to fetch on its event loop). So each shared pyshm array (or pyshm.ref) among the
+# arguments is scattered first, straight to a worker of this user on this machine (where the
+# data hook above sends it by reference), and the task gets its future, as if the user had
+# written submit(f, client.scatter(a, direct=True, hash=False)). The scheduler then holds a key,
+# never the memory. With no such worker, an asynchronous client, or a scatter that fails,
+# arguments go as before (by value).
+
+
+def _shared_argument(value: Any) -> Any:
+    """The shared pyshm array that a task argument is (or names: pyshm.ref), else None."""
+    if isinstance(value, reduction.Ref):
+        value = value.array
+    if type(value) is np.ndarray and value.size > 0 and \
+            reduction.owner_of(value) is not None and is_shared(value):
+        return value
+    return None
+
+
+def _scatter_arguments(client: Any, values: list) -> list:
+    """``values`` with each shared pyshm array in it replaced by the future of that array
+    scattered to a worker here (``values`` itself if there is none, or no such worker)."""
+    picks = {}  # position -> the array
+    for i, value in enumerate(values):
+        array = _shared_argument(value)
+        if array is not None:
+            picks[i] = array
+    if not picks or getattr(client, "asynchronous", False):
+        return values
+    try:
+        workers = [address for address in client.scheduler_info().get("workers", {})
+                   if _recipient_here({"recipient": address})]
+        if not workers:
+            return values
+        unique = list({id(array): array for array in picks.values()}.values())
+        futures = dict(zip(map(id, unique), client.scatter(unique, workers=workers,
+                                                           direct=True, hash=False)))
+    except Exception:  # (a worker gone meanwhile, a closed client: dask's own way)
+        return values
+    out = list(values)
+    for i, array in picks.items():
+        out[i] = futures[id(array)]
+    return out
+
+
+def _wrap_submit(original):
+    def submit(self, func, *args, **kwargs):
+        if not (kwargs.get("actor") or kwargs.get("actors")):
+            names = [name for name in kwargs if name not in _SUBMIT_OPTIONS]
+            values = _scatter_arguments(self, list(args) + [kwargs[n] for n in names])
+            args = tuple(values[:len(args)])
+            kwargs.update(zip(names, values[len(args):]))
+        return original(self, func, *args, **kwargs)
+
+    submit._pyshm_wraps = original
+    return submit
+
+
+def _wrap_map(original):
+    def map(self, func, *iterables, **kwargs):
+        if not (kwargs.get("actor") or kwargs.get("actors")) and \
+                all(isinstance(it, (list, tuple)) for it in iterables):
+            flat = [value for it in iterables for value in it]
+            scattered = _scatter_arguments(self, flat)
+            if scattered is not flat:
+                rebuilt, at = [], 0
+                for it in iterables:
+                    rebuilt.append(scattered[at:at + len(it)])
+                    at += len(it)
+                iterables = tuple(rebuilt)
+        return original(self, func, *iterables, **kwargs)
+
+    map._pyshm_wraps = original
+    return map
+
+
+_SUBMIT_OPTIONS: set = set()
+
+
+def _install_distributed_arguments() -> None:
+    import inspect
+
+    from distributed.client import Client
+
+    for name, wrap in (("submit", _wrap_submit), ("map", _wrap_map)):
+        current = getattr(Client, name)
+        if getattr(current, "_pyshm_wraps", None) is None:
+            if name == "submit":  # (its own options: every keyword-only parameter)
+                _SUBMIT_OPTIONS.update(
+                    p.name for p in inspect.signature(current).parameters.values()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY)
+            setattr(Client, name, wrap(current))
 
 
 # ---- ray ------------------------------------------------------------------------------------
@@ -512,7 +610,7 @@ def _install_ray_tensors() -> None:
 # the module whose import completes each engine's reducers
 # (torch.multiprocessing's own import registers torch's reducers, at its end)
 _WATCHED = {"torch.multiprocessing": "torch", "joblib._memmapping_reducer": "joblib",
-            "distributed.protocol": "distributed", "ray": "ray"}
+            "distributed": "distributed", "ray": "ray"}
 
 
 class _Loader(importlib.abc.Loader):

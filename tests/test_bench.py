@@ -72,7 +72,8 @@ def test_bench_engines_case():
                               "--cases", "engines")
     (case,) = result["cases"]
     rows = {(row["engine"], row["method"]): row for row in case["rows"]}
-    engines = ("joblib", "dask") + (("ray",) if importlib.util.find_spec("ray") else ())
+    engines = ("joblib", "dask", "dask submit") + (
+        ("ray",) if importlib.util.find_spec("ray") else ())
     assert set(rows) == {(engine, method) for engine in engines
                          for method in ("own", "pyshm")}
     assert all(row["error"] is None and len(row["seconds"]) == 2 for row in rows.values())

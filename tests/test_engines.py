@@ -539,24 +539,39 @@ def fill_and_say(array, value):
     return float(array.sum()), pyshm.is_shared(array)
 
 
-def test_dask_task_arguments_go_by_value_with_the_right_bytes():
-    """client.submit(f, a) pickles `a` into the task, through the scheduler, with no registry
-    (README: why no hook there is safe): a shared pyshm array arrives as a copy of its bytes,
-    with no error, and so does a pyshm.ref, which the scheduler rebuilds and sends on."""
+def test_dask_task_arguments_are_the_same_memory():
+    """client.submit(f, a) and client.map: each shared pyshm array among the arguments is
+    scattered straight to a worker here first (by reference), and the task gets its future."""
     distributed = engine_or_skip("distributed")
     with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
                                   dashboard_address=None) as cluster, \
-            distributed.Client(cluster) as client:
-        array = pyshm.zeros(1 << 18, np.float32, shared=True)
-        array[::3] = 1
-        before = array.copy()
-        for argument in (array, pyshm.ref(array)):
-            total, shared = client.submit(fill_and_say, argument, 2.0, pure=False).result()
-            assert total == 2.0 * array.size and not shared
-        results = client.gather(client.map(fill_and_say, [array, array[::2]], [3.0, 4.0],
-                                           pure=False))
-        assert results == [(3.0 * array.size, False), (4.0 * (array.size // 2), False)]
-        assert (array == before).all()  # (our memory: not written)
+            distributed.Client(cluster) as client, warnings.catch_warnings():
+        warnings.simplefilter("error")  # (by value, dask warns of "a large graph" here)
+        big = pyshm.zeros(16 << 20, np.float32, shared=True)  # 64 MiB
+        assert client.submit(fill_and_say, big, 2.0).result() == (2.0 * big.size, True)
+        assert (big == 2).all()  # the worker's write, in our memory
+        assert client.submit(fill_and_say, array=big[::2], value=3.0).result()[1]  # kwargs
+        assert big[0] == 3 and big[1] == 2
+        assert client.submit(fill_and_say, pyshm.ref(big), 4.0).result()[1]
+        assert big[1] == 4
+        small = [pyshm.zeros(1000, np.float32, shared=True) for _ in range(3)]  # (one slab)
+        # (pure=False: equal bytes would otherwise make the three one task)
+        results = client.gather(client.map(fill_and_say, small + [small[0]], [1.0, 2.0, 3.0,
+                                                                              1.0], pure=False))
+        assert results == [(1000.0, True), (2000.0, True), (3000.0, True), (1000.0, True)]
+        assert [float(a[0]) for a in small] == [1.0, 2.0, 3.0]
+        # everything else: dask's own way (a copy, written there): plain and unshared arrays,
+        # arrays a function captures
+        plain = np.zeros(1000, np.float32)
+        unshared = pyshm.zeros(1000, np.float32)
+        for array in (plain, unshared):
+            assert client.submit(fill_and_say, array, 6.0, pure=False).result() == (6000.0,
+                                                                                    False)
+            assert (array == 0).all()
+        assert not pyshm.is_shared(unshared)  # (no implicit share)
+        captured = small[1]
+        assert client.submit(lambda: fill_and_say(captured, 7.0)).result() == (7000.0, False)
+        assert captured[0] == 2
 
 
 def sum_and_say_if_shared(array):
@@ -575,7 +590,27 @@ SCATTER_AND_EXIT = """
 """
 
 
-def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable():
+def checksum_to(array, path):
+    time.sleep(0.5)  # (the client is gone by now)
+    with open(path + ".part", "w") as out:
+        out.write(f"{float(array.sum())} {pyshm.is_shared(array)}")
+    os.rename(path + ".part", path)
+
+
+SUBMIT_AND_EXIT = """
+    import sys
+    import numpy as np
+    import distributed, pyshm
+    from test_engines import checksum_to
+    client = distributed.Client(sys.argv[1])
+    array = pyshm.zeros(1 << 20, np.float32, shared=True)
+    array[:] = 5
+    distributed.fire_and_forget(client.submit(checksum_to, array, sys.argv[2], pure=False))
+    # and the script ends at once: the worker mapped the memory when it was scattered to it
+"""
+
+
+def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable(tmp_path):
     distributed = engine_or_skip("distributed")
     with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
                                   dashboard_address=None) as cluster, \
@@ -584,6 +619,19 @@ def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable():
                                cluster.scheduler_address], capture_output=True, timeout=120,
                               cwd=HERE)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
+        # a task argument of a client that ends right after fire_and_forget(submit(...))
+        path = str(tmp_path / "checksum")
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(SUBMIT_AND_EXIT), cluster.scheduler_address,
+             path], capture_output=True, timeout=120, cwd=HERE,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+                HERE, os.environ.get("PYTHONPATH", "")]))))
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(path) as result:
+            assert result.read() == f"{5.0 * (1 << 20)} True"
         left = client.get_dataset("left")
         # the worker mapped the memory when the data arrived (by reference: pyshm memory),
         # so it outlives its sender
@@ -715,7 +763,7 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
                     back = client.submit(fill_array, future, 2.0, pure=False).result()
                     # by value both ways: the worker's copy was written, ours not
                     assert float(back.sum()) == 2 * (1 << 18) and (array == 1).all()
-                    # a task argument: by value (through the scheduler)
+                    # a task argument: no worker here to scatter it to, so by value
                     back = client.submit(fill_array, array, 3.0, pure=False).result()
                     assert float(back.sum()) == 3 * (1 << 18) and (array == 1).all()
         finally:

@@ -15,8 +15,10 @@ Workers are started once per engine, before the rounds.
   comes back by value)
   against a pyshm array made with ``shared=True``;
 * dask.distributed ``LocalCluster`` (one process worker), a client with direct transfers:
-  ``scatter`` then ``submit`` and ``result``, a ``numpy.zeros`` array (by value both ways)
-  against a pyshm array made with ``shared=True``;
+  ``scatter`` then ``submit`` and ``result`` ("dask"), and ``submit(f, array)`` with the
+  array as the task's argument ("dask submit": pickled into the task, through the scheduler;
+  pyshm scatters a shared array first), a ``numpy.zeros`` array (by value both ways) against
+  a pyshm array made with ``shared=True``;
 * Ray, a local cluster of 2 CPUs: ``ray.put`` then a task on the object and ``ray.get``, a
   ``numpy.zeros`` array (Ray's object store: read in place, read-only, so the worker writes a
   copy that comes back by value) against a pyshm array made with ``shared=True`` (which Ray
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 
 import numpy as np
 
@@ -120,27 +123,44 @@ def _joblib_engine(nbytes):
                    _array_methods(nbytes, run, "own (memmap)"))
 
 
-def _dask_engine(nbytes):
+def _dask_engines(nbytes):
+    """Two engines over one cluster: data scattered then named in a task ("dask"), and the
+    array as the task's argument ("dask submit": pickled into the task, through the
+    scheduler; pyshm scatters a shared array to a worker first)."""
     import distributed
 
+    cluster: list = []
+
     def start():
-        cluster = distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
-                                           dashboard_address=None)
-        client = distributed.Client(cluster, direct_to_workers=True)
-        client.submit(int, 0).result()
-        return cluster, client
+        if not cluster:
+            made = distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                            dashboard_address=None)
+            cluster.extend([made, distributed.Client(made, direct_to_workers=True)])
+            cluster[1].submit(int, 0).result()
+        return cluster[1]
 
-    def stop(state):
-        state[1].close()
-        state[0].close()
+    def stop(_):
+        if cluster:
+            cluster[1].close()
+            cluster[0].close()
+            cluster.clear()
 
-    def run(state, array):
-        client = state[1]
+    def scatter(client, array):
         return lambda: client.submit(touch_array, client.scatter(array, hash=False),
                                      pure=False).result()
 
-    return _Engine("dask", f"distributed {distributed.__version__}", start, stop,
-                   _array_methods(nbytes, run, "own (by value)"))
+    def argument(client, array):
+        def call():
+            with warnings.catch_warnings():  # (by value, dask warns of "a large graph")
+                warnings.filterwarnings("ignore", "Sending large graph")
+                return client.submit(touch_array, array, pure=False).result()
+        return call
+
+    label = f"distributed {distributed.__version__}"
+    return [_Engine("dask", label, start, stop,
+                    _array_methods(nbytes, scatter, "own (by value)")),
+            _Engine("dask submit", label, start, stop,
+                    _array_methods(nbytes, argument, "own (by value)"))]
 
 
 def _ray_engine(nbytes):
@@ -163,10 +183,11 @@ def _ray_engine(nbytes):
 def _engines(nbytes, use_torch):
     engines, notes = [], {}
     makers = [("torch", _torch_engine)] if use_torch else []
-    makers += [("joblib", _joblib_engine), ("dask", _dask_engine), ("ray", _ray_engine)]
+    makers += [("joblib", _joblib_engine), ("dask", _dask_engines), ("ray", _ray_engine)]
     for name, make in makers:
         try:
-            engines.append(make(nbytes))
+            made = make(nbytes)
+            engines.extend(made if isinstance(made, list) else [made])
         except ImportError as exc:
             notes[name] = f"not installed ({exc})"
     if not use_torch:
