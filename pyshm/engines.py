@@ -27,9 +27,10 @@ What each hook does, and the engine's extension point it uses:
   this machine goes as a pickled reference (under distributed's own "pickle" header, so any receiver
   rebuilds it), everything else (another machine, a scheduler, disk) by value as before.
   Task arguments (``submit(f, a)``, ``map``) are pickled into the task, which goes through
-  the scheduler, where no reference is safe: ``Client.submit`` and ``Client.map`` are wrapped
-  to scatter each shared pyshm array among them straight to a worker here first (by
-  reference, through the hook above) and pass its future instead.
+  the scheduler, where no reference is safe: plain arrays go dask's way (by value), and
+  ``Client.submit`` and ``Client.map`` are wrapped to scatter each ``pyshm.ref`` among them
+  straight to a worker here first (by reference, through the hook above) and pass its future
+  instead.
 * **Ray** pickles objects (task arguments and results, actor calls, ``ray.put``) with its
   cloudpickle, where ``ray.util.register_serializer`` replaces the pickling of a type. The
   hook registers one for numpy arrays (and, once torch is imported, for tensors): pyshm
@@ -317,9 +318,28 @@ def _proc_net_address(host: str) -> tuple:
     return words, "0" * 32
 
 
+_PEER_SECONDS = 1.0  # how long a peer's uids are remembered (each read of the tables: ~2 ms)
+_peers: dict = {}  # (host, port) -> (monotonic time read, uids)
+
+
 def _peer_uids(host: str, port: int) -> set:
     """The uids owning the TCP sockets of this network namespace at (host, port), listening
-    or connected: the process a message to that address reaches (empty if none is found)."""
+    or connected: the process a message to that address reaches (empty if none is found).
+    Remembered for _PEER_SECONDS."""
+    import time
+
+    now = time.monotonic()
+    known = _peers.get((host, port))
+    if known is not None and now - known[0] < _PEER_SECONDS:
+        return known[1]
+    if len(_peers) > 4096:
+        _peers.clear()
+    uids = _read_peer_uids(host, port)
+    _peers[host, port] = (now, uids)
+    return uids
+
+
+def _read_peer_uids(host: str, port: int) -> set:
     try:
         wanted = _proc_net_address(host)
     except ValueError:
@@ -393,28 +413,26 @@ def _install_distributed() -> None:
 
 
 # Task arguments: Client.submit and Client.map pickle their arguments into the task, which
-# goes through the scheduler (where no reference is safe: it keeps task messages, and it would
-# have to fetch on its event loop). So each shared pyshm array (or pyshm.ref) among the
-# arguments is scattered first, straight to a worker of this user on this machine (where the
-# data hook above sends it by reference), and the task gets its future, as if the user had
-# written submit(f, client.scatter(a, direct=True, hash=False)). The scheduler then holds a key,
-# never the memory. With no such worker, an asynchronous client, or a scatter that fails,
-# arguments go as before (by value).
+# goes through the scheduler, where no reference is safe (it keeps task messages, and it would
+# have to fetch on its event loop). So a pyshm.ref among the arguments (the explicit handle:
+# plain arrays keep dask's own way, which survives a worker's loss) is scattered first,
+# straight to a worker of this user on this machine (where the data hook above sends it by
+# reference), and the task gets its future, as submit(f, client.scatter(a, direct=True,
+# hash=False)) would by hand. The scheduler then holds a key, never the memory. With no such
+# worker, an asynchronous client, or a scatter that fails, the ref goes into the task as
+# before (the scheduler rebuilds it and sends it on by value).
 
 
 def _shared_argument(value: Any) -> Any:
-    """The shared pyshm array that a task argument is (or names: pyshm.ref), else None."""
-    if isinstance(value, reduction.Ref):
-        value = value.array
-    if type(value) is np.ndarray and value.size > 0 and \
-            reduction.owner_of(value) is not None and is_shared(value):
-        return value
+    """The array of a pyshm.ref task argument (shared memory), else None."""
+    if isinstance(value, reduction.Ref) and value.array.size > 0:
+        return value.array
     return None
 
 
 def _scatter_arguments(client: Any, values: list) -> list:
-    """``values`` with each shared pyshm array in it replaced by the future of that array
-    scattered to a worker here (``values`` itself if there is none, or no such worker)."""
+    """``values`` with each pyshm.ref in it replaced by the future of its array scattered to
+    a worker here (``values`` itself if there is none, or no such worker)."""
     picks = {}  # position -> the array
     for i, value in enumerate(values):
         array = _shared_argument(value)
