@@ -419,8 +419,8 @@ def _install_distributed() -> None:
 # straight to a worker of this user on this machine (where the data hook above sends it by
 # reference), and the task gets its future, as submit(f, client.scatter(a, direct=True,
 # hash=False)) would by hand. The scheduler then holds a key, never the memory. With no such
-# worker, an asynchronous client, or a scatter that fails, the ref goes into the task as
-# before (the scheduler rebuilds it and sends it on by value).
+# worker, an asynchronous client, or a scatter that fails, the ref's array goes into the task
+# by value, as a plain array would.
 
 
 def _shared_argument(value: Any) -> Any:
@@ -432,25 +432,32 @@ def _shared_argument(value: Any) -> Any:
 
 def _scatter_arguments(client: Any, values: list) -> list:
     """``values`` with each pyshm.ref in it replaced by the future of its array scattered to
-    a worker here (``values`` itself if there is none, or no such worker)."""
+    a worker here, or, where that cannot be (no such worker, an asynchronous client, a
+    failed scatter), by its array itself, which then goes into the task by value (a ref
+    there would make the scheduler map the memory and keep it; see above). ``values``
+    itself if it holds no ref."""
     picks = {}  # position -> the array
     for i, value in enumerate(values):
         array = _shared_argument(value)
         if array is not None:
             picks[i] = array
-    if not picks or getattr(client, "asynchronous", False):
+    if not picks:
         return values
+    out = list(values)
+    for i, array in picks.items():
+        out[i] = array
+    if getattr(client, "asynchronous", False):
+        return out
     try:
         workers = [address for address in client.scheduler_info().get("workers", {})
                    if _recipient_here({"recipient": address})]
         if not workers:
-            return values
+            return out
         unique = list({id(array): array for array in picks.values()}.values())
         futures = dict(zip(map(id, unique), client.scatter(unique, workers=workers,
                                                            direct=True, hash=False)))
     except Exception:  # (a worker gone meanwhile, a closed client: dask's own way)
-        return values
-    out = list(values)
+        return out
     for i, array in picks.items():
         out[i] = futures[id(array)]
     return out

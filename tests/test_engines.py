@@ -572,6 +572,46 @@ def test_dask_task_arguments_given_as_refs_are_the_same_memory():
         assert captured[0] == 2
 
 
+def test_dask_ref_arguments_that_cannot_be_scattered_go_as_their_arrays():
+    """No worker of ours here, an asynchronous client or a failed scatter: the ref's array
+    goes into the task (by value), never the ref (the scheduler would map and keep it)."""
+    engine_or_skip("distributed")
+    array = pyshm.zeros(1000, np.float32, shared=True)
+
+    class Client:  # (what _scatter_arguments asks of a client)
+        asynchronous = False
+
+        def __init__(self, workers, fail=False):
+            self.workers, self.fail = workers, fail
+
+        def scheduler_info(self):
+            return {"workers": {w: {} for w in self.workers}}
+
+        def scatter(self, values, **options):
+            if self.fail:
+                raise OSError("the worker is gone")
+            return [f"future of {id(v)}" for v in values]
+
+    asynchronous = Client([])
+    asynchronous.asynchronous = True
+    for client in (Client([]), Client(["tcp://203.0.113.7:1"]), asynchronous):
+        out = engines._scatter_arguments(client, [1, pyshm.ref(array), array])
+        assert out[0] == 1 and out[1] is array and out[2] is array
+    import socket
+
+    ours = socket.socket()  # (a worker of ours, here)
+    ours.bind(("127.0.0.1", 0))
+    ours.listen()
+    try:
+        here = [f"tcp://127.0.0.1:{ours.getsockname()[1]}"]
+        out = engines._scatter_arguments(Client(here), [pyshm.ref(array), pyshm.ref(array)])
+        assert out == [f"future of {id(array)}"] * 2  # (scattered once)
+        out = engines._scatter_arguments(Client(here, fail=True), [pyshm.ref(array)])
+        assert out[0] is array
+    finally:
+        ours.close()
+
+
 def sum_and_say_if_shared(array):
     return float(array.sum()), pyshm.is_shared(array)
 
