@@ -24,8 +24,9 @@ What each hook does, and the engine's extension point it uses:
 * **dask.distributed** serializes numpy arrays with the serializer it registers for them in
   its ``dask_serialize`` registry (scatter, results, transfers between workers); the hook
   registers a wrapper there: shared pyshm memory sent straight to a process of this user on
-  this machine goes as a pickled reference (under distributed's own "pickle" header, so any receiver
-  rebuilds it), everything else (another machine, a scheduler, disk) by value as before.
+  this machine goes as a pickled reference (under distributed's own "pickle" header, so any
+  receiver rebuilds it), everything else (another machine, a scheduler, disk) by value as
+  before.
   Task arguments (``submit(f, a)``, ``map``) are pickled into the task, which goes through
   the scheduler, where no reference is safe: plain arrays go dask's way (by value), and
   ``Client.submit`` and ``Client.map`` are wrapped to scatter each ``pyshm.ref`` among them
@@ -44,9 +45,11 @@ What each hook does, and the engine's extension point it uses:
 from __future__ import annotations
 
 import importlib.abc
+import os
 import pickle
 import sys
 import threading
+import time
 import warnings
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -326,8 +329,6 @@ def _peer_uids(host: str, port: int) -> set:
     """The uids owning the TCP sockets of this network namespace at (host, port), listening
     or connected: the process a message to that address reaches (empty if none is found).
     Remembered for _PEER_SECONDS."""
-    import time
-
     now = time.monotonic()
     known = _peers.get((host, port))
     if known is not None and now - known[0] < _PEER_SECONDS:
@@ -378,8 +379,6 @@ def _recipient_here(context: Any) -> bool:
     if scheme not in ("tcp", "tls", "ws", "wss") or not port.isdigit() or \
             not _local_host(host) or recipient in _schedulers():
         return False
-    import os
-
     # (the socket's owner: a worker of another user on this machine gets the bytes)
     return _peer_uids(host, int(port)) == {os.geteuid()}
 
@@ -420,14 +419,7 @@ def _install_distributed() -> None:
 # reference), and the task gets its future, as submit(f, client.scatter(a, direct=True,
 # hash=False)) would by hand. The scheduler then holds a key, never the memory. With no such
 # worker, an asynchronous client, or a scatter that fails, the ref's array goes into the task
-# by value, as a plain array would.
-
-
-def _shared_argument(value: Any) -> Any:
-    """The array of a pyshm.ref task argument (shared memory), else None."""
-    if isinstance(value, reduction.Ref) and value.array.size > 0:
-        return value.array
-    return None
+# by value, as a plain array would. Refs inside containers are not looked for.
 
 
 def _scatter_arguments(client: Any, values: list) -> list:
@@ -436,11 +428,8 @@ def _scatter_arguments(client: Any, values: list) -> list:
     failed scatter), by its array itself, which then goes into the task by value (a ref
     there would make the scheduler map the memory and keep it; see above). ``values``
     itself if it holds no ref."""
-    picks = {}  # position -> the array
-    for i, value in enumerate(values):
-        array = _shared_argument(value)
-        if array is not None:
-            picks[i] = array
+    picks = {i: value.array for i, value in enumerate(values)
+             if isinstance(value, reduction.Ref)}
     if not picks:
         return values
     out = list(values)
@@ -463,53 +452,48 @@ def _scatter_arguments(client: Any, values: list) -> list:
     return out
 
 
-def _wrap_submit(original):
-    def submit(self, func, *args, **kwargs):
-        if not (kwargs.get("actor") or kwargs.get("actors")):
-            names = [name for name in kwargs if name not in _SUBMIT_OPTIONS]
-            values = _scatter_arguments(self, list(args) + [kwargs[n] for n in names])
-            args = tuple(values[:len(args)])
-            kwargs.update(zip(names, values[len(args):]))
+def _wrap_task_maker(original):
+    """Client.submit or Client.map, scattering the refs among its arguments first: submit's
+    positional arguments, map's list and tuple iterables (element by element), and either's
+    keyword arguments that are not its own options (map passes those to every task)."""
+    import inspect
+
+    options = {p.name for p in inspect.signature(original).parameters.values()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    each = original.__name__ == "map"
+
+    def make(self, func, *args, **kwargs):
+        if kwargs.get("actor") or kwargs.get("actors"):
+            return original(self, func, *args, **kwargs)
+        names = [name for name in kwargs if name not in options]
+        # each argument as the run of values it stands for: map's lists element by element,
+        # anything else (an iterator map must not consume too) as one value
+        runs = [list(a) if each and isinstance(a, (list, tuple)) else [a] for a in args]
+        flat = [value for run in runs for value in run]
+        given = flat + [kwargs[name] for name in names]
+        values = _scatter_arguments(self, given)
+        if values is not given:
+            rebuilt, at = [], 0
+            for a, run in zip(args, runs):
+                part = values[at:at + len(run)]
+                rebuilt.append(part if each and isinstance(a, (list, tuple)) else part[0])
+                at += len(run)
+            args = tuple(rebuilt)
+            kwargs.update(zip(names, values[at:]))
         return original(self, func, *args, **kwargs)
 
-    submit._pyshm_wraps = original
-    return submit
-
-
-def _wrap_map(original):
-    def map(self, func, *iterables, **kwargs):
-        if not (kwargs.get("actor") or kwargs.get("actors")) and \
-                all(isinstance(it, (list, tuple)) for it in iterables):
-            flat = [value for it in iterables for value in it]
-            scattered = _scatter_arguments(self, flat)
-            if scattered is not flat:
-                rebuilt, at = [], 0
-                for it in iterables:
-                    rebuilt.append(scattered[at:at + len(it)])
-                    at += len(it)
-                iterables = tuple(rebuilt)
-        return original(self, func, *iterables, **kwargs)
-
-    map._pyshm_wraps = original
-    return map
-
-
-_SUBMIT_OPTIONS: set = set()
+    make._pyshm_wraps = original
+    make.__name__, make.__doc__ = original.__name__, original.__doc__
+    return make
 
 
 def _install_distributed_arguments() -> None:
-    import inspect
-
     from distributed.client import Client
 
-    for name, wrap in (("submit", _wrap_submit), ("map", _wrap_map)):
+    for name in ("submit", "map"):
         current = getattr(Client, name)
         if getattr(current, "_pyshm_wraps", None) is None:
-            if name == "submit":  # (its own options: every keyword-only parameter)
-                _SUBMIT_OPTIONS.update(
-                    p.name for p in inspect.signature(current).parameters.values()
-                    if p.kind is inspect.Parameter.KEYWORD_ONLY)
-            setattr(Client, name, wrap(current))
+            setattr(Client, name, _wrap_task_maker(current))
 
 
 # ---- ray ------------------------------------------------------------------------------------

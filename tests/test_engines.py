@@ -539,6 +539,11 @@ def fill_and_say(array, value):
     return float(array.sum()), pyshm.is_shared(array)
 
 
+def fill_at(i, array):
+    array[i] = i + 1
+    return pyshm.is_shared(array)
+
+
 def test_dask_task_arguments_given_as_refs_are_the_same_memory():
     """client.submit(f, pyshm.ref(a)) and client.map: each ref among the arguments is
     scattered straight to a worker here first (by reference), and the task gets its future;
@@ -561,6 +566,10 @@ def test_dask_task_arguments_given_as_refs_are_the_same_memory():
                                            pure=False))
         assert results == [(1000.0, True), (2000.0, True), (3000.0, True), (1000.0, True)]
         assert [float(a[0]) for a in small] == [1.0, 2.0, 3.0]
+        # a ref passed to every task of a map (a keyword argument)
+        results = client.gather(client.map(fill_at, [0, 1, 2], array=pyshm.ref(big),
+                                           pure=False))
+        assert results == [True] * 3 and list(big[:3]) == [1.0, 2.0, 3.0]
         # everything else: dask's own way (a copy, written there)
         warnings.simplefilter("ignore")
         for array in (np.zeros(1000, np.float32), pyshm.zeros(1000, np.float32), small[1]):

@@ -144,8 +144,8 @@ def row_stats(seconds: list, loads: list, count: int, nbytes: int, per_share: bo
 def measure_into(runs: dict, errors: dict, done: list, key, label: str, run: Callable,
                  text: Callable) -> None:
     """One timed run of a method (every case's): ``run()`` gives (seconds, other CPUs' load or
-    None), kept in ``runs[key]``; a failure is kept in ``errors[key]`` and the others go on. ``done`` gets the progress
-    text (``text(seconds)``, or FAILED)."""
+    None), kept in ``runs[key]``; a failure is kept in ``errors[key]`` and the others go on.
+    ``done`` gets the progress text (``text(seconds)``, or FAILED)."""
     try:
         seconds, others = run()
     except Exception as exc:  # report, keep the other methods going
