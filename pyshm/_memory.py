@@ -25,10 +25,10 @@ from . import _checks, _ffi
 from ._ffi import lib
 
 
-def create(nbytes: int, shared: bool, resizable: bool = False) -> int:
+def create(nbytes: int, shared: bool, resizable: bool = False) -> _ffi.StorageHandle:
     """A new C storage of ``nbytes``; the caller owns the returned reference."""
     nbytes = check_nbytes(nbytes)
-    out = ctypes.c_void_p()
+    out = _ffi.StorageHandle()
     if shared:
         if resizable:
             raise ValueError("a shared storage cannot be resizable")
@@ -36,10 +36,10 @@ def create(nbytes: int, shared: bool, resizable: bool = False) -> int:
     else:
         flags = _ffi.STORAGE_RESIZABLE if resizable else 0
         lib.lshm_storage_create(nbytes, None, flags, ctypes.byref(out))
-    return out.value
+    return out
 
 
-def share_in_place(handle: int, what: str, error: Optional[type] = None,
+def share_in_place(handle: _ffi.StorageHandle, what: str, error: Optional[type] = None,
                     share: Any = None) -> None:
     """lshm_storage_share (or `share`, e.g. lshm_storage_share_readonly) of `handle`, with
     libshm's EBUSY refusal explained in pyshm's terms.
@@ -165,7 +165,7 @@ class ArrayOwner:
                  "_sent", "__weakref__")
     # _ref: the weak reference whose callback gives the C reference back (see REFERENCES)
 
-    def __init__(self, handle: int, shape: tuple, dtype: np.dtype, offset: int, readonly: bool,
+    def __init__(self, handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int, readonly: bool,
                  keep: Any = None, strides: Optional[tuple] = None, adopt: bool = False,
                  data: Optional[int] = None):
         # The owner takes its own reference (adopt: the caller hands over one of its own
@@ -217,7 +217,7 @@ def nbytes_of(shape: tuple, dtype: np.dtype) -> int:
     return nbytes
 
 
-def wrap(handle: int, shape: tuple, dtype: np.dtype, offset: int = 0,
+def wrap(handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int = 0,
           keep: Any = None) -> np.ndarray:
     """An array over C storage `handle` at byte `offset` (its owner takes its own reference)."""
     readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
@@ -229,7 +229,8 @@ def wrap(handle: int, shape: tuple, dtype: np.dtype, offset: int = 0,
 
 
 def array_from_storage(
-    handle: int, shape: Optional[ShapeLike], dtype: Any, offset: int, keep: Any = None
+    handle: _ffi.StorageHandle, shape: Optional[ShapeLike], dtype: Any, offset: int,
+    keep: Any = None
 ) -> np.ndarray:
     """An array over C storage `handle`, checked to fit; shape None: as many items as fit."""
     dtype = np.dtype(dtype)

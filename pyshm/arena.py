@@ -65,14 +65,14 @@ def _unless_no_data(func, *args) -> bool:
 
 class _ArenaKeep(HandleLifetime):
     """What an arena array's owner keeps alive (its ``_keep``): the arena, and one C reference
-    to the buffer the array's bytes lie in (``buffer``, an lshm_arena_buffer address, or None
+    to the buffer the array's bytes lie in (``buffer``, an lshm_arena_buffer handle, or None
     for ordinary memory), released when the last array over that buffer is gone. So a re-plan
     or :meth:`Arena.trim` never unmaps bytes a live array points at, even after ``free()``.
     One object per buffer is shared by all the arena's arrays on it."""
 
     __slots__ = ("arena", "buffer")
 
-    def __init__(self, arena: "Arena", buffer: Optional[int]) -> None:
+    def __init__(self, arena: "Arena", buffer: Optional[_ffi.ArenaBufferHandle]) -> None:
         self.arena = arena
         self.buffer = buffer
         if buffer is not None:
@@ -82,10 +82,10 @@ class _ArenaKeep(HandleLifetime):
             self._finalizer = None
 
 
-def _destroy(handle: int, live: dict) -> None:
+def _destroy(handle: _ffi.ArenaHandle, live: dict) -> None:
     # Finalizer: no arrays are alive (each one keeps the Arena object alive), so only the
     # references the Arena itself holds remain; give them back, then the arena.
-    for storage in list(live):
+    for storage in list(live.values()):
         try:
             lib.lshm_arena_free(handle, storage)
         except OSError:
@@ -154,12 +154,12 @@ class Arena(HandleLifetime):
     ) -> None:
         n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
         opts = options(alignment, inclusive, time_limit)
-        out = ctypes.c_void_p()
+        out = _ffi.ArenaHandle()
         lib.lshm_arena_create(
             n, pointer(sizes_a, _u64_p), pointer(firsts_a, _i64_p), pointer(lasts_a, _i64_p),
             ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out),
         )
-        self._setup(out.value, recording=False, shared=shared, alignment=int(opts.alignment),
+        self._setup(out, recording=False, shared=shared, alignment=int(opts.alignment),
                     inclusive=inclusive)
 
     @classmethod
@@ -168,23 +168,24 @@ class Arena(HandleLifetime):
     ) -> "Arena":
         """A record-then-replay arena: use :meth:`empty`, :meth:`free`, :meth:`end_iteration`."""
         opts = options(alignment, False, time_limit)
-        out = ctypes.c_void_p()
+        out = _ffi.ArenaHandle()
         lib.lshm_arena_create_recording(
             ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out)
         )
         self = cls.__new__(cls)
-        self._setup(out.value, recording=True, shared=shared, alignment=int(opts.alignment),
+        self._setup(out, recording=True, shared=shared, alignment=int(opts.alignment),
                     inclusive=False)
         return self
 
-    def _setup(self, handle: int, *, recording: bool, shared: bool, alignment: int,
+    def _setup(self, handle: _ffi.ArenaHandle, *, recording: bool, shared: bool, alignment: int,
                inclusive: bool) -> None:
         self._handle = handle
         self._recording = recording
         self._shared = shared
         self._alignment = alignment
         self._inclusive = inclusive
-        # Recording arenas: storages handed out and not freed yet -> the reference we hold.
+        # Recording arenas: the address of each storage handed out and not freed yet -> the
+        # handle of the reference we hold.
         self._live: dict = {}
         # the owners of the arrays handed out (each keeps the arena alive: its _keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
@@ -197,7 +198,7 @@ class Arena(HandleLifetime):
     # ---- lifetime -------------------------------------------------------------------------
 
     @property
-    def _as_parameter_(self) -> int:
+    def _as_parameter_(self) -> _ffi.ArenaHandle:
         if self._handle is None:
             raise ValueError("operation on a closed pyshm.Arena")
         return self._handle
@@ -218,9 +219,9 @@ class Arena(HandleLifetime):
             raise _ffi.ShmBufferError(
                 errno.EBUSY, f"pyshm.Arena.close: {alive} array(s) made by the arena are alive"
             )
-        for storage in list(self._live):
+        for key, storage in list(self._live.items()):
             lib.lshm_arena_free(self._handle, storage)
-            del self._live[storage]
+            del self._live[key]
         lib.lshm_arena_destroy(self._handle)
         self._finalizer.detach()
         self._handle = None
@@ -263,15 +264,15 @@ class Arena(HandleLifetime):
         ``shape=None`` views all its bytes as a 1-D array of ``dtype``. The array keeps the
         storage and the arena alive, and makes :meth:`deallocate` refuse until it is gone.
         """
-        out = ctypes.c_void_p()
+        out = _ffi.StorageHandle()
         lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
-        return self._wrap(out.value, shape, dtype)
+        return self._wrap(out, shape, dtype)
 
     def storage(self, i: int) -> Storage:
         """A :class:`Storage` handle (its own reference) on planned tensor ``i``."""
-        out = ctypes.c_void_p()
+        out = _ffi.StorageHandle()
         lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
-        return Storage._from_handle(lib.lshm_storage_retain(out.value))
+        return Storage._from_handle(lib.lshm_storage_retain(out))
 
     # ---- recording arenas -----------------------------------------------------------------
 
@@ -279,19 +280,18 @@ class Arena(HandleLifetime):
         """Recording arenas: one allocation, served from the plan when it fits."""
         dtype = np.dtype(dtype)
         dims = normalize_shape(shape)
-        out = ctypes.c_void_p()
+        out = _ffi.StorageHandle()
         lib.lshm_arena_alloc(self._as_parameter_, nbytes_of(dims, dtype), ctypes.byref(out))
-        self._live[out.value] = True
-        return self._wrap(out.value, dims, dtype)
+        self._live[_ffi.address(out)] = out
+        return self._wrap(out, dims, dtype)
 
     def free(self, array: Any) -> None:
         """Recording arenas: tensor ``array`` (from :meth:`empty`) is dead from now on."""
         owner = owner_of(array)
         handle = getattr(owner, "_handle", None)
         keep = getattr(owner, "_keep", None)
-        if owner is None or getattr(keep, "arena", None) is not self or (
-            handle not in self._live
-        ):
+        key = _ffi.address(handle) if handle is not None else None
+        if owner is None or getattr(keep, "arena", None) is not self or key not in self._live:
             raise ValueError("free expects a live array made by this arena's empty()")
         in_slot = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_INPLACE)
         if in_slot:
@@ -304,8 +304,8 @@ class Arena(HandleLifetime):
             # The slice goes to later allocs: the owner gives up its reference (the bytes stay
             # mapped: the owner keeps a reference to the buffer) and forgets the storage.
             owner._release()
-        lib.lshm_arena_free(self._as_parameter_, handle)
-        del self._live[handle]
+        lib.lshm_arena_free(self._as_parameter_, self._live[key])
+        del self._live[key]
 
     def end_iteration(self) -> None:
         """Recording arenas: end the iteration (plans after the first, or after a misfit)."""
@@ -360,20 +360,20 @@ class Arena(HandleLifetime):
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _keep_for(self, handle: int) -> _ArenaKeep:
+    def _keep_for(self, handle: _ffi.StorageHandle) -> _ArenaKeep:
         """The _ArenaKeep for an array over storage `handle` (made by this arena)."""
-        buffer = None
+        buffer = key = None
         if lib.lshm_storage_flags(handle) & _ffi.STORAGE_INPLACE:
             # a slot: its bytes lie in the current buffer
-            out = ctypes.c_void_p()
-            lib.lshm_arena_current_buffer(self._as_parameter_, ctypes.byref(out))
-            buffer = out.value
-        keep = self._keeps.get(buffer)
+            buffer = _ffi.ArenaBufferHandle()
+            lib.lshm_arena_current_buffer(self._as_parameter_, ctypes.byref(buffer))
+            key = _ffi.address(buffer)
+        keep = self._keeps.get(key)
         if keep is None:
-            keep = self._keeps[buffer] = _ArenaKeep(self, buffer)
+            keep = self._keeps[key] = _ArenaKeep(self, buffer)
         return keep
 
-    def _wrap(self, handle: int, shape: Optional[ShapeLike], dtype: Any) -> np.ndarray:
+    def _wrap(self, handle: _ffi.StorageHandle, shape: Optional[ShapeLike], dtype: Any) -> np.ndarray:
         array = array_from_storage(handle, shape, dtype, 0, keep=self._keep_for(handle))
         self._owners.add(owner_of(array))
         return array

@@ -79,15 +79,15 @@ def copy(array: Any, *, shared: bool = False) -> np.ndarray:
     # Borrow the source bytes as a foreign storage and share it: one pwrite straight from the
     # source into a fresh memfd (no page faults, no zero-fill), mapped at a new address. The
     # borrowed source is never written or released by the library.
-    out = ctypes.c_void_p()
+    out = _ffi.StorageHandle()
     lib.lshm_storage_create_foreign(
         contiguous.ctypes.data, contiguous.nbytes, None, None, 0, ctypes.byref(out)
     )
     try:
-        lib.lshm_storage_share(out.value)
-        return wrap(out.value, source.shape, source.dtype)
+        lib.lshm_storage_share(out)
+        return wrap(out, source.shape, source.dtype)
     finally:
-        lib.lshm_storage_release(out.value)
+        lib.lshm_storage_release(out)
 
 
 def storage_of(array: Any) -> Optional[Storage]:

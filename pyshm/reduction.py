@@ -89,7 +89,7 @@ import os
 import pickle
 import resource
 import weakref
-from ctypes import byref, c_int, c_uint64, c_void_p
+from ctypes import byref, c_int, c_uint64
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
@@ -150,7 +150,8 @@ class _Mapping(HandleLifetime):
 
     __slots__ = ("segment", "key", "size", "fd_kept", "sealed", "data", "flags", "ours")
 
-    def __init__(self, segment: int, key: tuple, fd_kept: bool, sealed: bool) -> None:
+    def __init__(self, segment: _ffi.SegmentHandle, key: tuple, fd_kept: bool,
+                 sealed: bool) -> None:
         self.segment = segment
         self.key = key
         self.size = lib.lshm_segment_size(segment)
@@ -188,7 +189,7 @@ class _Cache:
 _cache = _Cache()
 
 
-def _drop_segment(segment: int, fd_kept: bool) -> None:
+def _drop_segment(segment: _ffi.SegmentHandle, fd_kept: bool) -> None:
     if fd_kept:
         _cache.kept_fds -= 1
     lib.lshm_segment_release(segment)
@@ -209,7 +210,8 @@ def segment_count() -> int:
     return len(_cache.mappings) + int(counters.memfds)
 
 
-def _new_view(segment: int, offset: int, nbytes: int, readonly: bool) -> int:
+def _new_view(segment: _ffi.SegmentHandle, offset: int, nbytes: int,
+              readonly: bool) -> _ffi.StorageHandle:
     # (offset and nbytes come from a checked token: ints in [0, 2**63))
     return _ffi.create_view(segment, offset, nbytes, _ffi.STORAGE_READONLY if readonly else 0)
 
@@ -224,7 +226,7 @@ def _key_of(fd: int) -> tuple:
     return (st.st_dev, st.st_ino)
 
 
-def _handle_of(holder: Any) -> int:
+def _handle_of(holder: Any) -> _ffi.StorageHandle:
     """The C storage of an export's holder (an ArrayOwner or a Storage, see _export)."""
     if isinstance(holder, ArrayOwner):
         return holder._handle
@@ -295,7 +297,7 @@ def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket
     return _ticket(holder, flags, data or 0, nbytes, key, size, offset, readonly)
 
 
-def _share_for_sending(handle: int) -> None:
+def _share_for_sending(handle: _ffi.StorageHandle) -> None:
     """Share an unshared storage in place because it is being pickled (implicit share)."""
     if lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
         return  # another thread did it meanwhile
@@ -371,14 +373,14 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
         raise _ffi.ShmValueError(errno.EINVAL, f"received fd is not a memfd: {exc}") from None
     sealed = bool(seals & _WRITE_SEALS)
     readonly = readonly or sealed
-    out = c_void_p()
+    out = _ffi.SegmentHandle()
     lib.lshm_segment_attach(fd, _ffi.STORAGE_READONLY if readonly else 0, byref(out))
     keep = _cache.kept_fds < _fd_budget()
     if keep:
         _cache.kept_fds += 1
     else:
-        lib.lshm_segment_close_fd(out.value)
-    mapping = _Mapping(out.value, key, fd_kept=keep, sealed=sealed)
+        lib.lshm_segment_close_fd(out)
+    mapping = _Mapping(out, key, fd_kept=keep, sealed=sealed)
     _cache.mappings[key] = mapping
     if _memory.tracking:
         _memory.note_new_owner(weakref.ref(mapping))
@@ -416,10 +418,10 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
             return _new_view(segment, offset, nbytes, readonly), None
     if size == SLAB_SIZE and (mapping is None or mapping.ours):
         # ours, sent back by a forked child that inherited it
-        out = c_void_p()
+        out = _ffi.StorageHandle()
         if _ffi.slab_find_unchecked(key[0], key[1], offset, nbytes, byref(out)) != 0:
             return None, None  # not one of our slabs' (or no live storage there)
-        return out.value, None
+        return out, None
     return None, None
 
 
@@ -550,7 +552,7 @@ class _ReceivedOwner(ArrayOwner):
             shape, dtype, data + start, bool(flags & _ffi.STORAGE_READONLY), strides)
 
     @property
-    def _handle(self) -> Optional[int]:
+    def _handle(self) -> Optional[_ffi.StorageHandle]:
         handle = _HANDLE.__get__(self)
         if handle is None and self._view is not None:
             with _state.lock:  # (two threads asking at once make one view)
@@ -567,7 +569,8 @@ class _ReceivedOwner(ArrayOwner):
         return handle
 
     @_handle.setter
-    def _handle(self, value: Optional[int]) -> None:  # (ArrayOwner._release: None, for good)
+    def _handle(self, value: Optional[_ffi.StorageHandle]) -> None:
+        # (ArrayOwner._release: None, for good)
         self._view = None
         _HANDLE.__set__(self, value)
 
@@ -811,7 +814,8 @@ class _MemoryIndex:
         self.built = False
 
     @staticmethod
-    def _range(ref: "weakref.ref", handle: Optional[int]) -> Optional[tuple]:
+    def _range(ref: "weakref.ref",
+               handle: Optional[_ffi.StorageHandle]) -> Optional[tuple]:
         found = ref()  # (held while libshm is asked: the storage stays alive)
         if found is None:
             return None

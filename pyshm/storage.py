@@ -15,7 +15,7 @@ from ._memory import HandleLifetime, array_from_storage, check_nbytes, create, s
 __all__ = ["Storage", "trim_pool"]
 
 
-def _release(handle: int) -> None:
+def _release(handle: _ffi.StorageHandle) -> None:
     lib.lshm_storage_release(handle)
 
 
@@ -45,14 +45,14 @@ class Storage(HandleLifetime):
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
         self._adopt(create(nbytes, shared, resizable))
 
-    def _adopt(self, handle: int) -> None:
+    def _adopt(self, handle: _ffi.StorageHandle) -> None:
         self._handle = handle
         self._keep = None
-        self._key = handle  # the address, kept after close for a stable hash
+        self._key = _ffi.address(handle)  # the identity, kept after close for a stable hash
         self._release_with(_release, handle)
 
     @classmethod
-    def _from_handle(cls, handle: int) -> "Storage":
+    def _from_handle(cls, handle: _ffi.StorageHandle) -> "Storage":
         """Wrap a C storage whose reference the caller hands over (stolen)."""
         self = cls.__new__(cls)
         self._adopt(handle)
@@ -70,15 +70,15 @@ class Storage(HandleLifetime):
         fd = _checks.fd(fd)
         nbytes = check_nbytes(nbytes)
         offset = _checks.uint64(offset, "offset")
-        out = ctypes.c_void_p()
+        out = _ffi.StorageHandle()
         flags = _ffi.STORAGE_READONLY if readonly else 0
         lib.lshm_storage_attach(fd, offset, nbytes, flags, ctypes.byref(out))
-        return cls._from_handle(out.value)
+        return cls._from_handle(out)
 
     # ---- lifetime ---------------------------------------------------------------------------
 
     @property
-    def _as_parameter_(self) -> int:
+    def _as_parameter_(self) -> _ffi.StorageHandle:
         handle = self._handle
         if handle is None:
             raise ValueError("operation on a closed pyshm.Storage")
@@ -107,7 +107,7 @@ class Storage(HandleLifetime):
             return NotImplemented
         if self._handle is None or other._handle is None:
             return self is other
-        return self._handle == other._handle
+        return self._key == other._key
 
     def __hash__(self) -> int:
         return hash(self._key)

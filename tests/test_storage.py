@@ -3,7 +3,9 @@
 import ctypes
 import errno
 import os
+import re
 import stat
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,6 +190,44 @@ def test_handles_compare_by_address():
     first, second = pyshm.storage_of(array), pyshm.storage_of(array)
     assert first == second and hash(first) == hash(second)
     assert first != pyshm.storage_of(pyshm.empty(10))
+
+
+def test_the_binding_refuses_a_handle_of_another_kind_or_a_bare_address():
+    # Every opaque type of lshm.h has its handle type, and each function takes only its own.
+    header = (Path(__file__).resolve().parent.parent / "libshm/include/lshm.h").read_text()
+    opaque = set(re.findall(r"^typedef struct (\w+) \1;$", header, re.MULTILINE))
+    assert opaque == {name for name, cls in vars(_ffi).items() if isinstance(cls, type)
+                      and issubclass(cls, _ffi.Opaque) and cls is not _ffi.Opaque}
+    storage = pyshm.Storage(4096, shared=True)
+    segment = _ffi.SegmentHandle()
+    _ffi.lib.lshm_segment_create(1 << 20, 0, ctypes.byref(segment))
+    arena = pyshm.Arena([64], [0], [0])
+    try:
+        handle = storage._as_parameter_
+        assert _ffi.lib.lshm_storage_flags(storage) & _ffi.STORAGE_SHARED  # (its own kind)
+        for wrong in (segment, arena._as_parameter_, _ffi.address(handle)):
+            for call in (lambda h: _ffi.lib.lshm_storage_flags(h),
+                         lambda h: _ffi.lib.lshm_storage_release(h),
+                         lambda h: _ffi.share_unchecked(h),
+                         lambda h: _ffi.export(h)):
+                with pytest.raises(ctypes.ArgumentError):
+                    call(wrong)
+        with pytest.raises(ctypes.ArgumentError):
+            _ffi.lib.lshm_segment_size(handle)
+        with pytest.raises(ctypes.ArgumentError):
+            _ffi.create_view(handle, 0, 4096, 0)
+        with pytest.raises(ctypes.ArgumentError):
+            _ffi.lib.lshm_arena_count(segment)
+        assert storage.refcount == 1 and storage.is_shared  # nothing was released
+        view = _ffi.create_view(segment, 4096, 4096, 0)
+        assert _ffi.address(view) and _ffi.lib.lshm_storage_nbytes(view) == 4096
+        assert _ffi.address(_ffi.lib.lshm_storage_segment(view)) == _ffi.address(segment)
+        _ffi.lib.lshm_storage_release(view)
+        assert _ffi.address(_ffi.StorageHandle()) == 0
+    finally:
+        _ffi.lib.lshm_segment_release(segment)
+        arena.close()
+        storage.close()
 
 
 def test_fd_count_stable_over_10000_cycles():
@@ -480,7 +520,8 @@ def abi_value(name: str) -> int:
 
 def test_the_bindings_structs_and_flags_are_the_librarys():
     structs = {name: cls for name, cls in vars(_ffi).items()
-               if isinstance(cls, type) and issubclass(cls, ctypes.Structure)}
+               if isinstance(cls, type) and issubclass(cls, ctypes.Structure)
+               and not issubclass(cls, _ffi.Opaque)}
     assert set(structs) == set(MIRRORED_STRUCTS)  # (a new mirror gets its line above)
     for name, c_name in MIRRORED_STRUCTS.items():
         cls = structs[name]
