@@ -419,37 +419,75 @@ def _install_distributed() -> None:
 # reference), and the task gets its future, as submit(f, client.scatter(a, direct=True,
 # hash=False)) would by hand. The scheduler then holds a key, never the memory. With no such
 # worker, an asynchronous client, or a scatter that fails, the ref's array goes into the task
-# by value, as a plain array would. Refs inside containers are not looked for.
+# by value, as a plain array would. Refs are looked for where dask looks for futures
+# (dask._task_spec.parse_input): in lists, tuples, sets and dicts, at any depth.
+
+
+def _swap_refs(value: Any, swap: Any) -> Any:
+    """``value`` with each pyshm.ref in it replaced by ``swap(ref)``: the value itself, or
+    inside the lists, tuples, sets and dicts dask looks into for futures, at any depth; each
+    container with a ref in it is rebuilt as dask would hand it to the task (a plain list,
+    set, dict or tuple; a namedtuple of its own type). ``value`` itself if it holds no ref."""
+    if isinstance(value, reduction.Ref):
+        return swap(value)
+    if isinstance(value, dict):
+        items = {key: _swap_refs(item, swap) for key, item in value.items()}
+        if all(items[key] is item for key, item in value.items()):
+            return value
+        return items
+    if isinstance(value, (list, tuple, set)):
+        old = list(value)
+        items = [_swap_refs(item, swap) for item in old]
+        if all(new is item for new, item in zip(items, old)):
+            return value
+        if isinstance(value, list):
+            return items
+        if isinstance(value, set):
+            try:
+                return set(items)
+            except TypeError:  # (by value: arrays cannot be in a set)
+                raise TypeError("a pyshm.ref inside a set reaches a dask task only as the "
+                                "future of its scatter to a worker of this user on this "
+                                "machine, and there is none: pass it outside the set") from None
+        if hasattr(type(value), "_fields"):  # (a namedtuple: dask keeps its type)
+            return type(value)(*items)
+        return tuple(items)
+    return value
 
 
 def _scatter_arguments(client: Any, values: list) -> list:
-    """``values`` with each pyshm.ref in it replaced by the future of its array scattered to
-    a worker here, or, where that cannot be (no such worker, an asynchronous client, a
-    failed scatter), by its array itself, which then goes into the task by value (a ref
-    there would make the scheduler map the memory and keep it; see above). ``values``
-    itself if it holds no ref."""
-    picks = {i: value.array for i, value in enumerate(values)
-             if isinstance(value, reduction.Ref)}
-    if not picks:
+    """``values`` with each pyshm.ref in them (see _swap_refs) replaced by the future of its
+    array scattered to a worker here, or, where that cannot be (no such worker, an
+    asynchronous client, a failed scatter), by its array itself, which then goes into the
+    task by value (a ref there would make the scheduler map the memory and keep it; see
+    above). ``values`` itself if they hold no ref."""
+    if not reduction.Ref.made:
+        return values  # (no ref was ever made in this process: nothing to look for)
+    refs: dict = {}
+
+    def note(ref: Any) -> Any:
+        refs[id(ref)] = ref
+        return ref
+
+    for value in values:
+        _swap_refs(value, note)
+    if not refs:
         return values
-    out = list(values)
-    for i, array in picks.items():
-        out[i] = array
-    if getattr(client, "asynchronous", False):
-        return out
-    try:
-        workers = [address for address in client.scheduler_info().get("workers", {})
-                   if _recipient_here({"recipient": address})]
-        if not workers:
-            return out
-        unique = list({id(array): array for array in picks.values()}.values())
-        futures = dict(zip(map(id, unique), client.scatter(unique, workers=workers,
-                                                           direct=True, hash=False)))
-    except Exception:  # (a worker gone meanwhile, a closed client: dask's own way)
-        return out
-    for i, array in picks.items():
-        out[i] = futures[id(array)]
-    return out
+    arrays = {key: ref.array for key, ref in refs.items()}
+    replacement = arrays  # (by value, unless the scatter below works)
+    if not getattr(client, "asynchronous", False):
+        try:
+            workers = [address for address in client.scheduler_info().get("workers", {})
+                       if _recipient_here({"recipient": address})]
+            if workers:
+                unique = {id(array): array for array in arrays.values()}
+                futures = dict(zip(unique, client.scatter(list(unique.values()),
+                                                          workers=workers, direct=True,
+                                                          hash=False)))
+                replacement = {key: futures[id(array)] for key, array in arrays.items()}
+        except Exception:  # (a worker gone meanwhile, a closed client: dask's own way)
+            replacement = arrays
+    return [_swap_refs(value, lambda ref: replacement[id(ref)]) for value in values]
 
 
 def _wrap_task_maker(original):
@@ -463,7 +501,7 @@ def _wrap_task_maker(original):
     each = original.__name__ == "map"
 
     def make(self, func, *args, **kwargs):
-        if kwargs.get("actor") or kwargs.get("actors"):
+        if not reduction.Ref.made or kwargs.get("actor") or kwargs.get("actors"):
             return original(self, func, *args, **kwargs)
         names = [name for name in kwargs if name not in options]
         # each argument as the run of values it stands for: map's lists element by element,

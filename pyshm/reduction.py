@@ -912,6 +912,7 @@ class Ref:
     makes one; the constructor checks the same)."""
 
     __slots__ = ("array",)
+    made = False  # (set once any Ref is made in this process: engines looks for them then)
 
     def __init__(self, array: Any) -> None:
         if not isinstance(array, np.ndarray):
@@ -926,6 +927,7 @@ class Ref:
             if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
                 share_in_place(handle, "pyshm.ref", TypeError)
         self.array = array
+        Ref.made = True
 
     def __reduce__(self):
         return _reduce_ndarray(self.array)

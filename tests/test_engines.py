@@ -9,6 +9,7 @@ go the engine's own way unchanged.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
 import os
 import gc
@@ -544,6 +545,17 @@ def fill_at(i, array):
     return pyshm.is_shared(array)
 
 
+Pair = collections.namedtuple("Pair", "array value")
+
+
+def fill_nested(arrays, pair):
+    first, second = arrays[0], arrays[1]["b"][0]
+    assert isinstance(pair, Pair)
+    for i, array in enumerate((first, second, pair.array)):
+        array[:] = pair.value + i
+    return [pyshm.is_shared(a) for a in (first, second, pair.array)]
+
+
 def test_dask_task_arguments_given_as_refs_are_the_same_memory():
     """client.submit(f, pyshm.ref(a)) and client.map: each ref among the arguments is
     scattered straight to a worker here first (by reference), and the task gets its future;
@@ -566,6 +578,12 @@ def test_dask_task_arguments_given_as_refs_are_the_same_memory():
                                            pure=False))
         assert results == [(1000.0, True), (2000.0, True), (3000.0, True), (1000.0, True)]
         assert [float(a[0]) for a in small] == [1.0, 2.0, 3.0]
+        # refs inside the lists, tuples, sets and dicts dask looks into for futures
+        trio = [pyshm.zeros(1000, np.float32, shared=True) for _ in range(3)]
+        nested = client.submit(fill_nested, [pyshm.ref(trio[0]), {"b": (pyshm.ref(trio[1]),)}],
+                               Pair(pyshm.ref(trio[2]), 4.0)).result()
+        assert nested == [True, True, True]
+        assert [float(a[0]) for a in trio] == [4.0, 5.0, 6.0]
         # a ref passed to every task of a map (a keyword argument)
         results = client.gather(client.map(fill_at, [0, 1, 2], array=pyshm.ref(big),
                                            pure=False))
@@ -617,6 +635,26 @@ def test_dask_ref_arguments_that_cannot_be_scattered_go_as_their_arrays():
         assert out == [f"future of {id(array)}"] * 2  # (scattered once)
         out = engines._scatter_arguments(Client(here, fail=True), [pyshm.ref(array)])
         assert out[0] is array
+        # inside containers, at any depth, rebuilt as dask hands them to a task
+        other = pyshm.zeros(10, np.float32, shared=True)
+        given = [[1, pyshm.ref(array)], {"k": (pyshm.ref(other), [[pyshm.ref(array)]])},
+                 Pair(pyshm.ref(array), 2), collections.OrderedDict(x=[pyshm.ref(other)])]
+        for client, of in ((Client(here), lambda a: f"future of {id(a)}"),
+                           (Client([]), lambda a: a)):
+            out = engines._scatter_arguments(client, given)
+            got = [out[0][1], out[1]["k"][0], out[1]["k"][1][0][0], out[2].array, out[3]["x"][0]]
+            for value, source in zip(got, (array, other, array, array, other)):
+                assert value is source if client.workers == [] else value == of(source)
+            assert type(out[0]) is list and out[0][0] == 1 and type(out[1]["k"]) is tuple
+            assert type(out[2]) is Pair and out[2].value == 2 and type(out[3]) is dict
+            assert isinstance(given[0][1], pyshm.reduction.Ref)  # (the caller's, unchanged)
+        out = engines._scatter_arguments(Client(here), [{1, pyshm.ref(array)}])
+        assert out == [{1, f"future of {id(array)}"}]
+        with pytest.raises(TypeError, match="inside a set"):  # (an array is not hashable)
+            engines._scatter_arguments(Client([]), [{1, pyshm.ref(array)}])
+        untouched = [[1, [2, {"a": (3,)}]], {4}, Pair(array, 5)]
+        out = engines._scatter_arguments(Client(here), untouched)
+        assert all(o is u for o, u in zip(out, untouched))  # (no ref: the very same objects)
     finally:
         ours.close()
 
