@@ -251,9 +251,9 @@ class SlabCounters(ctypes.Structure):
 
 # The library's four opaque types. A handle is a ctypes pointer to one of them, so a handle of
 # one kind passed where another is expected (or a bare int) is refused by ctypes itself with
-# ctypes.ArgumentError, at no cost beyond c_void_p's (ctypes checks the type in C: 0.23 us a call
-# against 0.12 for a c_void_p int, measured on lshm_storage_flags). Handles compare by object,
-# not by address: use address() for identity.
+# ctypes.ArgumentError. ctypes checks the type in C: 0.23 us a call against 0.12 for a c_void_p
+# int (lshm_storage_flags through PyDLL, timeit on this project's machines), where a Python
+# from_param check took 1.14. Handles compare by object, not by address: use address().
 class Opaque(ctypes.Structure):
     """The base of the library's opaque structs: no fields, no size, never made by value."""
 
@@ -278,16 +278,15 @@ StorageHandle = POINTER(lshm_storage)
 SegmentHandle = POINTER(lshm_segment)
 ArenaHandle = POINTER(lshm_arena)
 ArenaBufferHandle = POINTER(lshm_arena_buffer)
-_storage_p = StorageHandle
-_segment_p = SegmentHandle
-_arena_p = ArenaHandle
-_arena_buffer_p = ArenaBufferHandle
 _addressof = ctypes.addressof
 
 
 def address(handle) -> int:
-    """The address a handle points to (0 for NULL): what identifies a storage or a segment."""
+    """The address a handle points to (0 for NULL or None): what identifies a storage, a
+    segment, an arena or a buffer."""
     return _addressof(handle.contents) if handle else 0
+
+
 _u64_p = POINTER(c_uint64)
 _i64_p = POINTER(c_int64)
 
@@ -313,50 +312,50 @@ _TABLE = [
     # storages
     ("lshm_storage_sizeof", c_size_t, [], False),
     ("lshm_storage_alignof", c_size_t, [], False),
-    ("lshm_storage_create", c_int, [c_size_t, c_void_p, c_uint, POINTER(_storage_p)], True),
+    ("lshm_storage_create", c_int, [c_size_t, c_void_p, c_uint, POINTER(StorageHandle)], True),
     (
         "lshm_storage_create_foreign",
         c_int,
-        [c_void_p, c_size_t, c_void_p, c_void_p, c_uint, POINTER(_storage_p)],
+        [c_void_p, c_size_t, c_void_p, c_void_p, c_uint, POINTER(StorageHandle)],
         True,
     ),
-    ("lshm_storage_retain", _storage_p, [_storage_p], False),
-    ("lshm_storage_release", None, [_storage_p], False),
-    ("lshm_storage_refcount", c_size_t, [_storage_p], False),
-    ("lshm_storage_data", c_void_p, [_storage_p], False),
-    ("lshm_storage_nbytes", c_size_t, [_storage_p], False),
-    ("lshm_storage_flags", c_uint, [_storage_p], False),
-    ("lshm_storage_fd", c_int, [_storage_p, POINTER(c_int), _u64_p], True),
-    ("lshm_storage_export", c_int, [_storage_p, POINTER(ExportInfo)], True),
-    ("lshm_storage_resize", c_int, [_storage_p, c_size_t], True),
-    ("lshm_storage_copy", c_int, [_storage_p, _storage_p], True),
+    ("lshm_storage_retain", StorageHandle, [StorageHandle], False),
+    ("lshm_storage_release", None, [StorageHandle], False),
+    ("lshm_storage_refcount", c_size_t, [StorageHandle], False),
+    ("lshm_storage_data", c_void_p, [StorageHandle], False),
+    ("lshm_storage_nbytes", c_size_t, [StorageHandle], False),
+    ("lshm_storage_flags", c_uint, [StorageHandle], False),
+    ("lshm_storage_fd", c_int, [StorageHandle, POINTER(c_int), _u64_p], True),
+    ("lshm_storage_export", c_int, [StorageHandle, POINTER(ExportInfo)], True),
+    ("lshm_storage_resize", c_int, [StorageHandle, c_size_t], True),
+    ("lshm_storage_copy", c_int, [StorageHandle, StorageHandle], True),
     # sharing
-    ("lshm_storage_create_shared", c_int, [c_size_t, c_uint, POINTER(_storage_p)], True),
-    ("lshm_storage_share", c_int, [_storage_p], True),
+    ("lshm_storage_create_shared", c_int, [c_size_t, c_uint, POINTER(StorageHandle)], True),
+    ("lshm_storage_share", c_int, [StorageHandle], True),
     (
         "lshm_storage_attach",
         c_int,
-        [c_int, c_uint64, c_size_t, c_uint, POINTER(_storage_p)],
+        [c_int, c_uint64, c_size_t, c_uint, POINTER(StorageHandle)],
         True,
     ),
     # segments
-    ("lshm_segment_create", c_int, [c_size_t, c_uint, POINTER(_segment_p)], True),
-    ("lshm_segment_attach", c_int, [c_int, c_uint, POINTER(_segment_p)], True),
-    ("lshm_segment_retain", _segment_p, [_segment_p], False),
-    ("lshm_segment_release", None, [_segment_p], False),
-    ("lshm_segment_data", c_void_p, [_segment_p], False),
-    ("lshm_segment_size", c_size_t, [_segment_p], False),
-    ("lshm_segment_fd", c_int, [_segment_p, POINTER(c_int)], True),
-    ("lshm_segment_flags", c_uint, [_segment_p], False),
-    ("lshm_segment_close_fd", c_int, [_segment_p], True),
-    ("lshm_segment_seal_readonly", c_int, [_segment_p], True),
+    ("lshm_segment_create", c_int, [c_size_t, c_uint, POINTER(SegmentHandle)], True),
+    ("lshm_segment_attach", c_int, [c_int, c_uint, POINTER(SegmentHandle)], True),
+    ("lshm_segment_retain", SegmentHandle, [SegmentHandle], False),
+    ("lshm_segment_release", None, [SegmentHandle], False),
+    ("lshm_segment_data", c_void_p, [SegmentHandle], False),
+    ("lshm_segment_size", c_size_t, [SegmentHandle], False),
+    ("lshm_segment_fd", c_int, [SegmentHandle, POINTER(c_int)], True),
+    ("lshm_segment_flags", c_uint, [SegmentHandle], False),
+    ("lshm_segment_close_fd", c_int, [SegmentHandle], True),
+    ("lshm_segment_seal_readonly", c_int, [SegmentHandle], True),
     (
         "lshm_storage_create_view",
         c_int,
-        [_segment_p, c_uint64, c_size_t, c_uint, POINTER(_storage_p)],
+        [SegmentHandle, c_uint64, c_size_t, c_uint, POINTER(StorageHandle)],
         True,
     ),
-    ("lshm_storage_segment", _segment_p, [_storage_p], False),
+    ("lshm_storage_segment", SegmentHandle, [StorageHandle], False),
     # planner
     ("lshm_plan_options_init", None, [POINTER(PlanOptions)], False),
     (
@@ -390,39 +389,44 @@ _TABLE = [
     (
         "lshm_arena_create",
         c_int,
-        [c_size_t, _u64_p, _i64_p, _i64_p, POINTER(PlanOptions), c_uint, POINTER(_arena_p)],
+        [c_size_t, _u64_p, _i64_p, _i64_p, POINTER(PlanOptions), c_uint, POINTER(ArenaHandle)],
         True,
     ),
     (
         "lshm_arena_create_recording",
         c_int,
-        [POINTER(PlanOptions), c_uint, POINTER(_arena_p)],
+        [POINTER(PlanOptions), c_uint, POINTER(ArenaHandle)],
         True,
     ),
-    ("lshm_arena_destroy", c_int, [_arena_p], True),
-    ("lshm_arena_allocate", c_int, [_arena_p], True),
-    ("lshm_arena_deallocate", c_int, [_arena_p], True),
-    ("lshm_arena_trim", c_int, [_arena_p], True),
-    ("lshm_arena_count", c_size_t, [_arena_p], False),
-    ("lshm_arena_storage", c_int, [_arena_p, c_size_t, POINTER(_storage_p)], True),
-    ("lshm_arena_offset", c_int, [_arena_p, c_size_t, _u64_p], True),
-    ("lshm_arena_data", c_void_p, [_arena_p], False),
-    ("lshm_arena_size", c_uint64, [_arena_p], False),
-    ("lshm_arena_fd", c_int, [_arena_p, POINTER(c_int)], True),
-    ("lshm_arena_current_buffer", c_int, [_arena_p, POINTER(_arena_buffer_p)], True),
-    ("lshm_arena_buffer_retain", _arena_buffer_p, [_arena_buffer_p], False),
-    ("lshm_arena_buffer_release", None, [_arena_buffer_p], False),
-    ("lshm_arena_buffer_data", c_void_p, [_arena_buffer_p], False),
-    ("lshm_arena_buffer_size", c_size_t, [_arena_buffer_p], False),
-    ("lshm_arena_stats", c_int, [_arena_p, POINTER(ArenaCounters)], True),
-    ("lshm_arena_plan_result", c_int, [_arena_p, POINTER(PlanResult)], True),
-    ("lshm_arena_alloc", c_int, [_arena_p, c_size_t, POINTER(_storage_p)], True),
-    ("lshm_arena_free", c_int, [_arena_p, _storage_p], True),
-    ("lshm_arena_end_iteration", c_int, [_arena_p], True),
-    ("lshm_storage_seal_readonly", c_int, [_storage_p], True),
-    ("lshm_storage_share_readonly", c_int, [_storage_p], True),
+    ("lshm_arena_destroy", c_int, [ArenaHandle], True),
+    ("lshm_arena_allocate", c_int, [ArenaHandle], True),
+    ("lshm_arena_deallocate", c_int, [ArenaHandle], True),
+    ("lshm_arena_trim", c_int, [ArenaHandle], True),
+    ("lshm_arena_count", c_size_t, [ArenaHandle], False),
+    ("lshm_arena_storage", c_int, [ArenaHandle, c_size_t, POINTER(StorageHandle)], True),
+    ("lshm_arena_offset", c_int, [ArenaHandle, c_size_t, _u64_p], True),
+    ("lshm_arena_data", c_void_p, [ArenaHandle], False),
+    ("lshm_arena_size", c_uint64, [ArenaHandle], False),
+    ("lshm_arena_fd", c_int, [ArenaHandle, POINTER(c_int)], True),
+    ("lshm_arena_current_buffer", c_int, [ArenaHandle, POINTER(ArenaBufferHandle)], True),
+    ("lshm_arena_buffer_retain", ArenaBufferHandle, [ArenaBufferHandle], False),
+    ("lshm_arena_buffer_release", None, [ArenaBufferHandle], False),
+    ("lshm_arena_buffer_data", c_void_p, [ArenaBufferHandle], False),
+    ("lshm_arena_buffer_size", c_size_t, [ArenaBufferHandle], False),
+    ("lshm_arena_stats", c_int, [ArenaHandle, POINTER(ArenaCounters)], True),
+    ("lshm_arena_plan_result", c_int, [ArenaHandle, POINTER(PlanResult)], True),
+    ("lshm_arena_alloc", c_int, [ArenaHandle, c_size_t, POINTER(StorageHandle)], True),
+    ("lshm_arena_free", c_int, [ArenaHandle, StorageHandle], True),
+    ("lshm_arena_end_iteration", c_int, [ArenaHandle], True),
+    ("lshm_storage_seal_readonly", c_int, [StorageHandle], True),
+    ("lshm_storage_share_readonly", c_int, [StorageHandle], True),
     ("lshm_slab_stats", c_int, [POINTER(SlabCounters)], True),
-    ("lshm_slab_find", c_int, [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(_storage_p)], True),
+    (
+        "lshm_slab_find",
+        c_int,
+        [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(StorageHandle)],
+        True,
+    ),
     ("lshm_slab_knows", c_int, [c_uint64, c_uint64], False),
     ("lshm_pool_trim", c_int, [], False),
 ]
@@ -456,7 +460,7 @@ for _name, _restype, _argtypes, _status in _TABLE:
 # lshm_storage_share without the errcheck, for callers that check the status themselves (the
 # in-place share of a small array costs about 12 us, and the errcheck's Python frame 0.15 of it)
 share_unchecked = lib["lshm_storage_share"]
-share_unchecked.restype, share_unchecked.argtypes = c_int, [_storage_p]
+share_unchecked.restype, share_unchecked.argtypes = c_int, [StorageHandle]
 # The two calls of the channel's hot paths (once per array received, once per array sent),
 # with the GIL held (a malloc; at most an fstat and two fcntl calls on a memfd, which never
 # block) and no errcheck. lshm_storage_export fills one module-level out-struct: _OUT_LOCK is
@@ -476,7 +480,7 @@ os.register_at_fork(after_in_child=_new_out_lock_in_child)
 # one 64-bit register, and ctypes converts an int to c_void_p in 1.8 us where c_uint64 takes 2.5)
 _create_view = _pylib["lshm_storage_create_view"]
 _create_view.restype = c_int
-_create_view.argtypes = [_segment_p, c_void_p, c_void_p, c_uint, POINTER(_storage_p)]
+_create_view.argtypes = [SegmentHandle, c_void_p, c_void_p, c_uint, POINTER(StorageHandle)]
 _byref = ctypes.byref
 assert ctypes.sizeof(c_void_p) == ctypes.sizeof(c_uint64) == ctypes.sizeof(c_size_t)
 
@@ -494,7 +498,7 @@ def create_view(segment: SegmentHandle, offset: int, nbytes: int, flags: int) ->
 # lshm_storage_export, read in one unpack instead of nine field reads
 _export = _pylib["lshm_storage_export"]
 _export.restype = c_int
-_export.argtypes = [_storage_p, POINTER(ExportInfo)]
+_export.argtypes = [StorageHandle, POINTER(ExportInfo)]
 _export_info = ExportInfo()
 _export_info_ref = ctypes.byref(_export_info)
 EXPORT_LAYOUT = struct.Struct("@iQQQQiIPN")
@@ -515,4 +519,4 @@ def export(handle: StorageHandle) -> tuple:
 # not an error worth an exception
 slab_find_unchecked = lib["lshm_slab_find"]
 slab_find_unchecked.restype = c_int
-slab_find_unchecked.argtypes = [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(_storage_p)]
+slab_find_unchecked.argtypes = [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(StorageHandle)]

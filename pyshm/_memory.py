@@ -165,9 +165,9 @@ class ArrayOwner:
                  "_sent", "__weakref__")
     # _ref: the weak reference whose callback gives the C reference back (see REFERENCES)
 
-    def __init__(self, handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int, readonly: bool,
-                 keep: Any = None, strides: Optional[tuple] = None, adopt: bool = False,
-                 data: Optional[int] = None):
+    def __init__(self, handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int,
+                 readonly: bool, keep: Any = None, strides: Optional[tuple] = None,
+                 adopt: bool = False, data: Optional[int] = None):
         # The owner takes its own reference (adopt: the caller hands over one of its own
         # instead), last: if anything here raises, the caller still has its reference and
         # nothing is released twice. data: the storage's data pointer, when the caller knows it.

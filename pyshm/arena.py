@@ -290,7 +290,7 @@ class Arena(HandleLifetime):
         owner = owner_of(array)
         handle = getattr(owner, "_handle", None)
         keep = getattr(owner, "_keep", None)
-        key = _ffi.address(handle) if handle is not None else None
+        key = _ffi.address(handle)  # (0, never a live storage's, for no handle)
         if owner is None or getattr(keep, "arena", None) is not self or key not in self._live:
             raise ValueError("free expects a live array made by this arena's empty()")
         in_slot = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_INPLACE)
@@ -373,7 +373,8 @@ class Arena(HandleLifetime):
             keep = self._keeps[key] = _ArenaKeep(self, buffer)
         return keep
 
-    def _wrap(self, handle: _ffi.StorageHandle, shape: Optional[ShapeLike], dtype: Any) -> np.ndarray:
+    def _wrap(self, handle: _ffi.StorageHandle, shape: Optional[ShapeLike],
+              dtype: Any) -> np.ndarray:
         array = array_from_storage(handle, shape, dtype, 0, keep=self._keep_for(handle))
         self._owners.add(owner_of(array))
         return array

@@ -461,8 +461,6 @@ def _scatter_arguments(client: Any, values: list) -> list:
     asynchronous client, a failed scatter), by its array itself, which then goes into the
     task by value (a ref there would make the scheduler map the memory and keep it; see
     above). ``values`` itself if they hold no ref."""
-    if not reduction.Ref.made:
-        return values  # (no ref was ever made in this process: nothing to look for)
     refs: dict = {}
 
     def note(ref: Any) -> Any:
@@ -502,6 +500,7 @@ def _wrap_task_maker(original):
 
     def make(self, func, *args, **kwargs):
         if not reduction.Ref.made or kwargs.get("actor") or kwargs.get("actors"):
+            # (no ref was ever made in this process: nothing to look for)
             return original(self, func, *args, **kwargs)
         names = [name for name in kwargs if name not in options]
         # each argument as the run of values it stands for: map's lists element by element,
