@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -796,22 +797,74 @@ def check_dask_serialize(array, here, cases):
     assert not pyshm.is_shared(unshared)
 
 
+class OtherNamespace(NamedTuple):
+    name: str  # for ip netns exec
+    here: str  # this namespace's end of the veth pair
+    there: str  # the other namespace's end
+
+
+# /24s for the veth pair; the first that no interface or route here uses is taken (a machine
+# whose own network lies in 10.231.0.0/24 would route the replies away from the pair)
+PAIR_SUBNETS = ("10.231.0.0/24", "172.30.231.0/24", "192.168.231.0/24", "198.18.231.0/24")
+
+
+def free_pair_subnet() -> str:
+    import ipaddress
+
+    def run(*command: str) -> str:
+        return subprocess.run(["ip", "-4", *command], capture_output=True, text=True,
+                              check=False).stdout
+
+    words = run("-o", "addr", "show").split()
+    taken = [word for before, word in zip(words, words[1:]) if before == "inet"]
+    for route in run("route", "show", "table", "all").splitlines():
+        words = route.split()  # (a destination first, after its type if it has one)
+        words = words[1:] if words and words[0] in ("local", "broadcast", "unreachable",
+                                                      "blackhole", "prohibit") else words
+        if words and words[0] != "default":
+            taken.append(words[0])
+    taken = [ipaddress.ip_network(word, strict=False) for word in taken]
+    for subnet in PAIR_SUBNETS:
+        if not any(ipaddress.ip_network(subnet).overlaps(other) for other in taken):
+            return subnet
+    pytest.fail(f"every subnet of {PAIR_SUBNETS} is in use here: {taken}")
+
+
+REACH_FROM_THERE = """
+import socket, sys, time
+deadline = time.monotonic() + 20
+while True:
+    try:
+        socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()
+        break
+    except OSError as error:
+        if time.monotonic() > deadline:
+            sys.exit(f"cannot reach {sys.argv[1]}:{sys.argv[2]} from the namespace: {error}")
+        time.sleep(0.1)
+"""
+
+
 @pytest.fixture
 def other_network_namespace():
-    """A network namespace of its own, reached over a veth pair (10.231.0.1 here, 10.231.0.2
-    there): a process in it is on this machine but cannot reach our abstract sockets."""
+    """A network namespace of its own, reached over a veth pair (on a free /24: ``here`` is this
+    namespace's end, ``there`` the other's): a process in it is on this machine but cannot
+    reach our abstract sockets. The fixture checks that a TCP connection from there reaches a
+    listener here before it hands the namespace over."""
     import shutil
+    import socket
 
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2 for a network namespace")
     name = f"pyshm{os.getpid()}"
+    prefix = free_pair_subnet().rsplit(".", 1)[0]
+    pair = OtherNamespace(name, f"{prefix}.1", f"{prefix}.2")
     commands = [
         ["ip", "netns", "add", name],
         ["ip", "link", "add", f"{name}h", "type", "veth", "peer", "name", f"{name}n"],
         ["ip", "link", "set", f"{name}n", "netns", name],
-        ["ip", "addr", "add", "10.231.0.1/24", "dev", f"{name}h"],
+        ["ip", "addr", "add", f"{pair.here}/24", "dev", f"{name}h"],
         ["ip", "link", "set", f"{name}h", "up"],
-        ["ip", "netns", "exec", name, "ip", "addr", "add", "10.231.0.2/24", "dev", f"{name}n"],
+        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{pair.there}/24", "dev", f"{name}n"],
         ["ip", "netns", "exec", name, "ip", "link", "set", f"{name}n", "up"],
         ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
     ]
@@ -820,21 +873,40 @@ def other_network_namespace():
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 pytest.skip(f"no network namespace here: {' '.join(command)}: {done.stderr}")
-        yield name
+        with socket.create_server((pair.here, 0)) as listener:
+            done = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-c",
+                                   REACH_FROM_THERE, pair.here, str(listener.getsockname()[1])],
+                                  capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            network = subprocess.run("ip -4 addr; ip -4 route", shell=True, capture_output=True,
+                                     text=True, check=False).stdout
+            pytest.fail(f"the veth pair carries no TCP: {done.stderr}\n{network}")
+        yield pair
     finally:
         subprocess.run(["ip", "link", "del", f"{name}h"], capture_output=True)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network_namespace):
+def tail_of(path: str, size: int = 4000) -> str:
+    """The last ``size`` characters of a log file (a worker's stderr), for a failure message."""
+    try:
+        with open(path, errors="replace") as log:
+            return log.read()[-size:]
+    except OSError as error:
+        return f"(no log: {error})"
+
+
+def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network_namespace,
+                                                                   tmp_path):
     distributed = engine_or_skip("distributed")
-    with distributed.LocalCluster(n_workers=0, host="10.231.0.1", processes=True,
-                                  dashboard_address=None) as cluster:
+    pair, said = other_network_namespace, str(tmp_path / "worker.log")
+    with distributed.LocalCluster(n_workers=0, host=pair.here, processes=True,
+                                  dashboard_address=None) as cluster, open(said, "wb") as log:
         worker = subprocess.Popen(
-            ["ip", "netns", "exec", other_network_namespace, sys.executable, "-m",
-             "distributed.cli.dask_worker", cluster.scheduler_address, "--host", "10.231.0.2",
+            ["ip", "netns", "exec", pair.name, sys.executable, "-m",
+             "distributed.cli.dask_worker", cluster.scheduler_address, "--host", pair.there,
              "--nthreads", "1", "--no-dashboard", "--no-nanny"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE,
+            stdout=log, stderr=subprocess.STDOUT, cwd=HERE,
             # (the worker imports this module for fill_array: PYTHONSAFEPATH keeps cwd off)
             env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])))
@@ -842,7 +914,11 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
             for direct in (False, True):  # through the scheduler, and straight to the worker
                 with distributed.Client(cluster.scheduler_address,
                                         direct_to_workers=direct) as client:
-                    client.wait_for_workers(1, timeout=60)
+                    try:
+                        client.wait_for_workers(1, timeout=60)
+                    except TimeoutError as error:
+                        pytest.fail(f"{error!r}; the worker (exit code {worker.poll()}) wrote:\n"
+                                    f"{tail_of(said)}")
                     array = pyshm.zeros(1 << 18, np.float32, shared=True)
                     array[:] = 1
                     future = client.scatter(array, hash=False)
@@ -1000,15 +1076,15 @@ RAY_WITH_A_NODE_ELSEWHERE = """
     import numpy as np
     import pyshm, ray
     from pyshm import engines
-    namespace, head = sys.argv[1], "10.231.0.1"
+    namespace, head, far, said = sys.argv[1:]
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
              _node_ip_address=head)
     node = subprocess.Popen(
         ["ip", "netns", "exec", namespace, sys.executable, "-m", "ray.scripts.scripts",
          "start", "--address", ray.get_runtime_context().gcs_address,
-         "--node-ip-address", "10.231.0.2", "--num-cpus", "1", "--resources", '{"far": 1}',
+         "--node-ip-address", far, "--num-cpus", "1", "--resources", '{"far": 1}',
          "--block", "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=open(said, "wb"), stderr=subprocess.STDOUT)
     try:
         def fill(array, value):
             array = array if array.flags.writeable else np.array(array)
@@ -1036,21 +1112,25 @@ RAY_WITH_A_NODE_ELSEWHERE = """
 """
 
 
-def test_ray_node_that_cannot_reach_this_process_gets_the_bytes(other_network_namespace):
+def test_ray_node_that_cannot_reach_this_process_gets_the_bytes(other_network_namespace,
+                                                                tmp_path):
     engine_or_skip("ray")
+    pair, said = other_network_namespace, str(tmp_path / "node.log")
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(RAY_WITH_A_NODE_ELSEWHERE),
-                           other_network_namespace], capture_output=True, timeout=240, cwd=HERE)
-    left = subprocess.run(["ip", "netns", "pids", other_network_namespace],
+                           pair.name, pair.here, pair.there, said],
+                          capture_output=True, timeout=240, cwd=HERE)
+    left = subprocess.run(["ip", "netns", "pids", pair.name],
                           capture_output=True, text=True).stdout.split()
     for pid in left:  # (a node that outlived its test: never left running)
         subprocess.run(["kill", "-9", pid], capture_output=True)
     try:  # (Ray leaves the address of that cluster for the next ray.init() to join)
         with open("/tmp/ray/ray_current_cluster") as current:
-            if current.read().startswith("10.231.0.1:"):
+            if current.read().startswith(pair.here + ":"):
                 os.unlink("/tmp/ray/ray_current_cluster")
     except OSError:
         pass
-    assert done.returncode == 0, done.stderr.decode()[-4000:]
+    assert done.returncode == 0, (done.stderr.decode()[-4000:]
+                                  + "\nthe node in the other namespace wrote:\n" + tail_of(said))
     assert done.stdout.split() == [b"ok"]
     assert not left, "the Ray node in the other namespace outlived its process"
 
