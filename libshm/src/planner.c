@@ -24,7 +24,7 @@
  *    k placed tensors that overlap a lifetime are listed in O((k + 1) log n) and sorted;
  *  - dense: a segment tree over time slots whose nodes keep *coalesced* offset ranges (see
  *    struct engine), so a query merges a few short sorted lists instead of listing thousands of
- *    live tensors (S_1, Y_1: 1500-2900 live-together tensors per tensor, 20-40x fewer ranges).
+ *    live tensors (as on the dense traces S_1 and Y_1 of ../shared/traces/idealloc/iopddl).
  * No n x n conflict matrix anywhere. LSHM_PLAN_DEBUG=1 prints per-strategy times;
  * LSHM_PLAN_ENGINE=sparse|dense forces an engine (for benchmarks and tests).
  *
@@ -70,12 +70,12 @@ int lshm_plan_lower_bound(size_t n, const uint64_t *sizes, const int64_t *firsts
     int err = lshm__plan_input_build(&in, n, sizes, firsts, lasts, NULL, NULL, opts);
     if (err)
         return err;
-    uint64_t lb;
-    err = lshm__plan_lower_bound(&in, &lb);
+    uint64_t lower_bound;
+    err = lshm__plan_lower_bound(&in, &lower_bound);
     lshm__plan_input_free(&in);
     if (err)
         return err;
-    *lower_bound_out = lb;
+    *lower_bound_out = lower_bound;
     return 0;
 }
 
@@ -109,7 +109,11 @@ int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *firsts,
     uint32_t a, b;
     int nomem;
     int bad = lshm__plan_find_overlap(&in, off, &a, &b, &nomem);
-    uint32_t oa = bad ? in.orig[a] : 0, ob = bad ? in.orig[b] : 0;
+    uint32_t first = 0, second = 0; /* the offending pair's caller indices, lower first */
+    if (bad) {
+        first = in.orig[a] < in.orig[b] ? in.orig[a] : in.orig[b];
+        second = in.orig[a] < in.orig[b] ? in.orig[b] : in.orig[a];
+    }
     free(off);
     lshm__plan_input_free(&in);
     if (nomem)
@@ -118,10 +122,9 @@ int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *firsts,
         return LSHM_FAIL(-EINVAL,
                          "tensors %u [%llu, +%llu) and %u [%llu, +%llu) are live together and "
                          "overlap",
-                         oa < ob ? oa : ob, (unsigned long long)offsets[oa < ob ? oa : ob],
-                         (unsigned long long)sizes[oa < ob ? oa : ob], oa < ob ? ob : oa,
-                         (unsigned long long)offsets[oa < ob ? ob : oa],
-                         (unsigned long long)sizes[oa < ob ? ob : oa]);
+                         first, (unsigned long long)offsets[first],
+                         (unsigned long long)sizes[first], second,
+                         (unsigned long long)offsets[second], (unsigned long long)sizes[second]);
     return 0;
 }
 
@@ -353,31 +356,42 @@ static int run_portfolio(plan_run *r) {
     for (size_t s = 0; s < strategies && m && r->best > r->lower_bound &&
                        !meets_capacity(r->best, r->target);
          s++) {
-        const strategy *st = &portfolio_used[s];
+        const strategy *candidate = &portfolio_used[s];
         double began = lshm__plan_now();
-        if (lshm__plan_make_order(&orders, st->order, r->order))
+        if (lshm__plan_make_order(&orders, candidate->order, r->order))
             return OUT_OF_MEMORY;
-        uint64_t arena = lshm__plan_engine_run(&r->engine, in, r->order, r->placed_count, st->fit,
-                                    r->offsets, r->best);
+        uint64_t arena = lshm__plan_engine_run(&r->engine, in, r->order, r->placed_count,
+                                               candidate->fit, r->offsets, r->best);
         if (r->engine.nomem)
             return OUT_OF_MEMORY;
         if (r->debug)
             fprintf(stderr, "lshm_plan: %s/%s %s in %.3f ms (%s engine)\n",
-                    lshm__plan_order_names[st->order], st->fit == FIT_BEST ? "best" : "first",
+                    lshm__plan_order_names[candidate->order],
+                    candidate->fit == FIT_BEST ? "best" : "first",
                     arena == UINT64_MAX ? "cut off" : "done", (lshm__plan_now() - began) * 1e3,
-                    r->engine.seg ? "dense" : "sparse");
+                    r->engine.dense ? "dense" : "sparse");
         if (arena < r->best) {
             r->best = arena;
-            r->best_fit = st->fit;
+            r->best_fit = candidate->fit;
             memcpy(r->best_offsets, r->offsets, m * sizeof *r->best_offsets);
             memcpy(r->best_order, r->order, r->placed_count * sizeof *r->order);
-            snprintf(r->name, sizeof r->name, "%s/%s", lshm__plan_order_names[st->order],
-                     st->fit == FIT_BEST ? "best-fit" : "first-fit");
+            snprintf(r->name, sizeof r->name, "%s/%s", lshm__plan_order_names[candidate->order],
+                     candidate->fit == FIT_BEST ? "best-fit" : "first-fit");
         }
     }
     if (m && r->best <= r->lower_bound)
         r->optimal = 1;
     return 0;
+}
+
+/* Greatest common divisor (Euclid); gcd(0, b) = b. */
+static uint64_t gcd_u64(uint64_t a, uint64_t b) {
+    while (b) {
+        uint64_t rest = a % b;
+        a = b;
+        b = rest;
+    }
+    return a;
 }
 
 /* Stage 2: whether the exact search runs, its granule and rounded lower bound, and, in
@@ -400,29 +414,29 @@ static int exact_prepare(plan_run *r) {
     r->widths = malloc(m * sizeof *r->widths);
     if (!r->widths)
         return OUT_OF_MEMORY;
-    uint64_t g = 0; /* gcd of the sizes */
+    uint64_t granule = 0; /* gcd of the sizes */
     for (size_t i = 0; i < m; i++) {
-        uint32_t o = in->orig[i];
+        uint32_t caller = in->orig[i];
         /* lasts - firsts in uint64 (as int64 it overflows beyond INT64_MAX), + 1 when
          * inclusive saturating (INT64_MIN..INT64_MAX inclusive is 2^64 units) */
-        r->widths[i] = (uint64_t)r->lasts[o] - (uint64_t)r->firsts[o];
+        r->widths[i] = (uint64_t)r->lasts[caller] - (uint64_t)r->firsts[caller];
         if ((r->opts->flags & LSHM_PLAN_INCLUSIVE) && r->widths[i] != UINT64_MAX)
             r->widths[i]++;
-        for (uint64_t a = in->size[i], t; a; t = g % a, g = a, a = t)
-            ;
+        granule = gcd_u64(granule, in->size[i]);
     }
-    if (g % in->alignment) /* offsets: multiples of the alignment, arenas of gcd(a, g) */
-        for (uint64_t a = in->alignment, t; a; t = g % a, g = a, a = t)
-            ;
+    if (granule % in->alignment) /* offsets: multiples of the alignment, arenas of the gcd of
+                                  * both */
+        granule = gcd_u64(granule, in->alignment);
     /* else every offset is a sum of sizes (rounding to the alignment changes nothing) */
-    r->granule = g;
+    r->granule = granule;
     r->problem.width = r->widths;
-    r->lb_rounded = r->lower_bound / g * g; /* rounded up without lb + g - 1 (which may wrap);
-                                             * no overflow: best >= lb is a multiple of g */
+    /* rounded up without lower_bound + granule - 1 (which may wrap); no overflow: best >=
+     * lower_bound is a multiple of the granule */
+    r->lb_rounded = r->lower_bound / granule * granule;
     if (r->lb_rounded < r->lower_bound)
-        r->lb_rounded += g;
+        r->lb_rounded += granule;
     if (r->best <= r->lb_rounded)
-        r->optimal = 1; /* OPT is a multiple of g too */
+        r->optimal = 1; /* OPT is a multiple of the granule too */
     if (!r->target && r->lb_rounded < r->best) {
         int found = exact_probe(&r->problem, r->lb_rounded, r->started + r->opts->time_limit / 5,
                                 r->offsets, r->best_offsets, &r->best, r->debug);
@@ -513,20 +527,21 @@ static int local_search(plan_run *r) {
  *  - minimise mode (after the lower-bound probe of exact_prepare): rounds of bisection between
  *    the lowest capacity not disproven and the best plan, every decision with the same time
  *    slice, the slice doubling each round; a round begins with LB again while LB is not
- *    disproven. How long a decision takes varies a lot from one capacity to the next (a
- *    capacity a little above one solved in 0.1 s may take seconds), so a capacity that timed
- *    out is only skipped for the rest of its round. Capacities are multiples of the granule:
+ *    disproven. How long a decision takes varies a lot from one capacity to the next (one a
+ *    little above a capacity decided at once may not be decided within its slice), so a
+ *    capacity that timed out is only skipped for the rest of its round. Capacities are multiples of the granule:
  *    the gcd of the sizes when the alignment divides it (every canonical offset is a sum of
  *    sizes then), else the gcd of that and the alignment. */
 static int exact_bisection(plan_run *r) {
     if (!r->exact_phase || r->optimal || meets_capacity(r->best, r->target))
         return 0;
-    const uint64_t g = r->granule;
-    uint64_t high = r->best;                                        /* best plan found */
-    uint64_t low = r->lb_disproven ? r->lb_rounded + g : r->lb_rounded; /* below: infeasible */
+    const uint64_t granule = r->granule;
+    uint64_t high = r->best; /* best plan found */
+    /* below: infeasible */
+    uint64_t low = r->lb_disproven ? r->lb_rounded + granule : r->lb_rounded;
     uint64_t round_low = high; /* ... or timed out in this round */
     /* resolution: a round stops bisecting when the gap left is below 1/64 of the first */
-    uint64_t resolution = low < high ? ((high - low) / 64 + g - 1) / g * g : 0;
+    uint64_t resolution = low < high ? ((high - low) / 64 + granule - 1) / granule * granule : 0;
     int first = 1, rounds = 0;
     double slice = 0;
     while (low < high) {
@@ -547,7 +562,7 @@ static int exact_bisection(plan_run *r) {
                 slice = slice ? 2 * slice : (r->deadline - now) / 16;
                 rounds++;
             }
-            capacity = round_low + (high - round_low) / g / 2 * g;
+            capacity = round_low + (high - round_low) / granule / 2 * granule;
             if (new_round && rounds > 1 && round_low == r->lb_rounded) /* LB again, longer */
                 capacity = round_low;
             until = now + slice;
@@ -562,9 +577,9 @@ static int exact_bisection(plan_run *r) {
             r->used_exact = 1;
         } else {
             if (found == 0 && capacity >= low)
-                low = capacity + g;
+                low = capacity + granule;
             if (capacity >= round_low)
-                round_low = capacity + g;
+                round_low = capacity + granule;
             if (round_low < low)
                 round_low = low;
         }
@@ -611,8 +626,8 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     int err = lshm__plan_input_build(&in, n, sizes, firsts, lasts, fixed_offsets, NULL, opts);
     if (err)
         return err;
-    uint64_t lb = 0;
-    err = lshm__plan_lower_bound(&in, &lb);
+    uint64_t lower_bound = 0;
+    err = lshm__plan_lower_bound(&in, &lower_bound);
     if (!err && in.n_fixed)
         err = check_pinned(&in);
     if (err) {
@@ -620,7 +635,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
         return err;
     }
     plan_run run;
-    err = run_start(&run, &in, opts, firsts, lasts, started, debug, lb);
+    err = run_start(&run, &in, opts, firsts, lasts, started, debug, lower_bound);
     if (!err)
         err = run_portfolio(&run);
     if (!err)
@@ -632,7 +647,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     if (!err) {
         if (run.used_exact)
             snprintf(run.name, sizeof run.name, "exact");
-        if (in.m && run.best <= lb)
+        if (in.m && run.best <= lower_bound)
             run.optimal = 1;
         err = self_check(&run);
     }
@@ -647,7 +662,7 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
         if (result) {
             memset(result, 0, sizeof *result);
             result->arena_size = run.best;
-            result->lower_bound = lb;
+            result->lower_bound = lower_bound;
             result->optimal = run.optimal;
             snprintf(result->strategy, sizeof result->strategy, "%s", run.name);
             result->seconds = lshm__plan_now() - started;

@@ -17,21 +17,22 @@
 
 
 void lshm__plan_engine_free(engine *e) {
-    free(e->pos), free(e->ps), free(e->pe), free(e->pmax), free(e->plo), free(e->phi);
+    free(e->pos), free(e->start_by_pos), free(e->end_by_pos), free(e->max_end_below);
+    free(e->placed_lo), free(e->placed_hi);
     free(e->blocks);
     if (e->here)
-        for (size_t v = 0; v < 2 * (size_t)e->W; v++)
-            free(e->here[v].v), free(e->sub[v].v);
-    free(e->here), free(e->sub), free(e->slo), free(e->shi);
+        for (size_t v = 0; v < 2 * (size_t)e->leaves; v++)
+            free(e->here[v].ranges), free(e->sub[v].ranges);
+    free(e->here), free(e->sub), free(e->slot_lo), free(e->slot_hi);
 }
 
 /* Dense mode setup: slots between consecutive distinct boundaries. */
-static int engine_init_seg(engine *e, const plan_input *in) {
+static int engine_init_dense(engine *e, const plan_input *in) {
     uint32_t T = in->times;
     uint32_t *slot = calloc((size_t)T + 1, sizeof *slot);
-    e->slo = malloc(e->m * sizeof *e->slo);
-    e->shi = malloc(e->m * sizeof *e->shi);
-    if (!slot || !e->slo || !e->shi) {
+    e->slot_lo = malloc(e->m * sizeof *e->slot_lo);
+    e->slot_hi = malloc(e->m * sizeof *e->slot_hi);
+    if (!slot || !e->slot_lo || !e->slot_hi) {
         free(slot);
         return -ENOMEM;
     }
@@ -39,144 +40,150 @@ static int engine_init_seg(engine *e, const plan_input *in) {
         slot[in->start[i]] = slot[in->end[i]] = 1;
     uint32_t boundaries = 0; /* slot[t] = number of boundaries < t */
     for (uint32_t t = 0; t <= T; t++) {
-        uint32_t b = slot[t];
+        uint32_t is_boundary = slot[t];
         slot[t] = boundaries;
-        boundaries += b;
+        boundaries += is_boundary;
     }
     for (size_t i = 0; i < e->m; i++) {
-        e->slo[i] = slot[in->start[i]];
-        e->shi[i] = slot[in->end[i]];
+        e->slot_lo[i] = slot[in->start[i]];
+        e->slot_hi[i] = slot[in->end[i]];
     }
     free(slot);
-    uint32_t W = 1;
-    while (W < boundaries)
-        W <<= 1;
-    e->W = W;
-    e->here = calloc(2 * (size_t)W, sizeof *e->here);
-    e->sub = calloc(2 * (size_t)W, sizeof *e->sub);
+    uint32_t leaves = 1;
+    while (leaves < boundaries)
+        leaves <<= 1;
+    e->leaves = leaves;
+    e->here = calloc(2 * (size_t)leaves, sizeof *e->here);
+    e->sub = calloc(2 * (size_t)leaves, sizeof *e->sub);
     if (!e->here || !e->sub)
         return -ENOMEM;
-    e->seg = 1;
+    e->dense = 1;
     return 0;
 }
 
 /* Adds [lo, hi) to the coalesced set; returns 0 if it was already covered, 1 if the set
  * changed. Touching ranges merge (a gap of 0 bytes holds nothing). */
-static int iset_add(engine *e, interval_set *s, uint64_t lo, uint64_t hi) {
-    block *v = s->v;
-    uint32_t a = 0, b = s->len;
-    while (a < b) { /* first range with v.hi >= lo */
-        uint32_t mid = a + (b - a) / 2;
-        if (v[mid].hi < lo)
-            a = mid + 1;
+static int interval_set_add(engine *e, interval_set *s, uint64_t lo, uint64_t hi) {
+    block *ranges = s->ranges;
+    uint32_t first = 0, search_end = s->len;
+    while (first < search_end) { /* first range with ranges.hi >= lo */
+        uint32_t mid = first + (search_end - first) / 2;
+        if (ranges[mid].hi < lo)
+            first = mid + 1;
         else
-            b = mid;
+            search_end = mid;
     }
-    if (a < s->len && v[a].lo <= lo && v[a].hi >= hi)
+    if (first < s->len && ranges[first].lo <= lo && ranges[first].hi >= hi)
         return 0;
-    uint32_t j = a;
-    while (j < s->len && v[j].lo <= hi)
-        j++;
-    if (j > a) { /* merge v[a..j) and [lo, hi) into v[a] */
-        if (v[a].lo < lo)
-            lo = v[a].lo;
-        if (v[j - 1].hi > hi)
-            hi = v[j - 1].hi;
-        v[a].lo = lo;
-        v[a].hi = hi;
-        if (j > a + 1) {
-            memmove(v + a + 1, v + j, (s->len - j) * sizeof *v);
-            s->len -= j - a - 1;
+    uint32_t end = first; /* ranges[first..end) touch [lo, hi) */
+    while (end < s->len && ranges[end].lo <= hi)
+        end++;
+    if (end > first) { /* merge ranges[first..end) and [lo, hi) into ranges[first] */
+        if (ranges[first].lo < lo)
+            lo = ranges[first].lo;
+        if (ranges[end - 1].hi > hi)
+            hi = ranges[end - 1].hi;
+        ranges[first].lo = lo;
+        ranges[first].hi = hi;
+        if (end > first + 1) {
+            memmove(ranges + first + 1, ranges + end, (s->len - end) * sizeof *ranges);
+            s->len -= end - first - 1;
         }
         return 1;
     }
     if (s->len == s->cap) {
         uint32_t cap = s->cap ? 2 * s->cap : 4;
-        block *nv = realloc(s->v, cap * sizeof *nv);
-        if (!nv) {
+        block *grown = realloc(s->ranges, cap * sizeof *grown);
+        if (!grown) {
             e->nomem = 1;
             return 0;
         }
-        s->v = v = nv;
+        s->ranges = ranges = grown;
         s->cap = cap;
     }
-    memmove(v + a + 1, v + a, (s->len - a) * sizeof *v);
-    v[a].lo = lo;
-    v[a].hi = hi;
+    memmove(ranges + first + 1, ranges + first, (s->len - first) * sizeof *ranges);
+    ranges[first].lo = lo;
+    ranges[first].hi = hi;
     s->len++;
     return 1;
 }
 
-static void seg_insert(engine *e, uint32_t i, uint64_t lo, uint64_t hi) {
-    uint32_t l = e->slo[i] + e->W, r = e->shi[i] + e->W;
+static void dense_insert(engine *e, uint32_t i, uint64_t lo, uint64_t hi) {
+    uint32_t l = e->slot_lo[i] + e->leaves, r = e->slot_hi[i] + e->leaves;
     for (; l < r; l >>= 1, r >>= 1) {
         if (l & 1) {
-            iset_add(e, &e->here[l], lo, hi);
-            for (uint32_t v = l; v >= 1 && iset_add(e, &e->sub[v], lo, hi); v >>= 1)
+            interval_set_add(e, &e->here[l], lo, hi);
+            for (uint32_t v = l; v >= 1 && interval_set_add(e, &e->sub[v], lo, hi); v >>= 1)
                 ;
             l++;
         }
         if (r & 1) {
             r--;
-            iset_add(e, &e->here[r], lo, hi);
-            for (uint32_t v = r; v >= 1 && iset_add(e, &e->sub[v], lo, hi); v >>= 1)
+            interval_set_add(e, &e->here[r], lo, hi);
+            for (uint32_t v = r; v >= 1 && interval_set_add(e, &e->sub[v], lo, hi); v >>= 1)
                 ;
         }
     }
 }
 
 /* Merges the coalesced set s into the coalesced, sorted e->blocks[0..*k) (scratch after it). */
-static int seg_merge(engine *e, size_t *k, const interval_set *s) {
+static int dense_merge(engine *e, size_t *k, const interval_set *s) {
     if (!s->len)
         return 0;
     size_t need = 2 * (*k + s->len);
     if (need > e->blocks_cap) {
-        block *nb = realloc(e->blocks, 2 * need * sizeof *nb);
-        if (!nb) {
+        block *grown = realloc(e->blocks, 2 * need * sizeof *grown);
+        if (!grown) {
             e->nomem = 1;
             return -1;
         }
-        e->blocks = nb;
+        e->blocks = grown;
         e->blocks_cap = 2 * need;
     }
-    const block *a = e->blocks, *b = s->v;
-    size_t na = *k, nb = s->len, i = 0, j = 0, o = 0;
-    block *out = e->blocks + na;
-    while (i < na || j < nb) {
-        block x = (j == nb || (i < na && a[i].lo <= b[j].lo)) ? a[i++] : b[j++];
-        if (o && x.lo <= out[o - 1].hi) {
-            if (x.hi > out[o - 1].hi)
-                out[o - 1].hi = x.hi;
+    const block *have = e->blocks, *add = s->ranges;
+    size_t have_len = *k, add_len = s->len, i = 0, j = 0, out_len = 0;
+    block *out = e->blocks + have_len;
+    while (i < have_len || j < add_len) {
+        block next = (j == add_len || (i < have_len && have[i].lo <= add[j].lo)) ? have[i++]
+                                                                                 : add[j++];
+        if (out_len && next.lo <= out[out_len - 1].hi) {
+            if (next.hi > out[out_len - 1].hi)
+                out[out_len - 1].hi = next.hi;
         } else {
-            out[o++] = x;
+            out[out_len++] = next;
         }
     }
-    memmove(e->blocks, out, o * sizeof *out);
-    *k = o;
+    memmove(e->blocks, out, out_len * sizeof *out);
+    *k = out_len;
     return 0;
 }
 
 /* Collects into e->blocks the union (coalesced, sorted) of the occupied ranges meeting tensor
  * i's slots; returns how many ranges. */
-static size_t seg_query(engine *e, uint32_t i) {
+static size_t dense_query(engine *e, uint32_t i) {
     size_t k = 0;
-    const uint32_t l0 = e->slo[i], r0 = e->shi[i];
-    uint32_t l = l0 + e->W, r = r0 + e->W;
+    const uint32_t first_slot = e->slot_lo[i], end_slot = e->slot_hi[i];
+    uint32_t l = first_slot + e->leaves, r = end_slot + e->leaves;
     for (; l < r; l >>= 1, r >>= 1) {
         if (l & 1)
-            seg_merge(e, &k, &e->sub[l++]);
+            dense_merge(e, &k, &e->sub[l++]);
         if (r & 1)
-            seg_merge(e, &k, &e->sub[--r]);
+            dense_merge(e, &k, &e->sub[--r]);
     }
-    /* here[] of the nodes on the two leaf-to-root paths that stick out of [l0, r0) (nodes
-     * inside it are below a canonical node, whose sub[] already holds them) */
-    uint32_t pa = l0 + e->W, pb = r0 - 1 + e->W, h = 0;
-    for (; pa >= 1; pa >>= 1, pb >>= 1, h++) {
-        uint32_t lo_a = (pa << h) - e->W, lo_b = (pb << h) - e->W;
-        if (lo_a < l0 || lo_a + (1u << h) > r0)
-            seg_merge(e, &k, &e->here[pa]);
-        if (pb != pa && (lo_b < l0 || lo_b + (1u << h) > r0))
-            seg_merge(e, &k, &e->here[pb]);
+    /* here[] of the nodes on the two leaf-to-root paths that stick out of
+     * [first_slot, end_slot) (nodes inside it are below a canonical node, whose sub[] already
+     * holds them) */
+    uint32_t left_node = first_slot + e->leaves, right_node = end_slot - 1 + e->leaves;
+    uint32_t height = 0;
+    for (; left_node >= 1; left_node >>= 1, right_node >>= 1, height++) {
+        /* the first slot below each node */
+        uint32_t left_first = (left_node << height) - e->leaves;
+        uint32_t right_first = (right_node << height) - e->leaves;
+        if (left_first < first_slot || left_first + (1u << height) > end_slot)
+            dense_merge(e, &k, &e->here[left_node]);
+        if (right_node != left_node &&
+            (right_first < first_slot || right_first + (1u << height) > end_slot))
+            dense_merge(e, &k, &e->here[right_node]);
     }
     return e->nomem ? 0 : k;
 }
@@ -191,17 +198,18 @@ int lshm__plan_engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint6
     e->size = in->size;
     e->alignment = in->alignment;
     e->pos = malloc(m * sizeof *e->pos);
-    e->ps = malloc(m * sizeof *e->ps);
-    e->pe = malloc(m * sizeof *e->pe);
-    e->pmax = malloc(m * sizeof *e->pmax);
-    e->plo = malloc(m * sizeof *e->plo);
-    e->phi = malloc(m * sizeof *e->phi);
+    e->start_by_pos = malloc(m * sizeof *e->start_by_pos);
+    e->end_by_pos = malloc(m * sizeof *e->end_by_pos);
+    e->max_end_below = malloc(m * sizeof *e->max_end_below);
+    e->placed_lo = malloc(m * sizeof *e->placed_lo);
+    e->placed_hi = malloc(m * sizeof *e->placed_hi);
     e->blocks = malloc(m * sizeof *e->blocks);
-    if (!e->pos || !e->ps || !e->pe || !e->pmax || !e->plo || !e->phi || !e->blocks) {
+    if (!e->pos || !e->start_by_pos || !e->end_by_pos || !e->max_end_below || !e->placed_lo ||
+        !e->placed_hi || !e->blocks) {
         lshm__plan_engine_free(e);
         return -ENOMEM;
     }
-    uint32_t *by_start = e->ps; /* borrow as the item array */
+    uint32_t *by_start = e->start_by_pos; /* borrow as the item array */
     for (size_t i = 0; i < m; i++) {
         by_start[i] = (uint32_t)i;
         key[i] = in->start[i];
@@ -210,12 +218,12 @@ int lshm__plan_engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint6
     for (size_t p = 0; p < m; p++)
         e->pos[by_start[p]] = (uint32_t)p;
     for (size_t i = 0; i < m; i++) {
-        e->ps[e->pos[i]] = in->start[i];
-        e->pe[e->pos[i]] = in->end[i];
+        e->start_by_pos[e->pos[i]] = in->start[i];
+        e->end_by_pos[e->pos[i]] = in->end[i];
     }
     e->blocks_cap = m;
     if (dense) {
-        int err = engine_init_seg(e, in);
+        int err = engine_init_dense(e, in);
         if (err) {
             lshm__plan_engine_free(e);
             return err;
@@ -225,13 +233,13 @@ int lshm__plan_engine_init(engine *e, const plan_input *in, uint32_t *tmp, uint6
 }
 
 static void engine_reset(engine *e) {
-    if (e->seg) {
-        for (size_t v = 0; v < 2 * (size_t)e->W; v++)
+    if (e->dense) {
+        for (size_t v = 0; v < 2 * (size_t)e->leaves; v++)
             e->here[v].len = e->sub[v].len = 0;
         return;
     }
-    memset(e->pmax, 0, e->m * sizeof *e->pmax);
-    memset(e->phi, 0, e->m * sizeof *e->phi);
+    memset(e->max_end_below, 0, e->m * sizeof *e->max_end_below);
+    memset(e->placed_hi, 0, e->m * sizeof *e->placed_hi);
 }
 
 static void sort_blocks(block *b, size_t k) {
@@ -274,50 +282,51 @@ static void sort_blocks(block *b, size_t k) {
     }
 }
 
-/* Collects into e->blocks the placed tensors whose lifetime meets [a, b); returns how many. */
-static size_t engine_query(engine *e, uint32_t a, uint32_t b) {
-    uint32_t stack_lo[128], stack_hi[128];
-    size_t sp = 0, k = 0;
-    stack_lo[sp] = 0;
-    stack_hi[sp++] = (uint32_t)e->m;
-    while (sp) {
-        sp--;
-        uint32_t lo = stack_lo[sp], hi = stack_hi[sp];
+/* Collects into e->blocks the placed tensors whose lifetime meets [from, to); returns how
+ * many. */
+static size_t engine_query(engine *e, uint32_t from, uint32_t to) {
+    uint32_t stack_lo[128], stack_hi[128]; /* subtrees [lo, hi) of positions left to visit */
+    size_t depth = 0, k = 0;
+    stack_lo[depth] = 0;
+    stack_hi[depth++] = (uint32_t)e->m;
+    while (depth) {
+        depth--;
+        uint32_t lo = stack_lo[depth], hi = stack_hi[depth];
         if (lo >= hi)
             continue;
         uint32_t mid = lo + (hi - lo) / 2;
-        if (e->pmax[mid] <= a)
+        if (e->max_end_below[mid] <= from)
             continue;
-        if (e->ps[mid] < b) {
-            if (e->phi[mid] && e->pe[mid] > a) {
-                e->blocks[k].lo = e->plo[mid];
-                e->blocks[k].hi = e->phi[mid];
+        if (e->start_by_pos[mid] < to) {
+            if (e->placed_hi[mid] && e->end_by_pos[mid] > from) {
+                e->blocks[k].lo = e->placed_lo[mid];
+                e->blocks[k].hi = e->placed_hi[mid];
                 k++;
             }
-            stack_lo[sp] = mid + 1;
-            stack_hi[sp++] = hi;
+            stack_lo[depth] = mid + 1;
+            stack_hi[depth++] = hi;
         }
-        stack_lo[sp] = lo;
-        stack_hi[sp++] = mid;
+        stack_lo[depth] = lo;
+        stack_hi[depth++] = mid;
     }
     return k;
 }
 
 static void engine_insert(engine *e, uint32_t i, uint64_t offset) {
-    if (e->seg) {
-        seg_insert(e, i, offset, offset + e->size[i]);
+    if (e->dense) {
+        dense_insert(e, i, offset, offset + e->size[i]);
         return;
     }
-    uint32_t p = e->pos[i], lo = 0, hi = (uint32_t)e->m, end = e->end[i];
-    e->plo[p] = offset;
-    e->phi[p] = offset + e->size[i];
-    for (;;) {
+    uint32_t position = e->pos[i], lo = 0, hi = (uint32_t)e->m, end = e->end[i];
+    e->placed_lo[position] = offset;
+    e->placed_hi[position] = offset + e->size[i];
+    for (;;) { /* down the implicit tree from the root to position */
         uint32_t mid = lo + (hi - lo) / 2;
-        if (e->pmax[mid] < end)
-            e->pmax[mid] = end;
-        if (p == mid)
+        if (e->max_end_below[mid] < end)
+            e->max_end_below[mid] = end;
+        if (position == mid)
             break;
-        if (p < mid)
+        if (position < mid)
             hi = mid;
         else
             lo = mid + 1;
@@ -329,31 +338,32 @@ static void engine_insert(engine *e, uint32_t i, uint64_t offset) {
  * on ties) or first fit (lowest gap that holds it); else the aligned top of the overlapping
  * blocks. */
 static uint64_t engine_choose(engine *e, uint32_t i, int fit) {
-    size_t k = e->seg ? seg_query(e, i) : engine_query(e, e->start[i], e->end[i]);
-    block *bl = e->blocks;
-    if (!e->seg)
-        sort_blocks(bl, k);
-    const uint64_t a = e->alignment, sz = e->size[i];
-    uint64_t cur = 0, best = UINT64_MAX, best_waste = UINT64_MAX;
+    size_t k = e->dense ? dense_query(e, i) : engine_query(e, e->start[i], e->end[i]);
+    block *blocks = e->blocks;
+    if (!e->dense)
+        sort_blocks(blocks, k);
+    const uint64_t alignment = e->alignment, size = e->size[i];
+    /* covered: the highest end of blocks[0..j), so a gap runs from it to blocks[j].lo */
+    uint64_t covered = 0, best = UINT64_MAX, best_waste = UINT64_MAX;
     for (size_t j = 0; j < k; j++) {
-        if (bl[j].lo > cur) {
-            uint64_t o = align_up(cur, a);
-            if (o + sz <= bl[j].lo) {
-                uint64_t waste = bl[j].lo - o - sz;
+        if (blocks[j].lo > covered) {
+            uint64_t offset = align_up(covered, alignment);
+            if (offset + size <= blocks[j].lo) {
+                uint64_t waste = blocks[j].lo - offset - size;
                 if (fit == FIT_FIRST)
-                    return o;
+                    return offset;
                 if (waste < best_waste) {
                     best_waste = waste;
-                    best = o;
+                    best = offset;
                     if (waste == 0)
-                        return o;
+                        return offset;
                 }
             }
         }
-        if (bl[j].hi > cur)
-            cur = bl[j].hi;
+        if (blocks[j].hi > covered)
+            covered = blocks[j].hi;
     }
-    return best != UINT64_MAX ? best : align_up(cur, a);
+    return best != UINT64_MAX ? best : align_up(covered, alignment);
 }
 
 /* Places the pinned tensors, then order[0..count) with `fit`. Writes off[] (by tensor) and
@@ -375,11 +385,11 @@ uint64_t lshm__plan_engine_run(engine *e, const plan_input *in, const uint32_t *
     }
     for (size_t j = 0; j < count; j++) {
         uint32_t i = order[j];
-        uint64_t o = engine_choose(e, i, fit);
-        off[i] = o;
-        engine_insert(e, i, o);
-        if (o + in->size[i] > arena) {
-            arena = o + in->size[i];
+        uint64_t offset = engine_choose(e, i, fit);
+        off[i] = offset;
+        engine_insert(e, i, offset);
+        if (offset + in->size[i] > arena) {
+            arena = offset + in->size[i];
             if (arena >= cutoff)
                 return UINT64_MAX;
         }

@@ -76,6 +76,144 @@ static int check_options(const lshm_plan_options *opts, uint64_t *alignment, uns
     return 0;
 }
 
+/* The caller's arrays as lshm__plan_input_build got them (see there). */
+typedef struct caller_input {
+    size_t n;
+    const uint64_t *sizes;
+    const int64_t *firsts, *lasts;
+    const int64_t *fixed;   /* planning: pinned offsets (-1: free), or NULL */
+    const uint64_t *given;  /* validation: the offsets to check, or NULL */
+    int inclusive;          /* LSHM_PLAN_INCLUSIVE: lifetimes are [first, last] */
+} caller_input;
+
+/* 1 when tensor i occupies memory: size > 0 and a non-empty lifetime (inclusive lifetimes
+ * never are empty). */
+static inline int occupies_memory(const caller_input *c, size_t i) {
+    return c->sizes[i] > 0 && (c->inclusive || c->firsts[i] < c->lasts[i]);
+}
+
+/* The offset tensor i is proposed at (validation) or pinned at (planning), else UINT64_MAX. */
+static inline uint64_t pinned_offset(const caller_input *c, size_t i) {
+    if (c->given)
+        return c->given[i];
+    return c->fixed && c->fixed[i] >= 0 ? (uint64_t)c->fixed[i] : UINT64_MAX;
+}
+
+/* Pass 1 of lshm__plan_input_build: every tensor checked (lifetime; when planning, its aligned
+ * size and the sum of them; its pinned or proposed offset), then in->total (planning) and
+ * in->m, the number of tensors that occupy memory. */
+static int check_tensors(plan_input *in, const caller_input *c) {
+    const uint64_t alignment = in->alignment;
+    const int planning = c->given == NULL;
+    /* total starts at 1: every arena we build is then below in->total <= UINT64_MAX, so
+     * UINT64_MAX never is one (it means "no plan" / "cut off" in lshm_plan and
+     * lshm__plan_engine_run) */
+    uint64_t total = 1, fixed_top = 0;
+    size_t m = 0;
+    for (size_t i = 0; i < c->n; i++) {
+        const uint64_t size = c->sizes[i];
+        if (c->firsts[i] > c->lasts[i])
+            return LSHM_FAIL(-EINVAL, "tensor %zu: first %lld > last %lld", i,
+                             (long long)c->firsts[i], (long long)c->lasts[i]);
+        if (planning) {
+            if (size > UINT64_MAX - alignment)
+                return LSHM_FAIL(-EOVERFLOW, "tensor %zu: size %llu overflows when aligned", i,
+                                 (unsigned long long)size);
+            uint64_t padded = align_up(size, alignment);
+            if (total > UINT64_MAX - padded)
+                return LSHM_FAIL(-EOVERFLOW, "sum of tensor sizes overflows 64 bits");
+            total += padded;
+        }
+        if (c->fixed && c->fixed[i] != -1 && c->fixed[i] < 0)
+            return LSHM_FAIL(-EINVAL, "tensor %zu: fixed offset %lld (use -1 for none)", i,
+                             (long long)c->fixed[i]);
+        uint64_t pin = pinned_offset(c, i);
+        if (c->given || pin != UINT64_MAX) {
+            if (pin & (alignment - 1))
+                return LSHM_FAIL(-EINVAL, "tensor %zu: offset %llu not aligned to %llu", i,
+                                 (unsigned long long)pin, (unsigned long long)alignment);
+            if (pin > UINT64_MAX - size)
+                return LSHM_FAIL(-EOVERFLOW, "tensor %zu: offset %llu + size %llu overflows", i,
+                                 (unsigned long long)pin, (unsigned long long)size);
+            fixed_top = max_u64(fixed_top, pin + size);
+        }
+        if (occupies_memory(c, i))
+            m++;
+    }
+    if (planning) {
+        /* free tensors go above the pinned ones at worst: from align_up(fixed_top), at most
+         * alignment - 1 above fixed_top (whose align_up must not wrap either), each one adding
+         * at most its padded size */
+        uint64_t slack = fixed_top ? alignment - 1 : 0;
+        if (total > UINT64_MAX - fixed_top || total + fixed_top > UINT64_MAX - slack)
+            return LSHM_FAIL(-EOVERFLOW, "arena size could overflow 64 bits");
+        in->total = total + fixed_top + slack;
+    }
+    in->m = m;
+    return 0;
+}
+
+/* Ranks the distinct values of key[0..2m) (tensor j's first at 2j, its last at 2j + 1), through
+ * slot[] (their indices, sorted by key) and tmp[]: start = 2 rank(first), end = 2 rank(last)
+ * (+1 if inclusive), so that both interval modes become half-open. */
+static void rank_times(plan_input *in, const uint64_t *key, uint32_t *slot, uint32_t *tmp,
+                       int inclusive) {
+    const size_t m = in->m;
+    for (size_t s = 0; s < 2 * m; s++)
+        slot[s] = (uint32_t)s;
+    lshm__plan_sort_by_key(slot, 2 * m, key, tmp);
+    uint32_t rank = 0;
+    for (size_t s = 0; s < 2 * m; s++) {
+        if (s > 0 && key[slot[s]] != key[slot[s - 1]])
+            rank++;
+        uint32_t k = slot[s];
+        if (k & 1)
+            in->end[k >> 1] = 2 * rank + (uint32_t)inclusive;
+        else
+            in->start[k >> 1] = 2 * rank;
+    }
+    in->times = 2 * rank + 2;
+}
+
+/* Pass 2: the in->m tensors that occupy memory copied into `in` (caller index, size, pin),
+ * their times compressed. */
+static int compress_tensors(plan_input *in, const caller_input *c) {
+    const size_t m = in->m;
+    in->orig = malloc(m * sizeof *in->orig);
+    in->start = malloc(m * sizeof *in->start);
+    in->end = malloc(m * sizeof *in->end);
+    in->size = malloc(m * sizeof *in->size);
+    in->fixed = malloc(m * sizeof *in->fixed);
+    uint64_t *key = malloc(2 * m * sizeof *key);
+    uint32_t *slot = malloc(2 * m * sizeof *slot), *tmp = malloc(2 * m * sizeof *tmp);
+    if (!in->orig || !in->start || !in->end || !in->size || !in->fixed || !key || !slot || !tmp) {
+        free(key);
+        free(slot);
+        free(tmp);
+        lshm__plan_input_free(in);
+        return LSHM_FAIL(-ENOMEM, "planner: out of memory for %zu tensors", c->n);
+    }
+    size_t j = 0;
+    for (size_t i = 0; i < c->n; i++) {
+        if (!occupies_memory(c, i))
+            continue;
+        in->orig[j] = (uint32_t)i;
+        in->size[j] = c->sizes[i];
+        in->fixed[j] = pinned_offset(c, i);
+        if (in->fixed[j] != UINT64_MAX)
+            in->n_fixed++;
+        /* order-preserving map of int64 to uint64 */
+        key[2 * j] = (uint64_t)c->firsts[i] ^ ((uint64_t)1 << 63);
+        key[2 * j + 1] = (uint64_t)c->lasts[i] ^ ((uint64_t)1 << 63);
+        j++;
+    }
+    rank_times(in, key, slot, tmp, c->inclusive);
+    free(key);
+    free(slot);
+    free(tmp);
+    return 0;
+}
+
 /* Checks the caller's arrays and builds the compressed problem. `offsets` (validation) or
  * `fixed` (planning) may be given to check pinned/proposed offsets for alignment and overflow.
  * Only planning needs the bound `total` (sum of the padded sizes + the highest pinned end, the
@@ -96,113 +234,12 @@ int lshm__plan_input_build(plan_input *in, size_t n, const uint64_t *sizes,
         return LSHM_FAIL(-EINVAL, "NULL sizes/firsts/lasts with n = %zu", n);
     if (n > PLAN_MAX_TENSORS)
         return LSHM_FAIL(-EINVAL, "n = %zu exceeds the planner limit %zu", n, PLAN_MAX_TENSORS);
-    const int inclusive = (flags & LSHM_PLAN_INCLUSIVE) != 0;
-    const uint64_t a = in->alignment;
-    const int planning = given == NULL;
-    /* total starts at 1: every arena we build is then below in->total <= UINT64_MAX, so
-     * UINT64_MAX never is one (it means "no plan" / "cut off" in lshm_plan and
-     * lshm__plan_engine_run) */
-    uint64_t total = 1, fixed_top = 0;
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (firsts[i] > lasts[i])
-            return LSHM_FAIL(-EINVAL, "tensor %zu: first %lld > last %lld", i,
-                             (long long)firsts[i], (long long)lasts[i]);
-        if (planning) {
-            if (sizes[i] > UINT64_MAX - a)
-                return LSHM_FAIL(-EOVERFLOW, "tensor %zu: size %llu overflows when aligned", i,
-                                 (unsigned long long)sizes[i]);
-            uint64_t padded = align_up(sizes[i], a);
-            if (total > UINT64_MAX - padded)
-                return LSHM_FAIL(-EOVERFLOW, "sum of tensor sizes overflows 64 bits");
-            total += padded;
-        }
-        uint64_t pin = UINT64_MAX;
-        if (fixed && fixed[i] != -1) {
-            if (fixed[i] < 0)
-                return LSHM_FAIL(-EINVAL, "tensor %zu: fixed offset %lld (use -1 for none)", i,
-                                 (long long)fixed[i]);
-            pin = (uint64_t)fixed[i];
-        }
-        if (given)
-            pin = given[i];
-        if (given || pin != UINT64_MAX) {
-            if (pin & (a - 1))
-                return LSHM_FAIL(-EINVAL, "tensor %zu: offset %llu not aligned to %llu", i,
-                                 (unsigned long long)pin, (unsigned long long)a);
-            if (pin > UINT64_MAX - sizes[i])
-                return LSHM_FAIL(-EOVERFLOW, "tensor %zu: offset %llu + size %llu overflows", i,
-                                 (unsigned long long)pin, (unsigned long long)sizes[i]);
-            fixed_top = max_u64(fixed_top, pin + sizes[i]);
-        }
-        if (sizes[i] > 0 && (inclusive || firsts[i] < lasts[i]))
-            m++;
-    }
-    if (planning) {
-        /* free tensors go above the pinned ones at worst: from align_up(fixed_top), at most
-         * a - 1 above fixed_top (whose align_up must not wrap either), each one adding at
-         * most its padded size */
-        uint64_t slack = fixed_top ? a - 1 : 0;
-        if (total > UINT64_MAX - fixed_top || total + fixed_top > UINT64_MAX - slack)
-            return LSHM_FAIL(-EOVERFLOW, "arena size could overflow 64 bits");
-        in->total = total + fixed_top + slack;
-    }
-    in->m = m;
-    if (m == 0)
-        return 0;
-
-    in->orig = malloc(m * sizeof *in->orig);
-    in->start = malloc(m * sizeof *in->start);
-    in->end = malloc(m * sizeof *in->end);
-    in->size = malloc(m * sizeof *in->size);
-    in->fixed = malloc(m * sizeof *in->fixed);
-    uint64_t *key = malloc(2 * m * sizeof *key);
-    uint32_t *slot = malloc(2 * m * sizeof *slot), *tmp = malloc(2 * m * sizeof *tmp);
-    if (!in->orig || !in->start || !in->end || !in->size || !in->fixed || !key || !slot || !tmp) {
-        free(key);
-        free(slot);
-        free(tmp);
-        lshm__plan_input_free(in);
-        return LSHM_FAIL(-ENOMEM, "planner: out of memory for %zu tensors", n);
-    }
-    size_t j = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!(sizes[i] > 0 && (inclusive || firsts[i] < lasts[i])))
-            continue;
-        in->orig[j] = (uint32_t)i;
-        in->size[j] = sizes[i];
-        uint64_t pin = UINT64_MAX;
-        if (given)
-            pin = given[i];
-        else if (fixed && fixed[i] >= 0)
-            pin = (uint64_t)fixed[i];
-        in->fixed[j] = pin;
-        if (pin != UINT64_MAX)
-            in->n_fixed++;
-        /* order-preserving map of int64 to uint64 */
-        key[2 * j] = (uint64_t)firsts[i] ^ ((uint64_t)1 << 63);
-        key[2 * j + 1] = (uint64_t)lasts[i] ^ ((uint64_t)1 << 63);
-        j++;
-    }
-    for (size_t s = 0; s < 2 * m; s++)
-        slot[s] = (uint32_t)s;
-    lshm__plan_sort_by_key(slot, 2 * m, key, tmp);
-    /* Rank distinct values; start = 2 rank(first); end = 2 rank(last) (+1 if inclusive). */
-    uint32_t rank = 0;
-    for (size_t s = 0; s < 2 * m; s++) {
-        if (s > 0 && key[slot[s]] != key[slot[s - 1]])
-            rank++;
-        uint32_t k = slot[s];
-        if (k & 1)
-            in->end[k >> 1] = 2 * rank + (uint32_t)inclusive;
-        else
-            in->start[k >> 1] = 2 * rank;
-    }
-    in->times = 2 * rank + 2;
-    free(key);
-    free(slot);
-    free(tmp);
-    return 0;
+    const caller_input caller = {n, sizes, firsts, lasts, fixed, given,
+                                 (flags & LSHM_PLAN_INCLUSIVE) != 0};
+    err = check_tensors(in, &caller);
+    if (err || in->m == 0)
+        return err;
+    return compress_tensors(in, &caller);
 }
 
 /* ---- lower bound --------------------------------------------------------------------------- */
@@ -216,6 +253,36 @@ typedef struct pad_entry {
     uint32_t end;
 } pad_entry;
 
+/* Pushes an entry onto the max-heap heap[0..*len). */
+static void pad_heap_push(pad_entry *heap, size_t *len, pad_entry entry) {
+    size_t hole = (*len)++; /* sift up */
+    while (hole > 0 && heap[(hole - 1) / 2].pad < entry.pad) {
+        heap[hole] = heap[(hole - 1) / 2];
+        hole = (hole - 1) / 2;
+    }
+    heap[hole] = entry;
+}
+
+/* Removes the top of the max-heap heap[0..*len) (*len > 0). */
+static void pad_heap_pop(pad_entry *heap, size_t *len) {
+    pad_entry last = heap[--*len];
+    size_t hole = 0; /* sift down */
+    for (;;) {
+        size_t left = 2 * hole + 1, right = left + 1, larger = hole;
+        uint64_t larger_pad = last.pad;
+        if (left < *len && heap[left].pad > larger_pad)
+            larger = left, larger_pad = heap[left].pad;
+        if (right < *len && heap[right].pad > larger_pad)
+            larger = right;
+        if (larger == hole)
+            break;
+        heap[hole] = heap[larger];
+        hole = larger;
+    }
+    if (*len > 0)
+        heap[hole] = last;
+}
+
 /* max over t of (sum of padded sizes live at t) - (largest padding among them): all but the
  * topmost live tensor occupy at least their padded size, the topmost at least its size. */
 int lshm__plan_lower_bound(const plan_input *in, uint64_t *out) {
@@ -224,66 +291,46 @@ int lshm__plan_lower_bound(const plan_input *in, uint64_t *out) {
     *out = 0;
     if (m == 0)
         return 0;
-    uint64_t a = in->alignment;
+    const uint64_t alignment = in->alignment;
     uint64_t *diff = calloc((size_t)T + 1, sizeof *diff);
     uint32_t *by_start = malloc(m * sizeof *by_start), *tmp = malloc(m * sizeof *tmp);
     uint64_t *key = malloc(m * sizeof *key);
-    pad_entry *heap = a > 1 ? malloc(m * sizeof *heap) : NULL; /* max-heap by padding */
-    if (!diff || !by_start || !tmp || !key || (a > 1 && !heap)) {
+    /* max-heap by padding */
+    pad_entry *heap = alignment > 1 ? malloc(m * sizeof *heap) : NULL;
+    if (!diff || !by_start || !tmp || !key || (alignment > 1 && !heap)) {
         free(diff), free(by_start), free(tmp), free(key), free(heap);
         return LSHM_FAIL(-ENOMEM, "planner: out of memory");
     }
     for (size_t i = 0; i < m; i++) {
-        uint64_t p = align_up(in->size[i], a);
-        diff[in->start[i]] += p;
-        diff[in->end[i]] -= p;
+        uint64_t padded = align_up(in->size[i], alignment);
+        diff[in->start[i]] += padded;
+        diff[in->end[i]] -= padded;
         by_start[i] = (uint32_t)i;
         key[i] = in->start[i];
     }
     lshm__plan_sort_by_key(by_start, m, key, tmp);
-    size_t hn = 0, k = 0;
+    size_t heap_len = 0, k = 0;
     uint64_t live = 0, best = 0;
     for (uint32_t t = 0; t < T && k < m; t++) {
         live += diff[t];
         if (in->start[by_start[k]] != t)
             continue;
-        uint64_t maxpad = 0;
+        uint64_t max_pad = 0;
         if (heap) {
             while (k < m && in->start[by_start[k]] == t) {
                 uint32_t i = by_start[k++];
-                pad_entry e = {align_up(in->size[i], a) - in->size[i], in->end[i]};
-                size_t c = hn++; /* sift up */
-                while (c > 0 && heap[(c - 1) / 2].pad < e.pad) {
-                    heap[c] = heap[(c - 1) / 2];
-                    c = (c - 1) / 2;
-                }
-                heap[c] = e;
+                pad_entry entry = {align_up(in->size[i], alignment) - in->size[i], in->end[i]};
+                pad_heap_push(heap, &heap_len, entry);
             }
-            while (hn > 0 && heap[0].end <= t) { /* pop dead tops */
-                pad_entry last = heap[--hn];
-                size_t c = 0;
-                for (;;) {
-                    size_t l = 2 * c + 1, r = l + 1, b = c;
-                    uint64_t vb = last.pad;
-                    if (l < hn && heap[l].pad > vb)
-                        b = l, vb = heap[l].pad;
-                    if (r < hn && heap[r].pad > vb)
-                        b = r;
-                    if (b == c)
-                        break;
-                    heap[c] = heap[b];
-                    c = b;
-                }
-                if (hn > 0)
-                    heap[c] = last;
-            }
-            maxpad = hn ? heap[0].pad : 0;
+            while (heap_len > 0 && heap[0].end <= t) /* pop dead tops */
+                pad_heap_pop(heap, &heap_len);
+            max_pad = heap_len ? heap[0].pad : 0;
         } else {
             while (k < m && in->start[by_start[k]] == t)
                 k++;
         }
-        if (live - maxpad > best)
-            best = live - maxpad;
+        if (live - max_pad > best)
+            best = live - max_pad;
     }
     free(diff), free(by_start), free(tmp), free(key), free(heap);
     *out = best;
@@ -298,15 +345,15 @@ typedef struct treap {
     uint32_t root;
 } treap;
 
-static inline int tkey_less(const treap *t, uint32_t a, uint32_t b) {
+static inline int treap_key_less(const treap *t, uint32_t a, uint32_t b) {
     return t->off[a - 1] < t->off[b - 1] || (t->off[a - 1] == t->off[b - 1] && a < b);
 }
 
-static uint32_t treap_insert(treap *t, uint32_t root, uint32_t x) {
+static uint32_t treap_insert(treap *t, uint32_t root, uint32_t node) {
     if (!root)
-        return x;
-    if (tkey_less(t, x, root)) {
-        t->left[root] = treap_insert(t, t->left[root], x);
+        return node;
+    if (treap_key_less(t, node, root)) {
+        t->left[root] = treap_insert(t, t->left[root], node);
         uint32_t l = t->left[root];
         if (t->prio[l] > t->prio[root]) {
             t->left[root] = t->right[l];
@@ -314,7 +361,7 @@ static uint32_t treap_insert(treap *t, uint32_t root, uint32_t x) {
             return l;
         }
     } else {
-        t->right[root] = treap_insert(t, t->right[root], x);
+        t->right[root] = treap_insert(t, t->right[root], node);
         uint32_t r = t->right[root];
         if (t->prio[r] > t->prio[root]) {
             t->right[root] = t->left[r];
@@ -336,22 +383,22 @@ static uint32_t treap_merge(treap *t, uint32_t a, uint32_t b) {
     return b;
 }
 
-static uint32_t treap_erase(treap *t, uint32_t root, uint32_t x) {
+static uint32_t treap_erase(treap *t, uint32_t root, uint32_t node) {
     if (!root)
         return 0;
-    if (root == x)
-        return treap_merge(t, t->left[x], t->right[x]);
-    if (tkey_less(t, x, root))
-        t->left[root] = treap_erase(t, t->left[root], x);
+    if (root == node)
+        return treap_merge(t, t->left[node], t->right[node]);
+    if (treap_key_less(t, node, root))
+        t->left[root] = treap_erase(t, t->left[root], node);
     else
-        t->right[root] = treap_erase(t, t->right[root], x);
+        t->right[root] = treap_erase(t, t->right[root], node);
     return root;
 }
 
 /* Checks that no two tensors of `in` that are live together overlap with offsets `off` (indexed
  * like in). Returns 0, or 1 and the offending pair. */
-int lshm__plan_find_overlap(const plan_input *in, const uint64_t *off, uint32_t *pa,
-                            uint32_t *pb, int *nomem) {
+int lshm__plan_find_overlap(const plan_input *in, const uint64_t *off, uint32_t *tensor_a,
+                            uint32_t *tensor_b, int *nomem) {
     size_t m = in->m;
     *nomem = 0;
     if (m == 0)
@@ -380,18 +427,18 @@ int lshm__plan_find_overlap(const plan_input *in, const uint64_t *off, uint32_t 
     for (size_t i = 0; i < m; i++)
         key[i] = in->end[i];
     lshm__plan_sort_by_key(by_end, m, key, tmp);
-    size_t ks = 0, ke = 0;
-    while (ks < m) {
-        uint32_t s = by_start[ks];
+    size_t next_start = 0, next_end = 0; /* positions in by_start and by_end */
+    while (next_start < m) {
+        uint32_t s = by_start[next_start];
         /* ends at or before this start free their blocks first (half-open) */
-        while (ke < m && in->end[by_end[ke]] <= in->start[s]) {
-            t.root = treap_erase(&t, t.root, by_end[ke] + 1);
-            ke++;
+        while (next_end < m && in->end[by_end[next_end]] <= in->start[s]) {
+            t.root = treap_erase(&t, t.root, by_end[next_end] + 1);
+            next_end++;
         }
         /* neighbours by offset: predecessor (largest key < s) and successor */
-        uint32_t x = s + 1, pred = 0, succ = 0, cur = t.root;
+        uint32_t node = s + 1, pred = 0, succ = 0, cur = t.root;
         while (cur) {
-            if (tkey_less(&t, cur, x)) {
+            if (treap_key_less(&t, cur, node)) {
                 pred = cur;
                 cur = t.right[cur];
             } else {
@@ -400,15 +447,15 @@ int lshm__plan_find_overlap(const plan_input *in, const uint64_t *off, uint32_t 
             }
         }
         if (pred && off[pred - 1] + in->size[pred - 1] > off[s]) {
-            *pa = pred - 1, *pb = s, found = 1;
+            *tensor_a = pred - 1, *tensor_b = s, found = 1;
             goto out;
         }
         if (succ && off[succ - 1] < off[s] + in->size[s]) {
-            *pa = succ - 1, *pb = s, found = 1;
+            *tensor_a = succ - 1, *tensor_b = s, found = 1;
             goto out;
         }
-        t.root = treap_insert(&t, t.root, x);
-        ks++;
+        t.root = treap_insert(&t, t.root, node);
+        next_start++;
     }
 out:
     free(t.left), free(t.right), free(t.prio), free(by_start), free(by_end), free(tmp), free(key);

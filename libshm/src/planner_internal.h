@@ -77,8 +77,8 @@ int lshm__plan_input_build(plan_input *in, size_t n, const uint64_t *sizes,
 /* The lower bound: the most bytes live at one time (with forced alignment padding). */
 int lshm__plan_lower_bound(const plan_input *in, uint64_t *out);
 /* 1 and two overlapping tensors (a, b) if the offsets overlap in space and time; *nomem. */
-int lshm__plan_find_overlap(const plan_input *in, const uint64_t *off, uint32_t *pa,
-                            uint32_t *pb, int *nomem);
+int lshm__plan_find_overlap(const plan_input *in, const uint64_t *off, uint32_t *tensor_a,
+                            uint32_t *tensor_b, int *nomem);
 
 /* The placement engine (planner_engine.c). */
 enum { FIT_BEST = 0, FIT_FIRST = 1 };
@@ -92,29 +92,33 @@ typedef struct engine {
     const uint32_t *start, *end;
     const uint64_t *size;
     uint64_t alignment;
-    uint32_t *pos;      /* [m] tensor -> position in start order */
-    uint32_t *ps, *pe;  /* [m] start/end by position */
-    uint32_t *pmax;     /* [m] max end of the placed tensors in the subtree of this node; 0 none */
-    uint64_t *plo, *phi; /* [m] placed block by position; phi == 0: not placed */
-    block *blocks;      /* [m] scratch: placed blocks overlapping in time */
-    /* Dense mode (seg != 0): a segment tree over the time slots (intervals between consecutive
-     * lifetime boundaries). Node v keeps two coalesced, offset-sorted sets of occupied offset
-     * ranges: here[v], the blocks whose canonical cover includes v (live over all of v), and
-     * sub[v], every block stored at v or below (sub[parent] contains sub[child]). The placed
-     * blocks meeting [l, r) are then the union of sub[] over the canonical nodes of [l, r) and
-     * here[] over the ancestors of those nodes, i.e. over the paths from leaves l and r - 1 to
-     * the root. A query costs the size of these coalesced sets, not the number of overlapping
-     * blocks: on dense traces (thousands of live tensors) that is 20-40x fewer. */
-    int seg;
-    uint32_t W;             /* leaves (power of two) */
-    uint32_t *slo, *shi;    /* [m] slot range [slo, shi) per tensor */
-    struct interval_set *here, *sub; /* [2W] */
+    uint32_t *pos;          /* [m] tensor -> position in start order */
+    uint32_t *start_by_pos, *end_by_pos; /* [m] start/end of the tensor at each position */
+    uint32_t *max_end_below; /* [m] max end of the placed tensors in the subtree of this node;
+                              * 0 none */
+    uint64_t *placed_lo, *placed_hi; /* [m] placed block by position; placed_hi == 0: not
+                                      * placed */
+    block *blocks;          /* [m] scratch: placed blocks overlapping in time */
+    /* Dense mode (dense != 0): a segment tree over the time slots (intervals between
+     * consecutive lifetime boundaries). Node v keeps two coalesced, offset-sorted sets of
+     * occupied offset ranges: here[v], the blocks whose canonical cover includes v (live over
+     * all of v), and sub[v], every block stored at v or below (sub[parent] contains
+     * sub[child]). The placed blocks meeting [l, r) are then the union of sub[] over the
+     * canonical nodes of [l, r) and here[] over the ancestors of those nodes, i.e. over the
+     * paths from leaves l and r - 1 to the root. A query costs the size of these coalesced
+     * sets, not the number of overlapping blocks, which on dense traces (thousands of live
+     * tensors) is far larger: compare the engines with LSHM_PLAN_ENGINE=sparse and =dense
+     * under tools/bench_planner.py. */
+    int dense;
+    uint32_t leaves;        /* leaves of the segment tree (power of two) */
+    uint32_t *slot_lo, *slot_hi; /* [m] slot range [slot_lo, slot_hi) per tensor */
+    struct interval_set *here, *sub; /* [2 leaves] */
     size_t blocks_cap;      /* capacity of blocks in dense mode (grows) */
     int nomem;
 } engine;
 
 typedef struct interval_set {
-    block *v;
+    block *ranges; /* [len] coalesced, sorted by offset; room for cap */
     uint32_t len, cap;
 } interval_set;
 void lshm__plan_engine_free(engine *e);
