@@ -7,14 +7,19 @@
  *   ceiling   one pwrite per array into a fresh memfd, mmap it anywhere, munmap the source
  *             (the ceiling row of `python -m pyshm bench`);
  *   whole     one pwrite, then one mmap(MAP_FIXED) of the memfd over the source;
- *   chunk K   per K KiB: pwrite that range, mmap(MAP_FIXED) it over the same range.
+ *   chunk K   per K KiB: pwrite that range, mmap(MAP_FIXED) it over the same range;
+ *   refill    (asked for by the word `refill` among the chunk sizes) as whole, into a memfd
+ *             of the array's size written once before the clock started (its pages allocated,
+ *             and cold by then), as share.c refills one of the pool's (pool.c).
  * Prints min and median seconds, GB/s and each method's time over the ceiling's.
  * libshm's defaults (256 KiB alone, 4 MiB with other shares running) come from this program:
  *   bench_chunks 1 1073741824 1 5 128 256 1024 4096 32768    (one big array, one thread)
  *   bench_chunks 64 39321600 2 5 256 1024 4096 8192          (the seed workload, 2 threads)
+ * and share.c's pool_pays (a fresh chunked share against a refill, in between the sizes):
+ *   bench_chunks 64 39321600 1 3 256 refill                  (the seed workload, 1 thread)
  *
  * Build: cc -O2 -o bench_chunks tools/bench_chunks.c -lpthread (meson builds it with the tests).
- * Usage: bench_chunks [count [bytes [threads [rounds [chunk_KiB ...]]]]]
+ * Usage: bench_chunks [count [bytes [threads [rounds [chunk_KiB | refill ...]]]]]
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -30,23 +35,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_common.h"
+
 enum { MAX_METHODS = 16, MAX_ROUNDS = 100, MAX_THREADS = 64 };
 
 static size_t count, bytes;
 static char **sources;
+static int *refill_fds; /* refill: each array's memfd, its pages allocated */
 static atomic_size_t next_index;
-static size_t chunk; /* 0: ceiling, SIZE_MAX: whole, else chunk bytes */
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_chunks: %s: %s\n", what, strerror(errno));
-    exit(1);
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
+#define REFILL (SIZE_MAX - 1)
+static size_t chunk; /* 0: ceiling, SIZE_MAX: whole, REFILL: refill, else chunk bytes */
 
 static void pwrite_all(int fd, const char *p, size_t n, off_t off) {
     while (n > 0) {
@@ -63,8 +61,8 @@ static void pwrite_all(int fd, const char *p, size_t n, off_t off) {
 
 static void share_one(size_t i) {
     char *src = sources[i];
-    int fd = memfd_create("bench_chunks", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
+    int fd = chunk == REFILL ? refill_fds[i] : memfd_create("bench_chunks", MFD_CLOEXEC);
+    if (fd < 0 || (chunk != REFILL && ftruncate(fd, (off_t)bytes) != 0))
         die("memfd_create/ftruncate");
     if (chunk == 0) {
         pwrite_all(fd, src, bytes, 0);
@@ -74,8 +72,9 @@ static void share_one(size_t i) {
         munmap(src, bytes);
         sources[i] = m;
     } else {
+        size_t step = chunk == REFILL ? SIZE_MAX : chunk; /* (a refill: one pwrite, one mmap) */
         for (size_t off = 0; off < bytes;) {
-            size_t n = bytes - off < chunk ? bytes - off : chunk;
+            size_t n = bytes - off < step ? bytes - off : step;
             pwrite_all(fd, src + off, n, (off_t)off);
             if (mmap(src + off, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
                      (off_t)off) == MAP_FAILED)
@@ -102,6 +101,13 @@ static double run_once(int threads, size_t method_chunk) {
             die("mmap(source)");
         memset(sources[i], (int)(i % 251) + 1, bytes);
     }
+    for (size_t i = 0; chunk == REFILL && i < count; i++) {
+        /* (as a pooled memfd: every page written once, by the share that made it) */
+        refill_fds[i] = memfd_create("bench_chunks_pool", MFD_CLOEXEC);
+        if (refill_fds[i] < 0 || ftruncate(refill_fds[i], (off_t)bytes) != 0)
+            die("memfd_create/ftruncate (refill)");
+        pwrite_all(refill_fds[i], sources[(i + 1) % count], bytes, 0);
+    }
     atomic_store(&next_index, 0);
     pthread_t t[MAX_THREADS];
     double t0 = now();
@@ -122,12 +128,8 @@ static double run_once(int threads, size_t method_chunk) {
     return elapsed;
 }
 
-static int by_value(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 int main(int argc, char **argv) {
+    bench_name = "bench_chunks";
     count = argc > 1 ? strtoull(argv[1], NULL, 10) : 64;
     bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : 39321600;
     int threads = argc > 3 ? atoi(argv[3]) : 2;
@@ -135,7 +137,8 @@ int main(int argc, char **argv) {
     size_t chunks[MAX_METHODS] = {0, SIZE_MAX};
     int methods = 2;
     for (int a = 5; a < argc && methods < MAX_METHODS; a++)
-        chunks[methods++] = strtoull(argv[a], NULL, 10) << 10;
+        chunks[methods++] = strcmp(argv[a], "refill") == 0 ? REFILL
+                                                           : strtoull(argv[a], NULL, 10) << 10;
     if (argc <= 5) {
         chunks[methods++] = (size_t)256 << 10;
         chunks[methods++] = (size_t)4 << 20;
@@ -144,16 +147,17 @@ int main(int argc, char **argv) {
     if (count == 0 || bytes == 0 || threads < 1 || threads > MAX_THREADS || rounds < 1 ||
         rounds > MAX_ROUNDS || bytes % (size_t)page != 0) {
         fprintf(stderr, "usage: bench_chunks [count [bytes (whole pages) [threads (1-%d) "
-                        "[rounds (1-%d) [chunk_KiB ...]]]]]\n", MAX_THREADS, MAX_ROUNDS);
+                        "[rounds (1-%d) [chunk_KiB | refill ...]]]]]\n", MAX_THREADS, MAX_ROUNDS);
         return 2;
     }
     for (int m = 2; m < methods; m++)
-        if (chunks[m] == 0 || chunks[m] % (size_t)page != 0) {
+        if (chunks[m] == 0 || (chunks[m] != REFILL && chunks[m] % (size_t)page != 0)) {
             fprintf(stderr, "bench_chunks: chunks must be whole pages\n");
             return 2;
         }
     sources = calloc(count, sizeof *sources);
-    if (sources == NULL)
+    refill_fds = calloc(count, sizeof *refill_fds);
+    if (sources == NULL || refill_fds == NULL)
         die("calloc");
     static double times[MAX_METHODS][MAX_ROUNDS];
     for (int r = 0; r < rounds; r++)
@@ -172,11 +176,14 @@ int main(int argc, char **argv) {
             snprintf(name, sizeof name, "ceiling");
         else if (chunks[m] == SIZE_MAX)
             snprintf(name, sizeof name, "whole");
+        else if (chunks[m] == REFILL)
+            snprintf(name, sizeof name, "refill");
         else
             snprintf(name, sizeof name, "chunk %zu KiB", chunks[m] >> 10);
         printf("%-14s %9.3f %9.3f %8.2f %12.2f\n", name, best, median,
                (double)count * (double)bytes / best / 1e9, best / ceiling);
     }
     free(sources);
+    free(refill_fds);
     return 0;
 }

@@ -268,7 +268,7 @@ int lshm__os_check_mapped(const void *p, size_t len) {
     if (len == 0)
         return 0;
     size_t page = lshm__os_page_size();
-    uintptr_t at = (uintptr_t)p & ~(uintptr_t)(page - 1);
+    uintptr_t at = (uintptr_t)lshm__page_floor((uintptr_t)p);
     uintptr_t end = (uintptr_t)p + len;
     unsigned char resident[4096]; /* mincore's answer, unused: 16 MiB of pages per call */
     while (at < end) {
@@ -293,6 +293,14 @@ int lshm__round_pages(size_t nbytes, size_t *out) {
         return LSHM_FAIL(-EOVERFLOW, "%zu bytes cannot be rounded up to whole pages", nbytes);
     *out = (nbytes + page - 1) & ~(page - 1);
     return 0;
+}
+
+uint64_t lshm__page_floor(uint64_t x) {
+    return x & ~(uint64_t)(lshm__os_page_size() - 1);
+}
+
+int lshm__page_aligned(uint64_t x) {
+    return (x & (uint64_t)(lshm__os_page_size() - 1)) == 0;
 }
 
 int lshm__os_fault_point(const char *site) {

@@ -127,8 +127,7 @@ static void *copy_half_thread(void *arg) {
  * does: the "one 1 GiB array" row of `python -m pyshm bench`).
  * When no thread can be started, one pwrite does it all. */
 static int split_fill(int fd, const void *data, size_t size) {
-    size_t page = lshm__os_page_size();
-    size_t first = (size / 2) & ~(page - 1);
+    size_t first = (size_t)lshm__page_floor(size / 2);
     copy_half h = {fd, first, size - first, (const char *)data + first, 0, 0, {0}};
     /* The helper's fault point is taken here: fault injection is per thread. */
     h.injected = lshm__os_fault_point("copy_thread");
@@ -202,7 +201,7 @@ static size_t next_chunk(size_t page) {
     size_t chunk = atomic_load_explicit(&active_shares, memory_order_relaxed) > 1
                        ? atomic_load_explicit(&lshm__share_chunk_busy_bytes, memory_order_relaxed)
                        : atomic_load_explicit(&lshm__share_chunk_bytes, memory_order_relaxed);
-    return chunk < page ? page : chunk & ~(page - 1);
+    return chunk < page ? page : (size_t)lshm__page_floor(chunk);
 }
 
 /* The end of a chunked share that swapped [data, data + swapped) and returned rc: on failure
@@ -237,7 +236,8 @@ static int pwrite_chunks(int fd, char *data, size_t *off, size_t end) {
  * memfd with pwrite, then mmap(MAP_FIXED) that chunk of the memfd over the same chunk of the
  * storage. The old private pages go back to the kernel as we go and the next chunk's pwrite
  * allocates them again while they are still cached (memory new to the process arrives slowly
- * on these VMs; 1.3x faster than one pwrite on one thread: tools/bench_chunks.c), and the extra
+ * on these VMs; for 1 GiB on one thread, 0.52 s against 0.59 s for one pwrite: the chunk 256 KiB
+ * and whole rows of `bench_chunks 1 1073741824 1 3 256`, tools/bench_chunks.c), and the extra
  * memory in use at any time is one chunk. Adjacent chunks merge into one mapping.
  * On failure the chunks already swapped are mapped again, privately (MAP_PRIVATE of the same
  * memfd pages, which hold the very bytes): copy-on-write across fork() and writes that stay in
@@ -402,8 +402,10 @@ static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
 /* Refilling a pooled memfd beats a fresh share only below the chunk threshold (it saves the
  * memfd's syscalls) and for big shares the process makes alone (the refill is split over two
  * threads). In between, a fresh chunked share is faster: its new pages are the old ones, still
- * cached, while a pooled memfd's pages are cold (64 x 39 MB from one thread: 0.63 s fresh and
- * chunked, 0.78 s refilled). */
+ * cached, while a pooled memfd's pages are cold (64 x 39 MB from one thread on a 2-CPU VM:
+ * 0.66 s fresh, the pyshm row of `python -m pyshm bench --cases seed --threads 1`; 0.77 s for
+ * the refill's kernel calls alone, the refill row of `bench_chunks 64 39321600 1 1 256 refill`,
+ * tools/bench_chunks.c). */
 static int pool_pays(size_t capacity) {
     if (capacity < atomic_load_explicit(&lshm__share_chunk_threshold, memory_order_relaxed))
         return 1;

@@ -123,7 +123,7 @@ static int alloc_bytes(const lshm_allocator *allocator, size_t nbytes, void **da
     if (p == NULL)
         return LSHM_FAIL(-ENOMEM, "allocator returned NULL for %zu bytes", nbytes);
     if ((allocator->flags & LSHM_ALLOCATOR_WHOLE_PAGES) != 0 &&
-        (uintptr_t)p % lshm__os_page_size() != 0) {
+        !lshm__page_aligned((uintptr_t)p)) {
         allocator->free(allocator->ctx, p, nbytes);
         return LSHM_FAIL(-EINVAL, "WHOLE_PAGES allocator returned %p, not page-aligned", p);
     }
@@ -565,8 +565,7 @@ int lshm_storage_attach(int fd, uint64_t offset, size_t nbytes, unsigned flags,
     (void)size;
     /* Map only the pages that hold [offset, offset + nbytes): mmap wants a page-aligned file
      * offset, so start at the page below and point data into it. */
-    size_t page = lshm__os_page_size();
-    uint64_t map_offset = offset & ~(uint64_t)(page - 1);
+    uint64_t map_offset = lshm__page_floor(offset);
     size_t lead = (size_t)(offset - map_offset);
     size_t map_len = 0;
     void *base = NULL;
