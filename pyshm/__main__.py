@@ -25,7 +25,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from . import planner
 
-    ids, sizes, firsts, lasts, lines = planner._read_trace(args.trace)
+    ids, sizes, firsts, lasts, lines = planner.read_trace_lines(args.trace)
     start = time.perf_counter()
     try:
         result = planner.plan(

@@ -64,7 +64,9 @@ import threading
 import time
 import weakref
 from multiprocessing import util as _mp_util
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+
+from ._memory import storage_fd
 
 KEEPALIVE_SECONDS = 60.0  # an unfetched, unacknowledged batch holds its memory this long
 PREFETCH_SECONDS = 1.0  # an extra fd this process did not use by then is closed
@@ -206,7 +208,7 @@ class _Batch:
         self.secret = secrets.token_bytes(SECRET_BYTES)
         self.members: dict = {}  # key -> [holder, readonly]
         self.deadline = time.monotonic() + KEEPALIVE_SECONDS
-        self.frame = frame  # id() of the frame that called the pickler (see _Mark)
+        self.frame = frame  # id() of the frame that called the pickler (see Mark)
 
 
 class _State:
@@ -234,7 +236,6 @@ class _State:
 
 state = _State()
 _monotonic = time.monotonic
-_fd_of: Callable[[Any], int] = lambda holder: -1  # set by pyshm.reduction
 _on_server_start: list = []
 
 
@@ -283,7 +284,7 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
         return server.address, pair[1 if readonly else 0], ref, pair[2]
 
 
-class _Mark:
+class Mark:
     """The sending thread's marker in every token; pickle memoizes it per message, so its
     reduction runs once per message and begins that message's batch."""
 
@@ -326,12 +327,12 @@ class Ticket:
         return tuple, (self.fields if solo is None else (*self.fields[:-1], solo),)
 
 
-def mark() -> _Mark:
-    """This thread's mark (see _Mark)."""
+def mark() -> Mark:
+    """This thread's mark (see Mark)."""
     local = state.local
     m = getattr(local, "mark", None)
     if m is None:
-        m = local.mark = _Mark()
+        m = local.mark = Mark()
     return m
 
 
@@ -435,7 +436,7 @@ def _fd_for(key: tuple, readonly: bool, fds: list, holders: list) -> bool:
     if holder is None:
         return False
     try:
-        fd = _fd_of(holder)
+        fd = storage_fd(holder)
         if readonly and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & WRITE_SEALS:
             return False
     except (OSError, ValueError):  # its fd was closed, or the Storage handle itself

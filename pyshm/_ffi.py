@@ -11,7 +11,8 @@ syscall releases the GIL for its whole duration: copies into shared memory issue
 Python threads run in parallel. The few O(1) accessors in ``_GIL_HELD`` (a field read, an atomic
 increment; no lock, no syscall, no callback) are called through a :class:`ctypes.PyDLL` handle on
 the same library instead, which keeps the GIL: releasing and retaking it would cost more than
-the call (0.27 of 0.73 us), and they run once per array pickled or received. Functions that
+the call (0.55 us a call through CDLL against 0.37 through PyDLL, min times of
+``tools/bench_binding.py gil``), and they run once per array pickled or received. Functions that
 return an ``int`` status get an ``errcheck`` that turns a negative errno into the matching
 exception (see :func:`raise_for`), carrying the library's thread-local message, which is read in
 the same thread right after the call.
@@ -30,6 +31,7 @@ import errno as _errno
 import importlib.metadata
 import importlib.resources
 import os
+import re
 import struct
 import threading
 from ctypes import (
@@ -64,8 +66,31 @@ __all__ = [
 ]
 
 LIBRARY_NAME = "liblshm.so"
-EXPECTED_VERSION_MAJOR = 0
-EXPECTED_VERSION_MINOR = 3  # the ABI this binding mirrors (0.y minors may change it)
+
+
+def _header_version() -> tuple:
+    """(major, minor) of the lshm.h this binding mirrors, as its LSHM_VERSION_* macros state
+    them (the one place the version is written): the header installed in pyshm/include, or
+    libshm/include in a source tree."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for header in (os.path.join(here, "include", "lshm.h"),
+                   os.path.join(here, os.pardir, "libshm", "include", "lshm.h")):
+        try:
+            with open(header) as file:
+                text = file.read()
+        except OSError:
+            continue
+        found = [re.search(rf"^#define LSHM_VERSION_{part} (\d+)$", text, re.MULTILINE)
+                 for part in ("MAJOR", "MINOR")]
+        if None in found:
+            raise ImportError(f"pyshm: {header} states no LSHM_VERSION_MAJOR and _MINOR")
+        return tuple(int(match.group(1)) for match in found)
+    raise ImportError(f"pyshm: no lshm.h in {here}/include (nor a source tree's libshm/include): "
+                      "reinstall pyshm with 'python -m pip install .'")
+
+
+# the ABI this binding mirrors (0.y minors may change it)
+EXPECTED_VERSION_MAJOR, EXPECTED_VERSION_MINOR = _header_version()
 
 STORAGE_RESIZABLE = 0x1
 STORAGE_SHARED = 0x2
@@ -251,9 +276,9 @@ class SlabCounters(ctypes.Structure):
 
 # The library's four opaque types. A handle is a ctypes pointer to one of them, so a handle of
 # one kind passed where another is expected (or a bare int) is refused by ctypes itself with
-# ctypes.ArgumentError. ctypes checks the type in C: 0.23 us a call against 0.12 for a c_void_p
-# int (lshm_storage_flags through PyDLL, timeit on this project's machines), where a Python
-# from_param check took 1.14. Handles compare by object, not by address: use address().
+# ctypes.ArgumentError. ctypes checks the type in C: 0.49 us a call against 0.26 for a c_void_p
+# int, and 0.88 for a Python from_param check (lshm_storage_flags through PyDLL, min times of
+# tools/bench_binding.py typed). Handles compare by object, not by address: use address().
 class Opaque(ctypes.Structure):
     """The base of the library's opaque structs: no fields, no size, never made by value."""
 
@@ -287,8 +312,8 @@ def address(handle) -> int:
     return _addressof(handle.contents) if handle else 0
 
 
-_u64_p = POINTER(c_uint64)
-_i64_p = POINTER(c_int64)
+U64Pointer = POINTER(c_uint64)
+I64Pointer = POINTER(c_int64)
 
 
 def _declare(name: str, restype, argtypes, status: bool = False) -> None:
@@ -304,7 +329,7 @@ _TABLE = [
     # version and errors
     ("lshm_version", c_int, [], False),
     ("lshm_version_string", c_char_p, [], False),
-    ("lshm_abi_value", c_int, [c_char_p, _u64_p], True),
+    ("lshm_abi_value", c_int, [c_char_p, U64Pointer], True),
     ("lshm_strerror", c_char_p, [c_int], False),
     ("lshm_err_name", c_char_p, [c_int], False),
     ("lshm_last_error", c_char_p, [], False),
@@ -325,7 +350,7 @@ _TABLE = [
     ("lshm_storage_data", c_void_p, [StorageHandle], False),
     ("lshm_storage_nbytes", c_size_t, [StorageHandle], False),
     ("lshm_storage_flags", c_uint, [StorageHandle], False),
-    ("lshm_storage_fd", c_int, [StorageHandle, POINTER(c_int), _u64_p], True),
+    ("lshm_storage_fd", c_int, [StorageHandle, POINTER(c_int), U64Pointer], True),
     ("lshm_storage_export", c_int, [StorageHandle, POINTER(ExportInfo)], True),
     ("lshm_storage_resize", c_int, [StorageHandle, c_size_t], True),
     ("lshm_storage_copy", c_int, [StorageHandle, StorageHandle], True),
@@ -363,12 +388,12 @@ _TABLE = [
         c_int,
         [
             c_size_t,
-            _u64_p,
-            _i64_p,
-            _i64_p,
-            _i64_p,
+            U64Pointer,
+            I64Pointer,
+            I64Pointer,
+            I64Pointer,
             POINTER(PlanOptions),
-            _u64_p,
+            U64Pointer,
             POINTER(PlanResult),
         ],
         True,
@@ -376,20 +401,21 @@ _TABLE = [
     (
         "lshm_plan_validate",
         c_int,
-        [c_size_t, _u64_p, _i64_p, _i64_p, _u64_p, POINTER(PlanOptions), c_uint64],
+        [c_size_t, U64Pointer, I64Pointer, I64Pointer, U64Pointer, POINTER(PlanOptions), c_uint64],
         True,
     ),
     (
         "lshm_plan_lower_bound",
         c_int,
-        [c_size_t, _u64_p, _i64_p, _i64_p, POINTER(PlanOptions), _u64_p],
+        [c_size_t, U64Pointer, I64Pointer, I64Pointer, POINTER(PlanOptions), U64Pointer],
         True,
     ),
     # arena
     (
         "lshm_arena_create",
         c_int,
-        [c_size_t, _u64_p, _i64_p, _i64_p, POINTER(PlanOptions), c_uint, POINTER(ArenaHandle)],
+        [c_size_t, U64Pointer, I64Pointer, I64Pointer, POINTER(PlanOptions), c_uint,
+         POINTER(ArenaHandle)],
         True,
     ),
     (
@@ -404,7 +430,7 @@ _TABLE = [
     ("lshm_arena_trim", c_int, [ArenaHandle], True),
     ("lshm_arena_count", c_size_t, [ArenaHandle], False),
     ("lshm_arena_storage", c_int, [ArenaHandle, c_size_t, POINTER(StorageHandle)], True),
-    ("lshm_arena_offset", c_int, [ArenaHandle, c_size_t, _u64_p], True),
+    ("lshm_arena_offset", c_int, [ArenaHandle, c_size_t, U64Pointer], True),
     ("lshm_arena_data", c_void_p, [ArenaHandle], False),
     ("lshm_arena_size", c_uint64, [ArenaHandle], False),
     ("lshm_arena_fd", c_int, [ArenaHandle, POINTER(c_int)], True),
@@ -458,7 +484,8 @@ for _name, _restype, _argtypes, _status in _TABLE:
         setattr(lib, _name, _func)
 
 # lshm_storage_share without the errcheck, for callers that check the status themselves (the
-# in-place share of a small array costs about 12 us, and the errcheck's Python frame 0.15 of it)
+# in-place share of a 4 KiB array takes 8.8 us, the "4 KiB" case of python -m pyshm bench
+# --cases small, and the errcheck's Python frame adds 0.13 us: tools/bench_binding.py errcheck)
 share_unchecked = lib["lshm_storage_share"]
 share_unchecked.restype, share_unchecked.argtypes = c_int, [StorageHandle]
 # The two calls of the channel's hot paths (once per array received, once per array sent),
@@ -477,7 +504,8 @@ def _new_out_lock_in_child() -> None:
 os.register_at_fork(after_in_child=_new_out_lock_in_child)
 
 # lshm_storage_create_view: its uint64_t/size_t arguments as c_void_p (on LP64 Linux both are
-# one 64-bit register, and ctypes converts an int to c_void_p in 1.8 us where c_uint64 takes 2.5)
+# one 64-bit register, and the call takes 1.26 us with c_void_p arguments, 1.58 with c_uint64:
+# tools/bench_binding.py convert)
 _create_view = _pylib["lshm_storage_create_view"]
 _create_view.restype = c_int
 _create_view.argtypes = [SegmentHandle, c_void_p, c_void_p, c_uint, POINTER(StorageHandle)]

@@ -80,7 +80,8 @@ class HandleLifetime:
     buffer keep, a received mapping): one ``weakref.finalize`` gives the reference back once,
     when the object is collected or closed, and never at interpreter exit (the process's memory
     goes with the process). ArrayOwner does the same with a bare weak-reference callback
-    (REFERENCES below: 0.2 us instead of 3), since one is made for every array."""
+    (REFERENCES below: 0.30 us an owner instead of 1.02, min times of
+    ``tools/bench_binding.py release``), since one is made for every array."""
 
     __slots__ = ("_finalizer", "__weakref__")
 
@@ -98,7 +99,7 @@ _TYPESTRS: dict = {}
 
 
 # ArrayOwner weak reference -> the C reference it holds. The reference is given back by the
-# weak reference's callback, as weakref.finalize would (0.2 us instead of 3): CPython clears
+# weak reference's callback, as weakref.finalize would (faster: see HandleLifetime): CPython clears
 # every weak reference to a dying owner before it runs callbacks, so the channel's weak
 # references (pyshm._channel) never see an owner whose storage is being released, and in a
 # garbage cycle the release runs in the same phase as the other finalizers (an Arena's among
@@ -156,14 +157,14 @@ class ArrayOwner:
     """The ``base`` of every pyshm array: one reference to a C storage, plus the array layout.
 
     It exists so that numpy builds arrays from an owner, never from a bare address, and so that
-    the memory outlives every view. ``_keep`` is what that memory itself depends on, kept alive
+    the memory outlives every view. ``keep`` is what that memory itself depends on, kept alive
     as long as the array (a mapping received from another process, an arena), or None. Not meant
     to be created by users.
     """
 
-    __slots__ = ("_handle", "_ref", "_keep", "__array_interface__", "_token", "_facts",
-                 "_sent", "__weakref__")
-    # _ref: the weak reference whose callback gives the C reference back (see REFERENCES)
+    __slots__ = ("handle", "ref", "keep", "__array_interface__", "token", "facts", "sent",
+                 "__weakref__")
+    # ref: the weak reference whose callback gives the C reference back (see REFERENCES)
 
     def __init__(self, handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int,
                  readonly: bool, keep: Any = None, strides: Optional[tuple] = None,
@@ -171,11 +172,11 @@ class ArrayOwner:
         # The owner takes its own reference (adopt: the caller hands over one of its own
         # instead), last: if anything here raises, the caller still has its reference and
         # nothing is released twice. data: the storage's data pointer, when the caller knows it.
-        self._handle = self._ref = None
-        self._keep = keep
-        self._token = None  # the last token it was sent with (pyshm.reduction)
-        self._facts = None  # (flags, data, nbytes) of memory received (pyshm.reduction)
-        self._sent = None  # (weak reference to the array last sent, its start: pyshm.reduction)
+        self.handle = self.ref = None
+        self.keep = keep
+        self.token = None  # the last token it was sent with (pyshm.reduction)
+        self.facts = None  # (flags, data, nbytes) of memory received (pyshm.reduction)
+        self.sent = None  # (weak reference to the array last sent, its start: pyshm.reduction)
         if data is None:
             data = lib.lshm_storage_data(handle) or 0
         self.__array_interface__ = array_interface(shape, dtype, data + offset, readonly,
@@ -184,14 +185,32 @@ class ArrayOwner:
         REFERENCES[ref] = handle if adopt else lib.lshm_storage_retain(handle)
         if tracking:
             note_new_owner(ref)
-        self._ref = ref
-        self._handle = handle
+        self.ref = ref
+        self.handle = handle
+
+    @property
+    def _as_parameter_(self) -> Optional[_ffi.StorageHandle]:
+        """The owner passes to the binding as its C storage (ctypes reads this)."""
+        return self.handle
 
     def _release(self) -> None:
         """Give up the owner's reference now (once; the arrays over it must not be used)."""
-        self._handle = None
-        if self._ref is not None:
-            released(self._ref)
+        self.handle = None
+        if self.ref is not None:
+            released(self.ref)
+
+
+def storage_fd(holder: Any) -> int:
+    """The memfd behind a C storage (a StorageHandle, or an ArrayOwner or Storage, which pass
+    as theirs); the storage keeps it (not a new fd). OSError if it has none, ValueError if the
+    Storage is closed."""
+    fd = ctypes.c_int(-1)
+    offset = ctypes.c_uint64(0)
+    # (asked here, not by ctypes, which would turn a closed Storage's ValueError into its own
+    # ArgumentError)
+    handle = holder if isinstance(holder, _ffi.StorageHandle) else holder._as_parameter_
+    lib.lshm_storage_fd(handle, ctypes.byref(fd), ctypes.byref(offset))
+    return fd.value
 
 
 def normalize_shape(shape: ShapeLike) -> tuple:
@@ -275,7 +294,8 @@ _from_address = ctypes.c_void_p.from_address
 
 def data_address(array: np.ndarray) -> int:
     """The address of ``array``'s first element (``__array_interface__['data'][0]``, without
-    building that dict: 0.4 us instead of 3.6, once per array pickled)."""
+    building that dict: 0.21 us instead of 1.04, min times of ``tools/bench_binding.py
+    address``; once per array pickled)."""
     if _DATA_OFFSET is not None and type(array) is np.ndarray:
         return _from_address(id(array) + _DATA_OFFSET).value or 0
     return array.__array_interface__["data"][0]

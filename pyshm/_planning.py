@@ -69,13 +69,20 @@ def inputs(sizes, firsts, lasts):
     n = len(sizes_a)
     if len(firsts_a) != n or len(lasts_a) != n:
         raise ValueError(
-            f"sizes, firsts and lasts must have one length, got {n}, {len(firsts_a)}, {len(lasts_a)}"
+            "sizes, firsts and lasts must have one length, "
+            f"got {n}, {len(firsts_a)}, {len(lasts_a)}"
         )
     return n, sizes_a, firsts_a, lasts_a
 
 
 def pointer(array: Optional[np.ndarray], ptype):
     return None if array is None else array.ctypes.data_as(ptype)
+
+
+def lifetime_pointers(sizes: np.ndarray, firsts: np.ndarray, lasts: np.ndarray) -> tuple:
+    """The sizes, firsts and lasts arguments of the planner's C functions, in their order."""
+    return (pointer(sizes, _ffi.U64Pointer), pointer(firsts, _ffi.I64Pointer),
+            pointer(lasts, _ffi.I64Pointer))
 
 
 def plan_from_result(

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import _checks, _ffi
-from ._ffi import _i64_p, _u64_p, lib
+from ._ffi import lib
 from ._memory import (
     ArrayOwner,
     HandleLifetime,
@@ -21,7 +21,7 @@ from ._memory import (
     normalize_shape,
     owner_of,
 )
-from ._planning import Plan, inputs, options, plan_from_result, pointer
+from ._planning import Plan, inputs, lifetime_pointers, options, plan_from_result
 from .storage import Storage
 
 __all__ = ["Arena", "ArenaStats"]
@@ -156,7 +156,7 @@ class Arena(HandleLifetime):
         opts = options(alignment, inclusive, time_limit)
         out = _ffi.ArenaHandle()
         lib.lshm_arena_create(
-            n, pointer(sizes_a, _u64_p), pointer(firsts_a, _i64_p), pointer(lasts_a, _i64_p),
+            n, *lifetime_pointers(sizes_a, firsts_a, lasts_a),
             ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out),
         )
         self._setup(out, recording=False, shared=shared, alignment=int(opts.alignment),
@@ -272,7 +272,7 @@ class Arena(HandleLifetime):
         """A :class:`Storage` handle (its own reference) on planned tensor ``i``."""
         out = _ffi.StorageHandle()
         lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
-        return Storage._from_handle(lib.lshm_storage_retain(out))
+        return Storage.from_handle(lib.lshm_storage_retain(out))
 
     # ---- recording arenas -----------------------------------------------------------------
 
@@ -288,8 +288,8 @@ class Arena(HandleLifetime):
     def free(self, array: Any) -> None:
         """Recording arenas: tensor ``array`` (from :meth:`empty`) is dead from now on."""
         owner = owner_of(array)
-        handle = getattr(owner, "_handle", None)
-        keep = getattr(owner, "_keep", None)
+        handle = getattr(owner, "handle", None)
+        keep = getattr(owner, "keep", None)
         key = _ffi.address(handle)  # (0, never a live storage's, for no handle)
         if owner is None or getattr(keep, "arena", None) is not self or key not in self._live:
             raise ValueError("free expects a live array made by this arena's empty()")
@@ -328,7 +328,8 @@ class Arena(HandleLifetime):
     def plan(self) -> Optional[Plan]:
         """The current plan (None for a recording arena before its first plan)."""
         result = _ffi.PlanResult()
-        if not _unless_no_data(lib.lshm_arena_plan_result, self._as_parameter_, ctypes.byref(result)):
+        if not _unless_no_data(lib.lshm_arena_plan_result, self._as_parameter_,
+                               ctypes.byref(result)):
             return None
         offsets = np.array([self.offset(i) for i in range(len(self))], dtype=np.uint64)
         return plan_from_result(offsets, result, self._alignment, self._inclusive)

@@ -102,9 +102,7 @@ def storage_of(array: Any) -> Optional[Storage]:
 
 def _owner_storage(owner: ArrayOwner) -> Storage:
     """A new :class:`Storage` handle (its own reference) on the owner's C storage."""
-    storage = Storage._from_handle(lib.lshm_storage_retain(owner._handle))
-    storage._keep = owner._keep
-    return storage
+    return Storage.from_handle(lib.lshm_storage_retain(owner.handle), keep=owner.keep)
 
 
 ArrayOwner.storage = _owner_storage  # (kept: the method it always had)
@@ -115,9 +113,9 @@ def is_shared(array: Any) -> bool:
     owner = owner_of(array)
     if owner is None:
         return False
-    if owner._facts is not None:  # memory received: what its flags are (no C view made for it)
-        return bool(owner._facts[0] & _ffi.STORAGE_SHARED)
-    return bool(lib.lshm_storage_flags(owner._handle) & _ffi.STORAGE_SHARED)
+    if owner.facts is not None:  # memory received: what its flags are (no C view made for it)
+        return bool(owner.facts[0] & _ffi.STORAGE_SHARED)
+    return bool(lib.lshm_storage_flags(owner.handle) & _ffi.STORAGE_SHARED)
 
 
 def share_memory_(array: Any) -> Any:
@@ -142,5 +140,5 @@ def share_memory_(array: Any) -> Any:
             "not backed by a pyshm storage); use pyshm.copy(array, shared=True) to get a "
             "shared copy"
         )
-    share_in_place(owner._handle, "share_memory_")
+    share_in_place(owner.handle, "share_memory_")
     return array

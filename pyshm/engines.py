@@ -161,7 +161,7 @@ def _tensor_reduction(tensor: Any):
     data = None if tensor.requires_grad and not tensor.is_leaf else _tensor_bytes(tensor)
     if data is None or (not is_shared(data) and reduction.pickled_off_the_callers_thread()):
         return None
-    reduced = reduction._reduce_ndarray(data)
+    reduced = reduction.reduce_ndarray(data)
     if reduced[1][1].readonly:  # (the ticket: what every receiver would get)
         import pickle
 
@@ -219,7 +219,7 @@ def _install_joblib() -> None:
 
         def __call__(self, a):
             if _pyshm_array(a):
-                return reduction._reduce_ndarray(a)
+                return reduction.reduce_ndarray(a)
             return original_call(self, a)
 
         __call__._pyshm_wraps = original_call
@@ -229,7 +229,7 @@ def _install_joblib() -> None:
 
         def reduce_array_memmap_backward(a):
             if _pyshm_array(a):
-                return reduction._reduce_ndarray(a)
+                return reduction.reduce_ndarray(a)
             return backward(a)
 
         reduce_array_memmap_backward._pyshm_wraps = backward
@@ -321,7 +321,9 @@ def _proc_net_address(host: str) -> tuple:
     return words, "0" * 32
 
 
-_PEER_SECONDS = 1.0  # how long a peer's uids are remembered (each read of the tables: ~2 ms)
+# how long a peer's uids are remembered (one read of the tables: 7 ms on a 2-CPU VM with
+# almost no sockets open, tools/bench_binding.py peers)
+_PEER_SECONDS = 1.0
 _peers: dict = {}  # (host, port) -> (monotonic time read, uids)
 
 
@@ -560,7 +562,7 @@ def _ray_array_back(reference: tuple, copy: Any) -> Any:
     network namespace), else the copy Ray carried beside it (read-only from Ray's object
     store, as Ray gives any array)."""
     try:
-        return reduction._rebuild_ndarray(*reference)
+        return reduction.rebuild_ndarray(*reference)
     except _NOT_DELIVERED:
         return copy
 
@@ -568,7 +570,7 @@ def _ray_array_back(reference: tuple, copy: Any) -> Any:
 def _ray_tensor_back(reference: tuple, layout: tuple, copy: Any) -> Any:
     """The same for a tensor over pyshm memory: over the sender's memory, else Ray's copy."""
     try:
-        data = reduction._rebuild_ndarray(*reference)
+        data = reduction.rebuild_ndarray(*reference)
     except _NOT_DELIVERED:
         return copy
     return _rebuild_tensor(data, *layout)
@@ -580,8 +582,8 @@ def _ray_array(previous):
         copy = _ByValue(a, previous)
         if not _pyshm_array(a):
             return (copy,)
-        rebuild, reference = reduction._reduce_ndarray(a)
-        if rebuild is not reduction._rebuild_ndarray:
+        rebuild, reference = reduction.reduce_ndarray(a)
+        if rebuild is not reduction.rebuild_ndarray:
             return (copy,)  # (what pyshm pickles by value itself: empty arrays)
         return (_Reduced((_ray_array_back, (reference, copy))),)
 
@@ -599,7 +601,7 @@ def _ray_tensor(previous):
         if reduced is None:
             return (copy,)
         (rebuild, reference), layout = reduced[1][0].value, reduced[1][1:]
-        if rebuild is not reduction._rebuild_ndarray:
+        if rebuild is not reduction.rebuild_ndarray:
             return (copy,)
         return (_Reduced((_ray_tensor_back, (reference, layout, copy))),)
 

@@ -9,8 +9,16 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import _checks, _ffi
-from ._ffi import _i64_p, _u64_p, lib
-from ._planning import Plan, as_array, inputs, options, plan_from_result, pointer
+from ._ffi import I64Pointer, U64Pointer, lib
+from ._planning import (
+    Plan,
+    as_array,
+    inputs,
+    lifetime_pointers,
+    options,
+    plan_from_result,
+    pointer,
+)
 
 __all__ = ["Plan", "plan", "lower_bound", "validate", "read_trace", "write_trace"]
 
@@ -49,12 +57,10 @@ def plan(
     result = _ffi.PlanResult()
     lib.lshm_plan(
         n,
-        pointer(sizes_a, _u64_p),
-        pointer(firsts_a, _i64_p),
-        pointer(lasts_a, _i64_p),
-        pointer(fixed_a, _i64_p),
+        *lifetime_pointers(sizes_a, firsts_a, lasts_a),
+        pointer(fixed_a, I64Pointer),
         ctypes.byref(opts),
-        pointer(offsets, _u64_p),
+        pointer(offsets, U64Pointer),
         ctypes.byref(result),
     )
     return plan_from_result(offsets, result, int(opts.alignment), inclusive)
@@ -69,7 +75,7 @@ def lower_bound(
     opts = options(alignment, inclusive, 0.0)
     out = ctypes.c_uint64()
     lib.lshm_plan_lower_bound(
-        n, pointer(sizes_a, _u64_p), pointer(firsts_a, _i64_p), pointer(lasts_a, _i64_p),
+        n, *lifetime_pointers(sizes_a, firsts_a, lasts_a),
         ctypes.byref(opts), ctypes.byref(out),
     )
     return int(out.value)
@@ -86,8 +92,9 @@ def validate(
         raise ValueError(f"offsets has {len(offsets_a)} entries for {n} tensors")
     opts = options(alignment, inclusive, 0.0)
     lib.lshm_plan_validate(
-        n, pointer(sizes_a, _u64_p), pointer(firsts_a, _i64_p), pointer(lasts_a, _i64_p),
-        pointer(offsets_a, _u64_p), ctypes.byref(opts), _checks.uint64(arena_size, "arena_size"),
+        n, *lifetime_pointers(sizes_a, firsts_a, lasts_a),
+        pointer(offsets_a, U64Pointer), ctypes.byref(opts),
+        _checks.uint64(arena_size, "arena_size"),
     )
 
 
@@ -97,12 +104,13 @@ def read_trace(path: str):
     Every value is checked as it is read (``size`` in [0, 2**64), ``lower`` and ``upper`` in
     int64, ``lower <= upper``): a bad one is a :class:`ValueError` naming the file and line.
     """
-    ids, sizes, firsts, lasts, _ = _read_trace(path)
+    ids, sizes, firsts, lasts, _ = read_trace_lines(path)
     return ids, sizes, firsts, lasts
 
 
-def _read_trace(path: str):
-    """read_trace, plus the file's line number of each tensor (for error messages)."""
+def read_trace_lines(path: str):
+    """read_trace, plus the file's line number of each tensor (for error messages: the
+    command line's plan)."""
     ids, sizes, firsts, lasts, lines = [], [], [], [], []
     with open(path, newline="") as handle:
         reader = csv.DictReader(handle)

@@ -89,7 +89,7 @@ import os
 import pickle
 import resource
 import weakref
-from ctypes import byref, c_int, c_uint64
+from ctypes import byref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
@@ -109,11 +109,8 @@ from ._memory import (
     share_in_place,
     wrap,
 )
-from .storage import (  # noqa: F401 - _storage_from_bytes: what pickles of Storage name
-    Storage,
-    _storage_from_bytes,
-    reduce_storage_by_value,
-)
+from .storage import Storage, reduce_storage_by_value
+from .storage import storage_from_bytes as _storage_from_bytes  # noqa: F401 - old pickles' name
 
 __all__ = [
     "share_readonly",
@@ -229,18 +226,9 @@ def _key_of(fd: int) -> tuple:
 def _handle_of(holder: Any) -> _ffi.StorageHandle:
     """The C storage of an export's holder (an ArrayOwner or a Storage, see _export)."""
     if isinstance(holder, ArrayOwner):
-        return holder._handle
+        return holder.handle
     return holder._as_parameter_
 
-
-def _fd_of_holder(holder: Any) -> int:
-    fd = c_int(-1)
-    offset = c_uint64(0)
-    lib.lshm_storage_fd(_handle_of(holder), byref(fd), byref(offset))
-    return fd.value
-
-
-_channel._fd_of = _fd_of_holder
 
 # multiprocessing pickles these on a thread of its own, while the caller goes on: an implicit
 # share there could undo the caller's writes made after put()/apply_async() returned
@@ -258,8 +246,8 @@ def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket
     if mapping is not None and mapping.fd_kept:
         # memory received, sent on: all its export info is known already
         # (lshm_storage_export would make three syscalls to find it again); a view of the
-        # whole-memfd mapping, whose flags, data and size its array may know (_rebuild_ndarray)
-        facts = getattr(holder, "_facts", None)
+        # whole-memfd mapping, whose flags, data and size its array may know (rebuild_ndarray)
+        facts = getattr(holder, "facts", None)
         if facts is None:
             handle = _handle_of(holder)
             facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
@@ -321,8 +309,8 @@ def _ticket(holder: Any, flags: int, data: int, nbytes: int, key: tuple,
                              (key, address, size, offset, nbytes, readonly, secret, None))
     if isinstance(holder, ArrayOwner):
         # every later send of the same owner reuses the token while nothing it depends on
-        # changed (see _reduce_ndarray)
-        holder._token = (flags, (key, size, offset, nbytes), ref, data, key, readonly,
+        # changed (see reduce_ndarray)
+        holder.token = (flags, (key, size, offset, nbytes), ref, data, key, readonly,
                          ticket.fields)
     return ticket
 
@@ -402,7 +390,7 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
     holder = ref() if ref is not None else None
     if holder is not None:
         handle = lib.lshm_storage_retain(_handle_of(holder))  # the very same storage
-        token = getattr(holder, "_token", None)
+        token = getattr(holder, "token", None)
         if token is not None:
             # its flags, data and size, as its last export read them (none of them changes
             # once it is exported: lshm_storage_seal_readonly then refuses)
@@ -525,15 +513,15 @@ def _fits(nbytes: int, shape: Any, dtype: Any, strides: Any, start: Any) -> bool
     return low >= 0 and high + dtype.itemsize <= nbytes
 
 
-_HANDLE = ArrayOwner.__dict__["_handle"]  # the slots a _ReceivedOwner fills itself
-_REF = ArrayOwner.__dict__["_ref"]
+_HANDLE = ArrayOwner.__dict__["handle"]  # the slots a _ReceivedOwner fills itself
+_REF = ArrayOwner.__dict__["ref"]
 
 
 class _ReceivedOwner(ArrayOwner):
     """The owner of an array received from a memfd mapped here (_rebuild_quickly).
 
     The mapping it keeps holds the memory; its C storage (a view of the mapping, one libshm
-    call and a lock) is made the first time something asks for ``_handle`` (a Storage of it,
+    call and a lock) is made the first time something asks for ``handle`` (a Storage of it,
     a fresh export that needs libshm): an array that is only read, written and sent on never
     needs one.
     """
@@ -544,22 +532,22 @@ class _ReceivedOwner(ArrayOwner):
                  shape: tuple, dtype: np.dtype, strides: tuple, start: int) -> None:
         _HANDLE.__set__(self, None)
         _REF.__set__(self, None)
-        self._keep = mapping
-        self._token = self._sent = None
+        self.keep = mapping
+        self.token = self.sent = None
         self._view = (offset, nbytes, readonly)
-        flags, data, _ = self._facts = mapping.view_facts(offset, nbytes, readonly)
+        flags, data, _ = self.facts = mapping.view_facts(offset, nbytes, readonly)
         self.__array_interface__ = array_interface(
             shape, dtype, data + start, bool(flags & _ffi.STORAGE_READONLY), strides)
 
     @property
-    def _handle(self) -> Optional[_ffi.StorageHandle]:
+    def handle(self) -> Optional[_ffi.StorageHandle]:
         handle = _HANDLE.__get__(self)
         if handle is None and self._view is not None:
             with _state.lock:  # (two threads asking at once make one view)
                 handle = _HANDLE.__get__(self)
                 if handle is None and self._view is not None:
                     offset, nbytes, readonly = self._view
-                    handle = _new_view(self._keep.segment, offset, nbytes, readonly)
+                    handle = _new_view(self.keep.segment, offset, nbytes, readonly)
                     ref = weakref.ref(self, released)
                     REFERENCES[ref] = handle
                     if _memory.tracking:
@@ -568,8 +556,8 @@ class _ReceivedOwner(ArrayOwner):
                     _HANDLE.__set__(self, handle)
         return handle
 
-    @_handle.setter
-    def _handle(self, value: Optional[_ffi.StorageHandle]) -> None:
+    @handle.setter
+    def handle(self, value: Optional[_ffi.StorageHandle]) -> None:
         # (ArrayOwner._release: None, for good)
         self._view = None
         _HANDLE.__set__(self, value)
@@ -592,7 +580,7 @@ def _own_array_back(token: Any, shape, dtype, strides, start, writeable
     except (TypeError, ValueError):  # (not a token: the general path says why)
         return None
     holder = ref() if ref is not None else None
-    sent = getattr(holder, "_sent", None)
+    sent = getattr(holder, "sent", None)
     array = sent[0]() if sent is not None else None
     # (writeable only: a view of a writeable array could be made writeable again, where the
     # general path's read-only array cannot)
@@ -641,7 +629,7 @@ def _exact_dtype(array: np.ndarray, dtype: np.dtype) -> Optional[np.ndarray]:
     return array.view(dtype) if dtype.metadata is not None else array
 
 
-def _rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
+def rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
     """The array a pickled pyshm array names (the memory may be ours, mapped here already, or
     fetched from its sender); on a thread an exception would wedge, an Undelivered instead of
     any error (_channel.stand_in)."""
@@ -683,7 +671,7 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         if owner is not None:
             handle = None
             if mapping is not None:
-                owner._facts = facts  # (for sending it on: see _export)
+                owner.facts = facts  # (for sending it on: see _export)
             try:
                 array = np.asarray(owner)
             except (TypeError, ValueError, OverflowError) as exc:
@@ -694,7 +682,7 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
                     exact.flags.writeable = False
                 return exact
             # a dtype the interface could not say exactly: through a flat view, as below
-            flat = wrap(owner._handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
+            flat = wrap(owner.handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
         else:
             flat = wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
     finally:
@@ -717,9 +705,7 @@ def _rebuild_storage(batch, token) -> Storage:
         if stand_in is None:
             raise
         return stand_in
-    storage = Storage._from_handle(handle)
-    storage._keep = mapping
-    return storage
+    return Storage.from_handle(handle, keep=mapping)
 
 
 # --------------------------------------------------------------------------------------------
@@ -727,30 +713,30 @@ def _rebuild_storage(batch, token) -> Storage:
 # --------------------------------------------------------------------------------------------
 
 
-def _reduce_ndarray(array: np.ndarray):
+def reduce_ndarray(array: np.ndarray):
     owner = owner_of(array)
     if owner is None or array.size == 0:
         return array.__reduce_ex__(4)  # numpy's own by-value pickling
-    token = owner._token
+    token = owner.token
     # The token made at this owner's last send still holds while the storage's flags are the
     # same (a defence: once shared they do not change; a view of memory received has no C
     # storage to ask, maybe) and the channel still has the range registered to this owner (not
     # after a fork, nor once another holder took the range): then the secret and the server
     # address are the same too. Its layout: (flags, (key, size, offset, nbytes), the weak
     # reference registered for that range, data pointer, key, readonly, the token's fields).
-    if (token is not None and (owner._facts is not None
-                               or token[0] == lib.lshm_storage_flags(owner._handle))
+    if (token is not None and (owner.facts is not None
+                               or token[0] == lib.lshm_storage_flags(owner.handle))
             and _state.ranges.get(token[1]) is token[2]):
         _, _, _, data, key, readonly, fields = token
         ticket = _channel.Ticket(key, owner, readonly, fields)
     else:
-        mapping = owner._keep if isinstance(owner._keep, _Mapping) else None
+        mapping = owner.keep if isinstance(owner.keep, _Mapping) else None
         ticket = _export(owner, mapping)
-        data = owner._token[3]  # (set by _ticket)
+        data = owner.token[3]  # (set by _ticket)
     start = data_address(array) - data
     if type(array) is np.ndarray:
-        owner._sent = (weakref.ref(array), start)  # (so that it can come back as itself)
-    return _rebuild_ndarray, (
+        owner.sent = (weakref.ref(array), start)  # (so that it can come back as itself)
+    return rebuild_ndarray, (
         _channel.mark(),
         ticket,
         array.shape,
@@ -765,19 +751,18 @@ def _reduce_storage(storage: Storage):
     handle = storage._as_parameter_
     if lib.lshm_storage_nbytes(handle) == 0:
         return reduce_storage_by_value(storage, 4)
-    mapping = storage._keep if isinstance(storage._keep, _Mapping) else None
-    holder = Storage._from_handle(lib.lshm_storage_retain(handle))
-    holder._keep = storage._keep
+    mapping = storage.keep if isinstance(storage.keep, _Mapping) else None
+    holder = Storage.from_handle(lib.lshm_storage_retain(handle), keep=storage.keep)
     return _rebuild_storage, (_channel.mark(), _export(holder, mapping))
 
 
 def register() -> None:
     """Register the reducers with multiprocessing (done when pyshm is imported)."""
-    ForkingPickler.register(np.ndarray, _reduce_ndarray)
+    ForkingPickler.register(np.ndarray, reduce_ndarray)
     ForkingPickler.register(Storage, _reduce_storage)
     # (the objects in every token: called directly, not through object.__reduce_ex__)
     ForkingPickler.register(_channel.Ticket, _channel.Ticket.__reduce__)
-    ForkingPickler.register(_channel._Mark, _channel._Mark.__reduce__)
+    ForkingPickler.register(_channel.Mark, _channel.Mark.__reduce__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -869,7 +854,7 @@ class _MemoryIndex:
             start, stop, ref = self.entries[at]
             if start <= address and end <= stop:
                 found = ref()
-                if found is not None and (isinstance(found, _Mapping) or found._handle):
+                if found is not None and (isinstance(found, _Mapping) or found.handle):
                     return found
                 self.dead += 1
             at -= 1
@@ -892,7 +877,7 @@ def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
                                              (nbytes,), np.dtype(np.uint8), None, 0))
     if found is None:
         return None
-    readonly = bool(lib.lshm_storage_flags(found._handle) & _ffi.STORAGE_READONLY)
+    readonly = bool(lib.lshm_storage_flags(found.handle) & _ffi.STORAGE_READONLY)
     return np.asarray(_Span(address, nbytes, readonly, found))
 
 
@@ -919,18 +904,18 @@ class Ref:
             raise TypeError(f"pyshm.ref takes a numpy array of pyshm memory, not "
                             f"{type(array).__name__}")
         owner = owner_of(array)
-        if owner is None or (owner._facts is None and not owner._handle):
+        if owner is None or (owner.facts is None and not owner.handle):
             raise TypeError("pyshm.ref needs an array of pyshm memory: this one is not; bring "
                             "it in with pyshm.copy(array, shared=True)")
-        if owner._facts is None:
-            handle = owner._handle
+        if owner.facts is None:
+            handle = owner.handle
             if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
                 share_in_place(handle, "pyshm.ref", TypeError)
         self.array = array
         Ref.made = True
 
     def __reduce__(self):
-        return _reduce_ndarray(self.array)
+        return reduce_ndarray(self.array)
 
     def __copy__(self) -> "Ref":
         return Ref(self.array)  # (the same memory)
@@ -998,12 +983,12 @@ def share_readonly(array: Any) -> Any:
     :class:`TypeError` for memory pyshm does not own.
     """
     owner = owner_of(array)
-    if owner is None or owner._handle is None:
+    if owner is None or owner.handle is None:
         raise TypeError(
             "share_readonly needs an array whose memory pyshm owns; use "
             "pyshm.share_readonly(pyshm.copy(array))"
         )
-    handle = owner._handle
+    handle = owner.handle
     # Every check before anything changes: no share, no fd lookup (which would export it).
     shared = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED)
     segment = lib.lshm_storage_segment(handle) if shared else None

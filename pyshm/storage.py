@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import pickle
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -52,11 +52,25 @@ class Storage(HandleLifetime):
         self._release_with(_release, handle)
 
     @classmethod
-    def _from_handle(cls, handle: _ffi.StorageHandle) -> "Storage":
-        """Wrap a C storage whose reference the caller hands over (stolen)."""
+    def from_handle(cls, handle: _ffi.StorageHandle, keep: Any = None) -> "Storage":
+        """Wrap a C storage (an ``lshm_storage *`` as a :class:`pyshm._ffi.StorageHandle`)
+        whose reference the caller hands over: the Storage releases it when it is closed or
+        collected. ``keep``: an object the memory depends on (the mapping of memory received
+        from another process), kept alive as long as the Storage; see :attr:`keep`."""
+        if not isinstance(handle, _ffi.StorageHandle):
+            raise TypeError(f"from_handle expects a StorageHandle, not {type(handle).__name__}")
+        if not handle:
+            raise ValueError("from_handle: a NULL storage handle")
         self = cls.__new__(cls)
         self._adopt(handle)
+        self._keep = keep
         return self
+
+    @property
+    def keep(self) -> Any:
+        """What this storage's memory depends on, kept alive with it (the mapping of memory
+        received from another process), or None for memory of its own."""
+        return self._keep
 
     @classmethod
     def attach(
@@ -73,7 +87,7 @@ class Storage(HandleLifetime):
         out = _ffi.StorageHandle()
         flags = _ffi.STORAGE_READONLY if readonly else 0
         lib.lshm_storage_attach(fd, offset, nbytes, flags, ctypes.byref(out))
-        return cls._from_handle(out)
+        return cls.from_handle(out)
 
     # ---- lifetime ---------------------------------------------------------------------------
 
@@ -225,10 +239,10 @@ def reduce_storage_by_value(storage: Storage, protocol: int):
     """Plain pickle of a Storage: its bytes (out of band with protocol 5), no fd."""
     data = storage.asarray()
     payload = pickle.PickleBuffer(data) if protocol >= 5 else data.tobytes()
-    return _storage_from_bytes, (payload,)
+    return storage_from_bytes, (payload,)
 
 
-def _storage_from_bytes(payload) -> Storage:
+def storage_from_bytes(payload) -> Storage:
     view = memoryview(payload).cast("B")
     storage = Storage(view.nbytes)
     if view.nbytes:

@@ -354,8 +354,8 @@ def test_planned_arena_arrays_keep_their_buffer_reference():
     b = arena.array(1)
     owner_a = pyshm._memory.owner_of(a)
     owner_b = pyshm._memory.owner_of(b)
-    assert owner_a._keep is owner_b._keep  # one buffer reference for all arrays on it
-    assert owner_a._keep.arena is arena and owner_a._keep.buffer is not None
+    assert owner_a.keep is owner_b.keep  # one buffer reference for all arrays on it
+    assert owner_a.keep.arena is arena and owner_a.keep.buffer is not None
     del a, b, owner_a, owner_b
     gc.collect()
     arena.deallocate()

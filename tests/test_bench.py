@@ -114,3 +114,20 @@ def test_the_runtime_never_imports_the_benchmark():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_binding_cost_tool_times_every_alternative_it_names():
+    # (tools/bench_binding.py: what the per-call figures in pyshm's comments were measured with)
+    import os
+
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_binding.py")
+    done = subprocess.run([sys.executable, tool, "--repeat", "1", "--number", "5"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()]
+    cases = {row[0] for row in rows}
+    assert cases == {"gil", "typed", "errcheck", "convert", "release", "address", "peers"}
+    for row in rows:
+        low, median = float(row[-5]), float(row[-2])
+        assert 0 < low <= median, row
+    assert sum(row[0] == "typed" for row in rows) == 3

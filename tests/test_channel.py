@@ -47,7 +47,7 @@ def trials(method: str) -> int:
 
 def _token_of(array):
     """(key, address, secret) of `array`'s token, as a receiver of its pickle would hold."""
-    _, args = reduction._reduce_ndarray(array)
+    _, args = reduction.reduce_ndarray(array)
     _, (token,) = args[1].__reduce__()
     return token[0], token[1], token[6]
 
@@ -537,7 +537,7 @@ class _BadToken:
     """Pickles as a pyshm array rebuild whose token is garbage (a hostile or corrupted result)."""
 
     def __reduce__(self):
-        return reduction._rebuild_ndarray, (None, "garbage", (4,), np.dtype(np.uint8), (1,), 0,
+        return reduction.rebuild_ndarray, (None, "garbage", (4,), np.dtype(np.uint8), (1,), 0,
                                             True)
 
 
@@ -668,7 +668,7 @@ def test_a_token_made_before_a_fork_is_made_anew_in_the_child():
         try:
             os.close(r)
             payload = bytes(ForkingPickler.dumps([small, big]))
-            tokens = [args[1] for _, args in map(reduction._reduce_ndarray, (small, big))]
+            tokens = [args[1] for _, args in map(reduction.reduce_ndarray, (small, big))]
             addresses = {t.fields[1] for t in tokens}
             small[0], big[-1] = 7, 8
             if addresses == {_channel.own_address()} and parent_address not in addresses:
@@ -693,7 +693,7 @@ def test_a_dying_array_is_never_handed_out_by_the_channel():
     keep = pyshm.zeros(512, shared=True)  # keeps the slab's memfd alive, never exported
     b = pyshm.zeros(512, shared=True)
     ForkingPickler.dumps(b)
-    key = b.base._token[4]
+    key = b.base.token[4]
     _channel.drop_holds()
     del b
     switch = sys.getswitchinterval()
@@ -712,7 +712,7 @@ def test_a_dying_array_is_never_handed_out_by_the_channel():
         while not stop.is_set():
             seen["probes"] += 1
             holder = _channel.lookup(key)
-            if holder is not None and holder._handle is None:
+            if holder is not None and holder.handle is None:
                 seen["dying"] += 1
 
     try:

@@ -283,6 +283,10 @@ def test_foreign_arrays_and_plain_pickle_go_by_value():
         clone = pickle.loads(pickle.dumps(storage, protocol=protocol))
         assert isinstance(clone, pyshm.Storage) and not clone.is_shared
         assert clone.asarray().tobytes() == storage.asarray().tobytes()
+    # a pickle of a Storage made by pyshm 0.1 or 0.2, which named pyshm.reduction's function
+    old = b"\x80\x03cpyshm.reduction\n_storage_from_bytes\nC\x03abc\x85R."
+    clone = pickle.loads(old)
+    assert isinstance(clone, pyshm.Storage) and clone.asarray().tobytes() == b"abc"
 
 
 def test_forked_child_never_allocates_from_the_parents_slab():
@@ -471,7 +475,7 @@ def test_out_of_fds_while_sharing_raises_and_changes_nothing(tmp_path):
 def _token(array):
     """The rebuild function and its arguments for `array`, with its token made (no batch: the
     token carries a batch of its own) as the receiver gets it."""
-    func, args = reduction._reduce_ndarray(array)
+    func, args = reduction.reduce_ndarray(array)
     _, (token,) = args[1].__reduce__()
     return func, [None, token, *args[2:]]
 
@@ -483,7 +487,7 @@ def test_a_dtype_the_array_interface_cannot_describe_comes_back_whole():
                             "offsets": [0, 0], "itemsize": 4})
     base = pyshm.zeros(16, np.uint8, shared=True)
     view = base.view(overlapping)
-    handle = _owner_of(base)._handle
+    handle = _owner_of(base).handle
     refs = _ffi.lib.lshm_storage_refcount(handle)
     back = pickle.loads(ForkingPickler.dumps(view))
     assert back.dtype == overlapping and back.ctypes.data == view.ctypes.data
@@ -528,10 +532,10 @@ def storages_made_on_demand(arrays):
         t.join()
     made = len(pyshm_memory.REFERENCES) - before
     same = all(st == storages[0] for st in storages)
-    refs = _ffi.lib.lshm_storage_refcount(_owner_of(b)._handle)
+    refs = _ffi.lib.lshm_storage_refcount(_owner_of(b).handle)
     for st in storages:
         st.close()
-    refs_after = _ffi.lib.lshm_storage_refcount(_owner_of(b)._handle)
+    refs_after = _ffi.lib.lshm_storage_refcount(_owner_of(b).handle)
     b[0] = 99
     probe = b[1:]  # a view, sent and dropped: its owner's reference goes with it
     del probe
@@ -637,17 +641,17 @@ def rebuild_hostile(args):
               ([1, 2], address, size, offset, nbytes, readonly, secret, None)]
     for bad in tokens:
         try:
-            reduction._rebuild_ndarray(None, bad, (100,), np.dtype(np.uint8), (1,), 0, True)
+            reduction.rebuild_ndarray(None, bad, (100,), np.dtype(np.uint8), (1,), 0, True)
             out.append("made")
         except pickle.UnpicklingError:
             out.append("refused")
     for shape, dt, st, at in HOSTILE_LAYOUTS:
         try:
-            reduction._rebuild_ndarray(None, token, shape, np.dtype(dt), st, at, True)
+            reduction.rebuild_ndarray(None, token, shape, np.dtype(dt), st, at, True)
             out.append("made")
         except pickle.UnpicklingError:
             out.append("refused")
-    good = reduction._rebuild_ndarray(None, token, (50,), np.dtype(np.uint8), (2,), 0, True)
+    good = reduction.rebuild_ndarray(None, token, (50,), np.dtype(np.uint8), (2,), 0, True)
     return out, int(good[1]), good.ctypes.data == array.ctypes.data, type(good.base).__name__
 
 

@@ -5,6 +5,7 @@ import errno
 import os
 import re
 import stat
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +191,38 @@ def test_handles_compare_by_address():
     first, second = pyshm.storage_of(array), pyshm.storage_of(array)
     assert first == second and hash(first) == hash(second)
     assert first != pyshm.storage_of(pyshm.empty(10))
+
+
+def test_from_handle_adopts_one_reference_and_keeps_what_the_memory_depends_on():
+    import gc
+    import weakref
+
+    class Mapping:  # stands for what the memory depends on (a received mapping)
+        pass
+
+    base = pyshm.Storage(4096)
+    handle = base._as_parameter_
+    refs = _ffi.lib.lshm_storage_refcount(handle)
+    dependency = Mapping()
+    gone = weakref.ref(dependency)
+    adopted = pyshm.Storage.from_handle(_ffi.lib.lshm_storage_retain(handle), keep=dependency)
+    del dependency
+    gc.collect()
+    assert adopted == base and adopted.keep is gone() is not None  # the same storage, kept
+    assert _ffi.lib.lshm_storage_refcount(handle) == refs + 1  # the reference handed over
+    adopted.close()
+    assert _ffi.lib.lshm_storage_refcount(handle) == refs
+    del adopted
+    gc.collect()
+    assert gone() is None  # kept as long as the Storage, no longer
+    assert base.keep is None  # memory of its own
+    with pytest.raises(TypeError, match="StorageHandle, not int"):  # a bare address
+        pyshm.Storage.from_handle(_ffi.address(handle))
+    with pytest.raises(TypeError, match="not LP_lshm_segment"):  # a handle of another kind
+        pyshm.Storage.from_handle(_ffi.SegmentHandle())
+    with pytest.raises(ValueError, match="NULL"):
+        pyshm.Storage.from_handle(_ffi.StorageHandle())
+    assert _ffi.lib.lshm_storage_refcount(handle) == refs  # nothing taken by a refusal
 
 
 def test_the_binding_refuses_a_handle_of_another_kind_or_a_bare_address():
@@ -498,6 +531,27 @@ def test_the_version_is_written_once_and_the_binding_takes_only_its_own_minor(tm
         assert done.returncode != 0
         assert (f"is libshm {other[0]}.{other[1]}.{other[2]}; this pyshm needs "
                 f"{major}.{minor}.x") in done.stderr
+    # the binding's expectation is read from the header beside it, nowhere else: a package
+    # whose header states another minor refuses this library, one without a header says so
+    package = tmp_path / "site" / "pyshm"
+    shutil.copytree(os.path.dirname(pyshm.__file__), package,
+                    ignore=shutil.ignore_patterns("include", "*.so", "__pycache__"))
+    env = dict(os.environ, PYSHM_LIBRARY=_ffi.LIBRARY_PATH, PYTHONPATH=str(package.parent))
+    done = subprocess.run([sys.executable, "-c", "import pyshm"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, check=False)
+    assert done.returncode != 0 and "no lshm.h in" in done.stderr, done.stderr
+    (package / "include").mkdir()
+    with open(header) as text:
+        (package / "include" / "lshm.h").write_text(text.read().replace(
+            f"#define LSHM_VERSION_MINOR {minor}\n", f"#define LSHM_VERSION_MINOR {minor + 1}\n"))
+    done = subprocess.run([sys.executable, "-c", "import pyshm"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, check=False)
+    assert done.returncode != 0 and f"this pyshm needs {major}.{minor + 1}.x" in done.stderr
+    with open(header) as text:
+        (package / "include" / "lshm.h").write_text(text.read())
+    done = subprocess.run([sys.executable, "-c", "import pyshm"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, check=False)
+    assert done.returncode == 0, done.stderr
 
 
 # every struct and constant pyshm._ffi mirrors, by its name in lshm.h
@@ -509,7 +563,27 @@ MIRRORED_CONSTANTS = {"STORAGE_RESIZABLE": "LSHM_STORAGE_RESIZABLE",
                       "STORAGE_READONLY": "LSHM_STORAGE_READONLY",
                       "STORAGE_INPLACE": "LSHM_STORAGE_INPLACE",
                       "PLAN_INCLUSIVE": "LSHM_PLAN_INCLUSIVE", "ARENA_SHARED": "LSHM_ARENA_SHARED",
-                      "SLAB_MAX_BYTES": "LSHM_SLAB_MAX_BYTES", "SLAB_BYTES": "LSHM_SLAB_BYTES"}
+                      "SLAB_MAX_BYTES": "LSHM_SLAB_MAX_BYTES", "SLAB_BYTES": "LSHM_SLAB_BYTES",
+                      "EXPECTED_VERSION_MAJOR": "LSHM_VERSION_MAJOR",
+                      "EXPECTED_VERSION_MINOR": "LSHM_VERSION_MINOR"}
+# the macros and enum members of lshm.h that pyshm._ffi deliberately does not mirror, and why
+UNMIRRORED_CONSTANTS = {
+    "LSHM_H": "the include guard",
+    "LSHM_API": "the export attribute of the declarations",
+    "LSHM_VERSION_PATCH": "the binding takes any patch of its minor",
+    "LSHM_VERSION_NUMBER": "the binding asks lshm_version() (compared with it below)",
+    "LSHM_ALLOCATOR_WHOLE_PAGES": "pyshm passes no allocator (lshm_storage_create gets NULL)",
+}
+HEADER = Path(__file__).resolve().parent.parent / "libshm/include/lshm.h"
+
+
+def header_constants(header: str) -> set:
+    """Every object-like LSHM_ macro and every enum member that the text of lshm.h defines."""
+    code = re.sub(r"//[^\n]*", " ", re.sub(r"/\*.*?\*/", " ", header, flags=re.DOTALL))
+    names = set(re.findall(r"^[ \t]*#[ \t]*define[ \t]+(LSHM_\w+)(?![\w(])", code, re.MULTILINE))
+    for body in re.findall(r"\benum\b[^{;]*\{([^}]*)\}", code):
+        names.update(re.findall(r"(?:^|,)\s*([A-Za-z_]\w*)", body))
+    return names
 
 
 def abi_value(name: str) -> int:
@@ -536,3 +610,36 @@ def test_the_bindings_structs_and_flags_are_the_librarys():
     with pytest.raises(pyshm.ShmError) as caught:
         abi_value("lshm_plan_options.no_such_field")
     assert caught.value.errno == errno.ENOENT and "no_such_field" in str(caught.value)
+
+
+def test_every_constant_of_the_header_is_mirrored_or_listed_as_not():
+    # A constant added to lshm.h gets a mirror in _ffi and a line in MIRRORED_CONSTANTS (which
+    # the test above checks against the library), or a line with its reason in
+    # UNMIRRORED_CONSTANTS; either way it is not missed.
+    constants = header_constants(HEADER.read_text())
+    mirrored = set(MIRRORED_CONSTANTS.values())
+    assert not mirrored & set(UNMIRRORED_CONSTANTS)
+    assert constants - mirrored - set(UNMIRRORED_CONSTANTS) == set()  # neither: list it above
+    assert mirrored | set(UNMIRRORED_CONSTANTS) <= constants  # (no stale line)
+    # the parser sees a new macro and new enum members, and skips function-like macros
+    added = ("#define LSHM_NEW_FLAG 0x10u /* a comment */\n#define LSHM_NEW_CALL(x) (x)\n"
+             "typedef enum lshm_kind {\n    LSHM_KIND_A = 1, /* one */\n    LSHM_KIND_B,\n"
+             "} lshm_kind;\n")
+    found = header_constants(HEADER.read_text() + added) - constants
+    assert found == {"LSHM_NEW_FLAG", "LSHM_KIND_A", "LSHM_KIND_B"}
+
+
+def test_the_export_layout_is_the_librarys_lshm_export_info():
+    # EXPORT_LAYOUT unpacks lshm_export_info in one call, into the tuple of ExportInfo's fields
+    # in their order: its size, and each field's offset and size, are the library's.
+    layout = _ffi.EXPORT_LAYOUT
+    assert re.fullmatch(r"@[a-zA-Z?]+", layout.format), layout.format  # one letter per field
+    codes = layout.format[1:]
+    names = [name for name, _ in _ffi.ExportInfo._fields_]
+    assert layout.size == abi_value("lshm_export_info")
+    assert len(codes) == len(names) == abi_value("lshm_export_info#fields")
+    for i, (name, code) in enumerate(zip(names, codes)):
+        size = struct.calcsize("@" + code)
+        offset = struct.calcsize("@" + codes[: i + 1]) - size  # (native alignment, as in C)
+        assert offset == abi_value(f"lshm_export_info.{name}"), (name, code)
+        assert size == abi_value(f"lshm_export_info.{name}#size"), (name, code)
