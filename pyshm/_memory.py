@@ -11,6 +11,7 @@ array's ``.base`` chain keeps the memory alive for as long as any view of it exi
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import math
@@ -76,18 +77,31 @@ def check_nbytes(nbytes) -> int:
 
 
 class HandleLifetime:
-    """The lifetime of every pyshm object that holds a C reference (Storage, Arena, an arena's
-    buffer keep, a received mapping): one ``weakref.finalize`` gives the reference back once,
-    when the object is collected or closed, and never at interpreter exit (the process's memory
-    goes with the process). ArrayOwner does the same with a bare weak-reference callback
-    (REFERENCES below: 0.30 us an owner instead of 1.02, min times of
-    ``tools/bench_binding.py release``), since one is made for every array."""
+    """The lifetime of every pyshm object that holds a C reference (ArrayOwner, Storage, Arena,
+    an arena's buffer keep, a received mapping): a weak reference to the object whose callback
+    gives the reference back once, when the object is collected or closed: what
+    weakref.finalize does, at 0.30 us an object instead of 1.02 (min times of
+    ``tools/bench_binding.py release``; one is made for every array). The weak reference is
+    kept in LIFETIMES, with what to release; an ArrayOwner's in REFERENCES, with its bare
+    storage handle (the index of memory by address in pyshm.reduction reads them there).
+    Releases registered with _release_with never run once the interpreter has begun to exit
+    (the process's memory goes with the process); an ArrayOwner's storage reference can."""
 
-    __slots__ = ("_finalizer", "__weakref__")
+    __slots__ = ("_lifetime", "__weakref__")
 
     def _release_with(self, release: Any, *args: Any) -> None:
-        self._finalizer = weakref.finalize(self, release, *args)
-        self._finalizer.atexit = False
+        """Run ``release(*args)`` once, when this object is collected or _release_now()."""
+        ref = weakref.ref(self, _lifetime_ended)
+        LIFETIMES[id(ref)] = (ref, release, args)  # (by id: a Storage compares by its address)
+        self._lifetime = ref
+
+    def _release_now(self) -> None:
+        """Give the reference back now (once: nothing happens when this object dies)."""
+        _lifetime_ended(self._lifetime)
+
+    def _release_never(self) -> None:
+        """Forget the release: the caller has given the reference back itself."""
+        LIFETIMES.pop(id(self._lifetime), None)
 
 
 ShapeLike = Union[int, Sequence[int]]
@@ -98,14 +112,25 @@ ShapeLike = Union[int, Sequence[int]]
 _TYPESTRS: dict = {}
 
 
-# ArrayOwner weak reference -> the C reference it holds. The reference is given back by the
-# weak reference's callback, as weakref.finalize would (faster: see HandleLifetime): CPython clears
-# every weak reference to a dying owner before it runs callbacks, so the channel's weak
-# references (pyshm._channel) never see an owner whose storage is being released, and in a
-# garbage cycle the release runs in the same phase as the other finalizers (an Arena's among
-# them), before any __del__. The dict keeps the weak references reachable, which is what
-# makes CPython call them for cyclic garbage too.
+# ArrayOwner weak reference -> the C storage reference it holds; id of any other
+# HandleLifetime's weak reference -> (that weak reference, release, args). The reference is
+# given back by the weak reference's callback, as weakref.finalize would: CPython clears every
+# weak reference to a dying object before it runs callbacks, so the channel's weak references
+# (pyshm._channel) never see an owner whose storage is being released, and in a garbage cycle
+# the release runs in the same phase as the other finalizers, before any __del__. The dicts
+# keep the weak references reachable, which is what makes CPython call them for cyclic
+# garbage too.
 REFERENCES: dict = {}
+LIFETIMES: dict = {}
+_exiting = False  # (set at interpreter exit: _release_with's releases no longer run)
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+
+
+atexit.register(_at_exit)
 
 
 # Owners made since pyshm.reduction's index of memory by address last looked (only once it
@@ -131,6 +156,12 @@ def released(ref: "weakref.ref") -> None:
         _c_release(handle)
 
 
+def _lifetime_ended(ref: Optional[weakref.ref]) -> None:
+    entry = LIFETIMES.pop(id(ref), None)
+    if entry is not None and not _exiting:
+        entry[1](*entry[2])
+
+
 _c_release = lib.lshm_storage_release  # (bound here: still callable while shutting down)
 
 
@@ -153,7 +184,7 @@ def array_interface(shape: tuple, dtype: np.dtype, address: int, readonly: bool,
     return interface
 
 
-class ArrayOwner:
+class ArrayOwner(HandleLifetime):
     """The ``base`` of every pyshm array: one reference to a C storage, plus the array layout.
 
     It exists so that numpy builds arrays from an owner, never from a bare address, and so that
@@ -162,9 +193,9 @@ class ArrayOwner:
     to be created by users.
     """
 
-    __slots__ = ("handle", "ref", "keep", "__array_interface__", "token", "facts", "sent",
-                 "__weakref__")
-    # ref: the weak reference whose callback gives the C reference back (see REFERENCES)
+    __slots__ = ("handle", "keep", "__array_interface__", "token", "facts", "sent")
+    # _lifetime (HandleLifetime's): the weak reference whose callback gives the C reference
+    # back, registered here with the bare handle (the fast path of _release_with)
 
     def __init__(self, handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int,
                  readonly: bool, keep: Any = None, strides: Optional[tuple] = None,
@@ -172,7 +203,7 @@ class ArrayOwner:
         # The owner takes its own reference (adopt: the caller hands over one of its own
         # instead), last: if anything here raises, the caller still has its reference and
         # nothing is released twice. data: the storage's data pointer, when the caller knows it.
-        self.handle = self.ref = None
+        self.handle = self._lifetime = None
         self.keep = keep
         self.token = None  # the last token it was sent with (pyshm.reduction)
         self.facts = None  # (flags, data, nbytes) of memory received (pyshm.reduction)
@@ -185,7 +216,7 @@ class ArrayOwner:
         REFERENCES[ref] = handle if adopt else lib.lshm_storage_retain(handle)
         if tracking:
             note_new_owner(ref)
-        self.ref = ref
+        self._lifetime = ref
         self.handle = handle
 
     @property
@@ -193,11 +224,11 @@ class ArrayOwner:
         """The owner passes to the binding as its C storage (ctypes reads this)."""
         return self.handle
 
-    def _release(self) -> None:
+    def _release_now(self) -> None:
         """Give up the owner's reference now (once; the arrays over it must not be used)."""
         self.handle = None
-        if self.ref is not None:
-            released(self.ref)
+        if self._lifetime is not None:
+            released(self._lifetime)
 
 
 def storage_fd(holder: Any) -> int:

@@ -79,7 +79,7 @@ class _ArenaKeep(HandleLifetime):
             lib.lshm_arena_buffer_retain(buffer)
             self._release_with(lib.lshm_arena_buffer_release, buffer)
         else:
-            self._finalizer = None
+            self._lifetime = None
 
 
 def _destroy(handle: _ffi.ArenaHandle, live: dict) -> None:
@@ -223,7 +223,7 @@ class Arena(HandleLifetime):
             lib.lshm_arena_free(self._handle, storage)
             del self._live[key]
         lib.lshm_arena_destroy(self._handle)
-        self._finalizer.detach()
+        self._release_never()
         self._handle = None
 
     def __enter__(self) -> "Arena":
@@ -303,7 +303,7 @@ class Arena(HandleLifetime):
                 )
             # The slice goes to later allocs: the owner gives up its reference (the bytes stay
             # mapped: the owner keeps a reference to the buffer) and forgets the storage.
-            owner._release()
+            owner._release_now()
         lib.lshm_arena_free(self._as_parameter_, self._live[key])
         del self._live[key]
 

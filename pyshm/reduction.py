@@ -514,7 +514,7 @@ def _fits(nbytes: int, shape: Any, dtype: Any, strides: Any, start: Any) -> bool
 
 
 _HANDLE = ArrayOwner.__dict__["handle"]  # the slots a _ReceivedOwner fills itself
-_REF = ArrayOwner.__dict__["ref"]
+_LIFETIME = HandleLifetime.__dict__["_lifetime"]
 
 
 class _ReceivedOwner(ArrayOwner):
@@ -531,7 +531,7 @@ class _ReceivedOwner(ArrayOwner):
     def __init__(self, mapping: _Mapping, offset: int, nbytes: int, readonly: bool,
                  shape: tuple, dtype: np.dtype, strides: tuple, start: int) -> None:
         _HANDLE.__set__(self, None)
-        _REF.__set__(self, None)
+        _LIFETIME.__set__(self, None)
         self.keep = mapping
         self.token = self.sent = None
         self._view = (offset, nbytes, readonly)
@@ -552,13 +552,13 @@ class _ReceivedOwner(ArrayOwner):
                     REFERENCES[ref] = handle
                     if _memory.tracking:
                         _memory.note_new_owner(ref)
-                    _REF.__set__(self, ref)
+                    _LIFETIME.__set__(self, ref)
                     _HANDLE.__set__(self, handle)
         return handle
 
     @handle.setter
     def handle(self, value: Optional[_ffi.StorageHandle]) -> None:
-        # (ArrayOwner._release: None, for good)
+        # (ArrayOwner._release_now: None, for good)
         self._view = None
         _HANDLE.__set__(self, value)
 

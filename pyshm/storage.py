@@ -106,7 +106,7 @@ class Storage(HandleLifetime):
         """Drop this handle's reference (idempotent). Live arrays keep the memory alive."""
         if self._handle is not None:
             self._handle = None
-            self._finalizer()
+            self._release_now()
 
     def __enter__(self) -> "Storage":
         self._as_parameter_  # raises when closed

@@ -643,3 +643,32 @@ def test_the_export_layout_is_the_librarys_lshm_export_info():
         offset = struct.calcsize("@" + codes[: i + 1]) - size  # (native alignment, as in C)
         assert offset == abi_value(f"lshm_export_info.{name}"), (name, code)
         assert size == abi_value(f"lshm_export_info.{name}#size"), (name, code)
+
+
+def test_storages_give_their_reference_back_once_when_collected_and_never_at_exit():
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import gc, pyshm
+        from pyshm import storage
+        real = storage._release
+        def noisy(handle):
+            print("released", flush=True)
+            real(handle)
+        storage._release = noisy
+        a, b = pyshm.Storage(64), None
+        b = pyshm.Storage.from_handle(pyshm._ffi.lib.lshm_storage_retain(a._as_parameter_))
+        assert a == b  # (equal storages: each still has a lifetime of its own)
+        b.close(); b.close()
+        print("closed", flush=True)
+        del b; gc.collect()
+        cycle = [pyshm.Storage(64)]; cycle.append(cycle); del cycle; gc.collect()
+        print("collected", flush=True)
+        kept = pyshm.Storage(64)  # alive at exit, with a: not released then
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.split("\n") == ["released", "closed", "released", "collected", ""]
