@@ -80,11 +80,14 @@ def _header_version() -> tuple:
                 text = file.read()
         except OSError:
             continue
-        found = [re.search(rf"^#define LSHM_VERSION_{part} (\d+)$", text, re.MULTILINE)
-                 for part in ("MAJOR", "MINOR")]
-        if None in found:
-            raise ImportError(f"pyshm: {header} states no LSHM_VERSION_MAJOR and _MINOR")
-        return tuple(int(match.group(1)) for match in found)
+        numbers = []
+        for part in ("MAJOR", "MINOR"):
+            found = re.search(rf"^#define LSHM_VERSION_{part} (\d+)$", text, re.MULTILINE)
+            if found is None:
+                raise ImportError(f"pyshm: {header} has no line '#define LSHM_VERSION_{part} "
+                                  "<digits>'")
+            numbers.append(int(found.group(1)))
+        return tuple(numbers)
     raise ImportError(f"pyshm: no lshm.h in {here}/include (nor a source tree's libshm/include): "
                       "reinstall pyshm with 'python -m pip install .'")
 

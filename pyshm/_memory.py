@@ -80,8 +80,8 @@ class HandleLifetime:
     """The lifetime of every pyshm object that holds a C reference (ArrayOwner, Storage, Arena,
     an arena's buffer keep, a received mapping): a weak reference to the object whose callback
     gives the reference back once, when the object is collected or closed: what
-    weakref.finalize does, at 0.30 us an object instead of 1.02 (min times of
-    ``tools/bench_binding.py release``; one is made for every array). The weak reference is
+    weakref.finalize does, at 0.51 us an object (0.27 for an ArrayOwner, one for every array)
+    instead of 1.00 (min times of ``tools/bench_binding.py release``). The weak reference is
     kept in LIFETIMES, with what to release; an ArrayOwner's in REFERENCES, with its bare
     storage handle (the index of memory by address in pyshm.reduction reads them there).
     Releases registered with _release_with never run once the interpreter has begun to exit
@@ -158,7 +158,7 @@ def released(ref: "weakref.ref") -> None:
 
 def _lifetime_ended(ref: Optional[weakref.ref]) -> None:
     entry = LIFETIMES.pop(id(ref), None)
-    if entry is not None and not _exiting:
+    if entry is not None and _exiting is False:  # (None too once the module is being wiped)
         entry[1](*entry[2])
 
 
@@ -195,7 +195,7 @@ class ArrayOwner(HandleLifetime):
 
     __slots__ = ("handle", "keep", "__array_interface__", "token", "facts", "sent")
     # _lifetime (HandleLifetime's): the weak reference whose callback gives the C reference
-    # back, registered here with the bare handle (the fast path of _release_with)
+    # back, registered in REFERENCES with the bare handle (not through _release_with)
 
     def __init__(self, handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int,
                  readonly: bool, keep: Any = None, strides: Optional[tuple] = None,
@@ -220,9 +220,12 @@ class ArrayOwner(HandleLifetime):
         self.handle = handle
 
     @property
-    def _as_parameter_(self) -> Optional[_ffi.StorageHandle]:
+    def _as_parameter_(self) -> _ffi.StorageHandle:
         """The owner passes to the binding as its C storage (ctypes reads this)."""
-        return self.handle
+        handle = self.handle
+        if handle is None:
+            raise ValueError("pyshm: this array owner has given its storage back")
+        return handle
 
     def _release_now(self) -> None:
         """Give up the owner's reference now (once; the arrays over it must not be used)."""
@@ -230,11 +233,17 @@ class ArrayOwner(HandleLifetime):
         if self._lifetime is not None:
             released(self._lifetime)
 
+    def _release_never(self) -> None:
+        REFERENCES.pop(self._lifetime, None)
+
+    def _release_with(self, release: Any, *args: Any) -> None:
+        raise TypeError("an ArrayOwner gives back its storage reference only")
+
 
 def storage_fd(holder: Any) -> int:
     """The memfd behind a C storage (a StorageHandle, or an ArrayOwner or Storage, which pass
     as theirs); the storage keeps it (not a new fd). OSError if it has none, ValueError if the
-    Storage is closed."""
+    Storage is closed or the owner has given its storage back."""
     fd = ctypes.c_int(-1)
     offset = ctypes.c_uint64(0)
     # (asked here, not by ctypes, which would turn a closed Storage's ValueError into its own

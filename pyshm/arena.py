@@ -64,7 +64,7 @@ def _unless_no_data(func, *args) -> bool:
 
 
 class _ArenaKeep(HandleLifetime):
-    """What an arena array's owner keeps alive (its ``_keep``): the arena, and one C reference
+    """What an arena array's owner keeps alive (its ``keep``): the arena, and one C reference
     to the buffer the array's bytes lie in (``buffer``, an lshm_arena_buffer handle, or None
     for ordinary memory), released when the last array over that buffer is gone. So a re-plan
     or :meth:`Arena.trim` never unmaps bytes a live array points at, even after ``free()``.
@@ -187,7 +187,7 @@ class Arena(HandleLifetime):
         # Recording arenas: the address of each storage handed out and not freed yet -> the
         # handle of the reference we hold.
         self._live: dict = {}
-        # the owners of the arrays handed out (each keeps the arena alive: its _keep)
+        # the owners of the arrays handed out (each keeps the arena alive: its keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
         # buffer address (None: ordinary memory) -> the _ArenaKeep its arrays share
         self._keeps: "weakref.WeakValueDictionary[Optional[int], _ArenaKeep]" = (

@@ -109,6 +109,7 @@ from ._memory import (
     share_in_place,
     wrap,
 )
+from .arrays import copy as pyshm_copy
 from .storage import Storage, reduce_storage_by_value
 from .storage import storage_from_bytes as _storage_from_bytes  # noqa: F401 - old pickles' name
 
@@ -921,8 +922,6 @@ class Ref:
         return Ref(self.array)  # (the same memory)
 
     def __deepcopy__(self, memo: dict) -> "Ref":
-        from .arrays import copy as pyshm_copy
-
         return Ref(pyshm_copy(self.array, shared=True))  # (new memory, like any deep copy)
 
     def __repr__(self) -> str:

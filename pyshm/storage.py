@@ -56,7 +56,9 @@ class Storage(HandleLifetime):
         """Wrap a C storage (an ``lshm_storage *`` as a :class:`pyshm._ffi.StorageHandle`)
         whose reference the caller hands over: the Storage releases it when it is closed or
         collected. ``keep``: an object the memory depends on (the mapping of memory received
-        from another process), kept alive as long as the Storage; see :attr:`keep`."""
+        from another process), kept alive as long as the Storage; see :attr:`keep`. TypeError
+        for anything but a StorageHandle, ValueError for NULL: then the caller keeps its
+        reference."""
         if not isinstance(handle, _ffi.StorageHandle):
             raise TypeError(f"from_handle expects a StorageHandle, not {type(handle).__name__}")
         if not handle:

@@ -818,12 +818,14 @@ def free_pair_subnet() -> str:
     words = run("-o", "addr", "show").split()
     taken = [word for before, word in zip(words, words[1:]) if before == "inet"]
     for route in run("route", "show", "table", "all").splitlines():
-        words = route.split()  # (a destination first, after its type if it has one)
-        words = words[1:] if words and words[0] in ("local", "broadcast", "unreachable",
-                                                      "blackhole", "prohibit") else words
-        if words and words[0] != "default":
-            taken.append(words[0])
-    taken = [ipaddress.ip_network(word, strict=False) for word in taken]
+        taken.extend(route.split()[:2])  # (a destination first, after its type if it has one)
+    networks = []
+    for word in taken:
+        try:
+            networks.append(ipaddress.ip_network(word, strict=False))
+        except ValueError:
+            pass  # ("default", a route type)
+    taken = networks
     for subnet in PAIR_SUBNETS:
         if not any(ipaddress.ip_network(subnet).overlaps(other) for other in taken):
             return subnet

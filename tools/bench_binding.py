@@ -12,8 +12,8 @@ min and median microseconds per call over `--repeat` rounds of `--number` calls:
             exception: _ffi.py, share_unchecked
   convert   lshm_storage_create_view refused at once (NULL segment), its two 64-bit
             arguments declared c_void_p and c_uint64: _ffi.py, _create_view
-  release   an owner released by a bare weak-reference callback and by weakref.finalize:
-            pyshm/_memory.py, REFERENCES
+  release   an object released by a bare weak-reference callback (an ArrayOwner's), through
+            HandleLifetime._release_with, and by weakref.finalize: pyshm/_memory.py
   address   an array's data pointer read at its offset and through __array_interface__:
             _memory.py, data_address
   peers     one read of /proc/net/tcp and tcp6 for a peer's uids: pyshm/engines.py
@@ -49,7 +49,8 @@ def case_gil():
     released = cdll.lshm_storage_flags
     released.restype, released.argtypes = ctypes.c_uint, [_ffi.StorageHandle]
     kept = _ffi.lib.lshm_storage_flags
-    return {"PyDLL (GIL kept)": lambda: kept(handle), "CDLL (GIL released)": lambda: released(handle)}
+    return {"PyDLL (GIL kept)": lambda: kept(handle),
+            "CDLL (GIL released)": lambda: released(handle)}
 
 
 def case_typed():
@@ -115,7 +116,16 @@ def case_release():
         weakref.finalize(owner, keep.get, None)
         del owner
 
-    return {"weak-reference callback": bare, "weakref.finalize": finalized}
+    class Lifetime(_memory.HandleLifetime):
+        __slots__ = ()
+
+    def lifetime():
+        owner = Lifetime()
+        owner._release_with(keep.get, None)
+        del owner
+
+    return {"weak-reference callback": bare, "HandleLifetime": lifetime,
+            "weakref.finalize": finalized}
 
 
 def case_address():
