@@ -1,6 +1,6 @@
 """pyshm.plan: validity on random traces (hypothesis) and on every trace in ../shared/traces,
-quality against the best anchor heuristic per trace (research/planner.md section 13), capacity
-mode (MiniMalloc's challenging A..K fit in 1 MiB), the framework test values (section 14(b)),
+quality against the best anchor heuristic per trace (BEST_OF below), capacity mode
+(MiniMalloc's challenging A..K fit in 1 MiB), the test values of the frameworks' own planners,
 bad input, determinism, and `python -m pyshm plan`."""
 
 import csv
@@ -115,10 +115,12 @@ def test_random_traces_valid(trace):
 
 # ---- the public traces ---------------------------------------------------------------------
 
-# research/planner.md section 13, column "best-of" (the best of the re-implemented anchors:
-# TFLite/nativert best fit, TFLM first fit, XLA, XNNPACK, TVM, greedy by breadth, online best
-# fit, TFLite GPU in-order objects, PyTorch static runtime LIFO groups). Strings keep the
-# printed precision: a ratio may exceed the printed value by less than half its last digit.
+# The best arena per trace, over the lower bound, of these anchor planners, re-implemented once
+# in numpy and run on these traces when the planner was designed (three of them ship in
+# tools/bench_planner.py: tflite, online, lifo): TFLite/nativert best fit, TFLM first fit,
+# XLA, XNNPACK, TVM, greedy by breadth, online best fit, TFLite GPU in-order objects, PyTorch
+# static runtime LIFO groups. Strings keep the printed precision: a ratio may exceed the
+# printed value by less than half its last digit.
 BEST_OF = {
     "minimalloc/A.1048576.csv": "1.290",
     "minimalloc/B.1048576.csv": "1.347",
@@ -150,7 +152,7 @@ BEST_OF = {
     "small/tflm_greedy_medium.csv": "1.0000",
 }
 
-# Real networks (section 14(b)): at most 1.01 x the lower bound.
+# Real networks: at most 1.01 x the lower bound.
 REAL_NETWORKS = [
     name for name in BEST_OF if name.startswith("idealloc/")
 ] + ["small/tflm_person_detection.csv", "small/tvm_deep_speech.csv"]
@@ -220,7 +222,7 @@ def test_capacity_option():
         pyshm.plan(sizes, firsts, lasts, capacity=-1)
 
 
-# ---- framework test values (research/planner.md section 14(b)) -----------------------------
+# ---- the test values of the frameworks' own planners (TFLite, TFLM, XNNPACK, XLA, TVM) --------
 
 
 def small(name):

@@ -1,5 +1,5 @@
 /*
- * planner_internal.h -- what planner.c and planner_exact.c share; never installed.
+ * planner_internal.h -- what the planner's files (planner*.c) share; never installed.
  *
  * The planner works on a "compressed" problem: only the tensors that occupy memory (size > 0,
  * non-empty lifetime, not pinned), each with a half-open live range [start, end) of compressed

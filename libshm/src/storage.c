@@ -342,7 +342,7 @@ int lshm_storage_fd(lshm_storage *s, int *fd, uint64_t *offset) {
         }
     }
     /* Someone else may hold this fd from now on: its memfd must never be recycled. */
-    atomic_store_explicit(&((lshm_storage *)s)->exported, 1, memory_order_release);
+    atomic_store_explicit(&s->exported, 1, memory_order_release);
     *fd = f;
     *offset = s->fd_offset;
     return 0;

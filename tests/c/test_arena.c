@@ -506,7 +506,7 @@ static void test_buffer_reference_outlives_replan_and_trim(void) {
         ASSERT_OK(lshm_arena_free(a, t));
         ASSERT_OK(lshm_arena_end_iteration(a)); /* first plan: a buffer of 4096 bytes */
 
-        /* The sequence: a slot, freed, then a larger request re-plans. */
+        /* A slot, freed, then a larger request that re-plans. */
         ASSERT_OK(lshm_arena_alloc(a, 4096, &t));
         ASSERT(lshm_storage_flags(t) & LSHM_STORAGE_INPLACE);
         ASSERT_OK(lshm_arena_current_buffer(a, &buf));
