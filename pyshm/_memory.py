@@ -219,14 +219,6 @@ class ArrayOwner(HandleLifetime):
         self._lifetime = ref
         self.handle = handle
 
-    @property
-    def _as_parameter_(self) -> _ffi.StorageHandle:
-        """The owner passes to the binding as its C storage (ctypes reads this)."""
-        handle = self.handle
-        if handle is None:
-            raise ValueError("pyshm: this array owner has given its storage back")
-        return handle
-
     def _release_now(self) -> None:
         """Give up the owner's reference now (once; the arrays over it must not be used)."""
         self.handle = None
@@ -240,15 +232,23 @@ class ArrayOwner(HandleLifetime):
         raise TypeError("an ArrayOwner gives back its storage reference only")
 
 
+def handle_of(holder: Any) -> Optional[_ffi.StorageHandle]:
+    """The C storage of a holder of memory: an ArrayOwner's (None once given back) or a
+    Storage's (ValueError once closed)."""
+    if isinstance(holder, ArrayOwner):
+        return holder.handle
+    return holder._as_parameter_
+
+
 def storage_fd(holder: Any) -> int:
-    """The memfd behind a C storage (a StorageHandle, or an ArrayOwner or Storage, which pass
-    as theirs); the storage keeps it (not a new fd). OSError if it has none, ValueError if the
-    Storage is closed or the owner has given its storage back."""
+    """The memfd behind a holder's C storage (see handle_of); the storage keeps it (not a new
+    fd). OSError if it has none, ValueError if the Storage is closed or the owner has given
+    its storage back."""
+    handle = handle_of(holder)
+    if handle is None:
+        raise ValueError("pyshm: this array owner has given its storage back")
     fd = ctypes.c_int(-1)
     offset = ctypes.c_uint64(0)
-    # (asked here, not by ctypes, which would turn a closed Storage's ValueError into its own
-    # ArgumentError)
-    handle = holder if isinstance(holder, _ffi.StorageHandle) else holder._as_parameter_
     lib.lshm_storage_fd(handle, ctypes.byref(fd), ctypes.byref(offset))
     return fd.value
 

@@ -104,6 +104,7 @@ from ._memory import (
     HandleLifetime,
     array_interface,
     data_address,
+    handle_of,
     owner_of,
     released,
     share_in_place,
@@ -224,13 +225,6 @@ def _key_of(fd: int) -> tuple:
     return (st.st_dev, st.st_ino)
 
 
-def _handle_of(holder: Any) -> _ffi.StorageHandle:
-    """The C storage of an export's holder (an ArrayOwner or a Storage, see _export)."""
-    if isinstance(holder, ArrayOwner):
-        return holder.handle
-    return holder._as_parameter_
-
-
 # multiprocessing pickles these on a thread of its own, while the caller goes on: an implicit
 # share there could undo the caller's writes made after put()/apply_async() returned
 _ASYNC_PICKLERS = ("Queue._feed", "Pool._handle_tasks")
@@ -250,14 +244,14 @@ def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket
         # whole-memfd mapping, whose flags, data and size its array may know (rebuild_ndarray)
         facts = getattr(holder, "facts", None)
         if facts is None:
-            handle = _handle_of(holder)
+            handle = handle_of(holder)
             facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
                      lib.lshm_storage_nbytes(handle))
         flags, data, nbytes = facts
         if mapping.sealed or not flags & _ffi.STORAGE_READONLY:
             return _ticket(holder, flags, data, nbytes, mapping.key, mapping.size,
                            data - mapping.data, mapping.sealed)
-    handle = _handle_of(holder)
+    handle = handle_of(holder)
     rc, info = _ffi.export(handle)
     if rc == -errno.ENODATA:
         _share_for_sending(handle)
@@ -390,7 +384,7 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
     ref = _state.ranges.get((key, size, offset, nbytes)) if exported else None
     holder = ref() if ref is not None else None
     if holder is not None:
-        handle = lib.lshm_storage_retain(_handle_of(holder))  # the very same storage
+        handle = lib.lshm_storage_retain(handle_of(holder))  # the very same storage
         token = getattr(holder, "token", None)
         if token is not None:
             # its flags, data and size, as its last export read them (none of them changes
@@ -402,7 +396,7 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
     if holder is not None:
         # another storage of the same memfd (a tensor of a shared arena, a Storage.attach
         # view): a view of the same pages at the same address
-        segment = lib.lshm_storage_segment(_handle_of(holder))
+        segment = lib.lshm_storage_segment(handle_of(holder))
         if segment and lib.lshm_segment_size(segment) == size:
             return _new_view(segment, offset, nbytes, readonly), None
     if size == SLAB_SIZE and (mapping is None or mapping.ours):

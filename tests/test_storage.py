@@ -673,3 +673,27 @@ def test_storages_give_their_reference_back_once_when_collected_and_never_at_exi
                           timeout=60, check=False)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert done.stdout.split("\n") == ["released", "closed", "released", "collected", ""]
+
+
+def test_threads_closing_one_storage_at_once_give_its_reference_back_once():
+    import threading
+
+    base = pyshm.Storage(4096)
+    handle = base._as_parameter_
+    refs = _ffi.lib.lshm_storage_refcount(handle)
+    for _ in range(50):
+        adopted = pyshm.Storage.from_handle(_ffi.lib.lshm_storage_retain(handle))
+        start = threading.Barrier(8)
+
+        def close(storage=adopted, start=start):
+            start.wait()
+            storage.close()
+
+        threads = [threading.Thread(target=close) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        del adopted
+        assert _ffi.lib.lshm_storage_refcount(handle) == refs  # once, never twice
+    assert base.nbytes == 4096
