@@ -284,6 +284,45 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
         return server.address, pair[1 if readonly else 0], ref, pair[2]
 
 
+class SecretsOutOfBand:
+    """Within it, this thread's pickles carry their secrets (batch and memfd) as
+    ``pickle.PickleBuffer`` objects: a protocol 5 pickler with a ``buffer_callback`` hands them
+    out of band, so the pickle itself names memory but cannot fetch it. For a framework that
+    logs a pickle it fails to load but not its buffers (dask.distributed logs the first 10,000
+    bytes): the secrets travel in frames of their own. Only for protocol 5 picklers (a
+    PickleBuffer cannot be pickled with an older protocol). Receivers take both forms
+    (:func:`secret_bytes`)."""
+
+    __slots__ = ("previous",)
+
+    def __enter__(self) -> SecretsOutOfBand:
+        self.previous = getattr(state.local, "out_of_band", False)
+        state.local.out_of_band = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        state.local.out_of_band = self.previous
+
+
+def _secret_out(secret: bytes) -> Any:
+    """`secret` as a pickle should carry it on this thread (see SecretsOutOfBand)."""
+    return pickle.PickleBuffer(secret) if getattr(state.local, "out_of_band", False) else secret
+
+
+def secret_bytes(value: Any) -> Optional[bytes]:
+    """A secret from a pickle as bytes: in band (bytes) or out of band (a buffer of
+    SECRET_BYTES bytes, see SecretsOutOfBand); None if it is neither."""
+    if type(value) is bytes:
+        return value if len(value) == SECRET_BYTES else None
+    if isinstance(value, (memoryview, bytearray, pickle.PickleBuffer)):
+        try:
+            with memoryview(value) as view:
+                return view.tobytes() if view.nbytes == SECRET_BYTES else None
+        except (TypeError, ValueError):
+            return None  # (a released buffer)
+    return None
+
+
 class Mark:
     """The sending thread's marker in every token; pickle memoizes it per message, so its
     reduction runs once per message and begins that message's batch."""
@@ -296,7 +335,7 @@ class Mark:
             batch = _new_batch(frame)
             state.local.batch = batch
             address = state.server.address if state.server is not None else b""
-        return _received_batch, (address, batch.id, batch.secret)
+        return _received_batch, (address, batch.id, _secret_out(batch.secret))
 
 
 class Ticket:
@@ -324,7 +363,11 @@ class Ticket:
             batch.members[self.key] = [self.holder, self.readonly]
         elif not self.readonly:
             member[1] = False
-        return tuple, (self.fields if solo is None else (*self.fields[:-1], solo),)
+        fields = self.fields
+        if getattr(state.local, "out_of_band", False):  # (see SecretsOutOfBand)
+            fields = (*fields[:6], _secret_out(fields[6]), fields[7])
+            solo = None if solo is None else (solo[0], _secret_out(solo[1]))
+        return tuple, (fields if solo is None else (*fields[:-1], solo),)
 
 
 def mark() -> Mark:
@@ -625,8 +668,8 @@ class ReceivedBatch:
 
 
 def _received_batch(address, batch_id, secret) -> ReceivedBatch:
-    if not (isinstance(address, bytes) and isinstance(batch_id, int)
-            and isinstance(secret, bytes) and len(secret) == SECRET_BYTES):
+    secret = secret_bytes(secret)
+    if not (isinstance(address, bytes) and isinstance(batch_id, int) and secret is not None):
         raise pickle.UnpicklingError("bad pyshm batch in the pickle")
     batch = ReceivedBatch(address, batch_id, secret)
     done = weakref.finalize(batch, _message_done, address, batch_id, secret)

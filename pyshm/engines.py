@@ -31,7 +31,9 @@ What each hook does, and the engine's extension point it uses:
   the scheduler, where no reference is safe: plain arrays go dask's way (by value), and
   ``Client.submit`` and ``Client.map`` are wrapped to scatter each ``pyshm.ref`` among them
   straight to a worker here first (by reference, through the hook above) and pass its future
-  instead.
+  instead (a ref where dask does not look, inside an object, goes through a pickled call
+  with placeholders, see _Call). A reference's secrets travel in frames of their own, which
+  distributed does not log when a receiver fails to load the pickle.
 * **Ray** pickles objects (task arguments and results, actor calls, ``ray.put``) with its
   cloudpickle, where ``ray.util.register_serializer`` replaces the pickling of a type. The
   hook registers one for numpy arrays (and, once torch is imported, for tensors): pyshm
@@ -57,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from . import reduction
+from ._channel import SecretsOutOfBand
 from .arrays import is_shared
 
 __all__ = ["install", "installed"]
@@ -400,11 +403,15 @@ def _install_distributed() -> None:
         # a process on this machine; else (another machine, disk, no recipient) by value.
         # The reference is a pickle, under distributed's own "pickle" header, so that any
         # receiver (pyshm imported there or not) rebuilds it with its stock deserializer.
+        # Its secrets go in frames of their own: a receiver that fails to load the pickle
+        # (pyshm not importable there) logs the pickle's first frame, and only that.
         if type(x) is np.ndarray and x.size > 0 and reduction.owner_of(x) is not None and \
                 is_shared(x) and _recipient_here(context):
-            import pickle
-
-            return {"pickle": True, "pyshm": 1}, [pickle.dumps(reduction.Ref(x), protocol=5)]
+            frames: list = [None]
+            with SecretsOutOfBand():
+                frames[0] = pickle.dumps(reduction.Ref(x), protocol=5,
+                                         buffer_callback=lambda b: frames.append(b.raw()))
+            return {"pickle": True, "pyshm": 1}, frames
         return original(x, context=context)
 
     serialize_ndarray._pyshm_wraps = original
@@ -490,6 +497,143 @@ def _scatter_arguments(client: Any, values: list) -> list:
     return [_swap_refs(value, lambda ref: replacement[id(ref)]) for value in values]
 
 
+# Refs hidden where dask does not look (a user's object, a functools.partial, a closure, the
+# function itself) would reach the scheduler inside the task. They are found by pickling the
+# call once more, as distributed will (cloudpickle; arrays out of band: nothing is copied),
+# with each ref a placeholder. submit then runs that pickled call through _call_with_refs,
+# the refs' arrays scattered as above and passed as its arguments (the worker puts them in
+# place of the placeholders); where nothing can be scattered, and for map, the call goes with
+# each ref's array in its place, by value.
+
+
+class _Call:
+    """A call (function, arguments, keyword arguments) pickled with its refs as placeholders,
+    or None if it cannot be pickled. `refs`: the refs found, in placeholder order."""
+
+    __slots__ = ("buffers", "data", "refs")
+
+    def __init__(self, call: tuple) -> None:
+        import io
+
+        self.data = None
+        for out_of_band in (True, False):
+            self.refs, buffers, out = [], [], io.BytesIO()
+            try:
+                _call_pickler()(out, self.refs, buffers if out_of_band else None).dump(call)
+                # (the buffers travel as uint8 arrays: dask keeps their write flag, which it
+                # drops from other buffers in a task)
+                self.buffers = [np.frombuffer(b.raw(), np.uint8) for b in buffers]
+            except BufferError:
+                continue  # (a buffer that is not contiguous: in band, then)
+            except Exception:  # (dask will say what cannot be pickled)
+                return
+            self.data = out.getvalue()
+            return
+
+    def load(self, arrays: Any) -> tuple:
+        """The call again, each ref's place taken by ``arrays[i]``."""
+        return _RefLoader(self.data, self.buffers, arrays).load()
+
+
+_PICKLER: list = []
+
+
+def _call_pickler():
+    """cloudpickle's Pickler (distributed's own) that puts placeholders for refs."""
+    if not _PICKLER:
+        import cloudpickle
+
+        class Pickler(cloudpickle.Pickler):
+            def __init__(self, out, refs: list, buffers: Any) -> None:
+                super().__init__(out, protocol=5, buffer_callback=None if buffers is None
+                                 else buffers.append)
+                self.refs, self.seen = refs, {}
+
+            def persistent_id(self, obj):
+                if type(obj) is not reduction.Ref:
+                    return None
+                at = self.seen.get(id(obj))
+                if at is None:
+                    at = self.seen[id(obj)] = len(self.refs)
+                    self.refs.append(obj)
+                return at
+
+        _PICKLER.append(Pickler)
+    return _PICKLER[0]
+
+
+class _RefLoader(pickle.Unpickler):
+    def __init__(self, data: bytes, buffers: Any, arrays: Any) -> None:
+        import io
+
+        super().__init__(io.BytesIO(data), buffers=buffers)
+        self.arrays = arrays
+
+    def persistent_load(self, at):
+        if type(at) is not int or not 0 <= at < len(self.arrays):
+            raise pickle.UnpicklingError(f"pyshm: no array {at!r} came with this call")
+        return self.arrays[at]
+
+
+def _call_with_refs(data: bytes, buffers: list, *arrays):
+    """On a dask worker: run the call that submit pickled with placeholders for refs (see
+    _Call), with the arrays the refs were scattered as (dask resolved their futures)."""
+    func, args, kwargs = _RefLoader(data, buffers, arrays).load()
+    return func(*args, **kwargs)
+
+
+def _visible_refs(values: list) -> set:
+    """The ids of the refs where dask looks (see _swap_refs) in ``values``."""
+    found: set = set()
+
+    def note(ref: Any) -> Any:
+        found.add(id(ref))
+        return ref
+
+    for value in values:
+        _swap_refs(value, note)
+    return found
+
+
+def _hidden_call(call: tuple, visible: list) -> Any:
+    """The pickled ``call`` (a _Call) if it holds a ref that is not among ``visible`` (where
+    dask would find it), else None."""
+    pickled = _Call(call)
+    if pickled.data is None or not pickled.refs:
+        return None
+    seen = _visible_refs(visible)
+    if all(id(ref) in seen for ref in pickled.refs):
+        return None
+    return pickled
+
+
+def _submit_hidden(client: Any, original, pickled: _Call, func: Any, options: dict):
+    """submit of a call with hidden refs (see above): through _call_with_refs, the refs'
+    arrays scattered to a worker here, or, if none can be, the call rebuilt with the arrays
+    themselves (by value)."""
+    arrays = [ref.array for ref in pickled.refs]
+    futures = _scatter_arguments(client, pickled.refs)
+    if any(future is array for future, array in zip(futures, arrays)):  # (not scattered)
+        func, args, kwargs = pickled.load(arrays)
+        return original(client, func, *args, **kwargs, **options)
+    if options.get("key") is None:
+        import uuid
+
+        from dask.utils import funcname
+
+        options["key"] = f"{funcname(func)}-{uuid.uuid4().hex}"
+    return original(client, _call_with_refs, pickled.data, pickled.buffers, *futures, **options)
+
+
+def _by_value_if_hidden(value: Any) -> Any:
+    """``value``, or a copy of it with each ref's array in its place if it holds a ref where
+    dask does not look (for map: see above)."""
+    pickled = _hidden_call((value,), [value])
+    if pickled is None:
+        return value
+    return pickled.load([ref.array for ref in pickled.refs])[0]
+
+
 def _wrap_task_maker(original):
     """Client.submit or Client.map, scattering the refs among its arguments first: submit's
     positional arguments, map's list and tuple iterables (element by element), and either's
@@ -501,17 +645,30 @@ def _wrap_task_maker(original):
     each = original.__name__ == "map"
 
     def make(self, func, *args, **kwargs):
-        if not reduction.Ref.made or kwargs.get("actor") or kwargs.get("actors"):
-            # (no ref was ever made in this process: nothing to look for)
+        if not reduction.Ref.live or kwargs.get("actor") or kwargs.get("actors"):
+            # (no ref is alive in this process: nothing to look for)
             return original(self, func, *args, **kwargs)
         names = [name for name in kwargs if name not in options]
+        if not each:
+            user = {name: kwargs[name] for name in names}
+            pickled = _hidden_call((func, args, user), [*args, *user.values()])
+            if pickled is not None:
+                own = {name: v for name, v in kwargs.items() if name not in user}
+                return _submit_hidden(self, original, pickled, func, own)
         # each argument as the run of values it stands for: map's lists element by element,
         # anything else (an iterator map must not consume too) as one value
         runs = [list(a) if each and isinstance(a, (list, tuple)) else [a] for a in args]
         flat = [value for run in runs for value in run]
         given = flat + [kwargs[name] for name in names]
+        before = given
+        if each and _hidden_call((func, given), given) is not None:
+            # (map: a ref where dask does not look goes by value)
+            func = _by_value_if_hidden(func)
+            given = [_by_value_if_hidden(value) for value in given]
+            if all(new is old for new, old in zip(given, before)):
+                given = before
         values = _scatter_arguments(self, given)
-        if values is not given:
+        if values is not before:
             rebuilt, at = [], 0
             for a, run in zip(args, runs):
                 part = values[at:at + len(run)]

@@ -91,7 +91,7 @@ import resource
 import weakref
 from ctypes import byref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
@@ -322,18 +322,20 @@ def _check_token(token: Any) -> tuple:
     already) is checked without converting anything."""
     try:
         key, address, size, offset, nbytes, readonly, secret, solo = token
+        secret = _channel.secret_bytes(secret)  # (in band or out of band)
         if not (type(key) is tuple and len(key) == 2 and type(key[0]) is int
                 and type(key[1]) is int and type(size) is int and type(offset) is int
                 and type(nbytes) is int):
             key = (int(key[0]), int(key[1]))
             size, offset, nbytes = int(size), int(offset), int(nbytes)
         if solo is not None:
-            solo = (int(solo[0]), solo[1])
-    except (TypeError, ValueError, IndexError):
-        raise pickle.UnpicklingError(f"bad pyshm token {token!r}") from None
-    if type(secret) is not bytes or len(secret) != _channel.SECRET_BYTES or (
-        solo is not None and not (isinstance(solo[1], bytes) and 0 < solo[0] < 1 << 64)
-    ):
+            solo = (int(solo[0]), _channel.secret_bytes(solo[1]))
+    except (TypeError, ValueError, IndexError) as error:
+        # (not the token itself, whose secrets a framework logging this message would show)
+        raise pickle.UnpicklingError(f"bad pyshm token: not the 8 fields pyshm makes ({error})"
+                                     ) from None
+    if secret is None or (solo is not None and not (solo[1] is not None
+                                                    and 0 < solo[0] < 1 << 64)):
         raise pickle.UnpicklingError("bad pyshm token: malformed secret")
     if offset < 0 or nbytes < 0 or offset + nbytes > size:
         raise pickle.UnpicklingError(
@@ -891,8 +893,8 @@ class Ref:
     """A pyshm array that pickles by reference through any pickler; see :func:`ref` (which
     makes one; the constructor checks the same)."""
 
-    __slots__ = ("array",)
-    made = False  # (set once any Ref is made in this process: engines looks for them then)
+    __slots__ = ("__weakref__", "array")
+    live: ClassVar[weakref.WeakSet] = weakref.WeakSet()  # (every Ref alive: engines looks for them then)
 
     def __init__(self, array: Any) -> None:
         if not isinstance(array, np.ndarray):
@@ -907,7 +909,7 @@ class Ref:
             if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
                 share_in_place(handle, "pyshm.ref", TypeError)
         self.array = array
-        Ref.made = True
+        Ref.live.add(self)
 
     def __reduce__(self):
         return reduce_ndarray(self.array)

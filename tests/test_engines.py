@@ -660,6 +660,92 @@ def test_dask_ref_arguments_that_cannot_be_scattered_go_as_their_arrays():
         ours.close()
 
 
+class Holder:
+    """A user's own object: dask does not look into it for futures."""
+
+    def __init__(self, array, value) -> None:
+        self.array, self.value = array, value
+
+
+def fill_holder(holder):
+    holder.array[:] = holder.value
+    return pyshm.is_shared(holder.array)
+
+
+def fill_with(value, array):
+    array[:] = value
+    return pyshm.is_shared(array)
+
+
+def test_dask_refs_hidden_in_objects_are_the_same_memory_in_submit():
+    """A ref inside a user's object, a functools.partial or a closure, where dask does not
+    look: submit scatters it all the same and the worker puts the array in its place (the
+    task, through the scheduler, carries no reference); map sends such a ref's array by
+    value (a copy)."""
+    distributed = engine_or_skip("distributed")
+    import functools
+
+    array = pyshm.zeros(1 << 16, np.float32, shared=True)
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        future = client.submit(fill_holder, Holder(pyshm.ref(array), 2.0))
+        assert future.result() is True and (array == 2).all()
+        assert future.key.startswith("fill_holder-")  # (the user's function names the task)
+        assert client.submit(functools.partial(fill_with, 3.0, pyshm.ref(array))).result()
+        assert (array == 3).all()
+        captured = pyshm.ref(array[::2])
+        assert client.submit(lambda: fill_with(4.0, captured)).result()
+        assert array[0] == 4 and array[1] == 3
+        # a hidden ref beside a visible one, a plain array and keyword arguments
+        plain = np.zeros(8, np.float32)
+        other = pyshm.zeros(8, np.float32, shared=True)
+        both = client.submit(lambda h, p, a=None: [fill_holder(h), fill_with(6.0, p),
+                                                   fill_with(7.0, a)],
+                             Holder(pyshm.ref(other), 5.0), plain, a=pyshm.ref(array),
+                             pure=False).result()
+        assert both == [True, False, True]
+        assert (other == 5).all() and (plain == 0).all() and (array == 7).all()
+        # map: by value
+        assert client.gather(client.map(fill_holder, [Holder(pyshm.ref(array), 8.0)])) == [
+            False]
+        assert (array == 7).all()
+        assert client.gather(client.map(functools.partial(fill_with, array=pyshm.ref(array)),
+                                        [9.0], pure=False)) == [False]
+        assert (array == 7).all()
+
+
+def test_dask_hidden_refs_that_cannot_be_scattered_go_as_their_arrays():
+    engine_or_skip("distributed")
+    array = pyshm.zeros(1000, np.float32, shared=True)
+    calls = []
+
+    class Client:  # (no worker of ours here)
+        asynchronous = False
+
+        def scheduler_info(self):
+            return {"workers": {"tcp://203.0.113.7:1": {}}}
+
+    def submit(client, func, *args, **kwargs):
+        calls.append((func, args, kwargs))
+
+    holder, listed = Holder(pyshm.ref(array), 1.0), [pyshm.ref(array)]
+    call = (fill_holder, (holder, listed), {"v": pyshm.ref(array)})
+    pickled = engines._hidden_call(call, [holder, listed, call[2]["v"]])
+    assert pickled is not None and len(pickled.refs) == 3
+    assert b"pyshm.reduction" not in pickled.data  # (placeholders, never a reference)
+    engines._submit_hidden(Client(), submit, pickled, fill_holder, {"pure": False})
+    (func, args, kwargs), = calls
+    assert func is fill_holder and kwargs["pure"] is False and kwargs["v"] is array
+    assert args[0] is not holder and args[0].array is array and args[1][0] is array
+    assert isinstance(holder.array, pyshm.reduction.Ref)  # (the caller's object, unchanged)
+    # nothing hidden: dask's own way (containers are looked into already)
+    visible = [1.0, [pyshm.ref(array)], {"k": pyshm.ref(array)}]
+    assert engines._hidden_call((fill_with, tuple(visible), {}), visible) is None
+    assert engines._hidden_call((fill_with, (lambda: None,), {}), []) is None
+
+
 def sum_and_say_if_shared(array):
     return float(array.sum()), pyshm.is_shared(array)
 
@@ -778,6 +864,54 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
         if other is not None:
             os.kill(other[1], 9)
             os.waitpid(other[1], 0)
+
+
+LOAD_WITHOUT_PYSHM = """
+    import logging, pickle, sys
+    sys.modules["pyshm"] = None  # (pyshm not importable in this worker)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s: %(message)s")
+    from distributed.protocol import deserialize
+    header, frames = pickle.loads(sys.stdin.buffer.read())
+    try:
+        deserialize(header, frames)
+    except ImportError as error:
+        print("not loaded:", error)
+"""
+
+
+def test_dask_reference_that_a_worker_cannot_load_leaves_no_secret_in_its_log():
+    # distributed logs (at INFO) the first 10,000 bytes of a pickle it fails to load, e.g. in
+    # a worker where pyshm does not import: whoever reads that log must not be able to fetch
+    # the memory, so the secrets travel in frames of their own
+    engine_or_skip("distributed")
+    import socket
+
+    from distributed.protocol import serialize
+
+    array = pyshm.zeros(1 << 18, np.uint8, shared=True)
+    ours = socket.socket()
+    ours.bind(("127.0.0.1", 0))
+    ours.listen()
+    try:
+        header, frames = serialize(array, serializers=("dask",), context={
+            "recipient": {"address": f"tcp://127.0.0.1:{ours.getsockname()[1]}"}})
+    finally:
+        ours.close()
+    frames = [bytes(frame) for frame in frames]
+    with _channel.state.lock:
+        secrets = {secret for pair in _channel.state.secrets.values() for secret in pair[:2]}
+        secrets |= {batch.secret for batch in _channel.state.batches.values()}
+    # out of band: the batch's secret and the memfd's, nothing else
+    assert len(frames) == 3 and all(frame in secrets for frame in frames[1:]), frames[1:]
+    assert not any(secret in frames[0] for secret in secrets)
+    log = run_python(LOAD_WITHOUT_PYSHM, pickle.dumps((header, frames)))
+    assert b"not loaded:" in log and b"Failed to deserialize" in log, log
+    assert b"pyshm.reduction" in log, log  # (the pickle itself is in the log...)
+    for secret in secrets:  # (...but not one secret)
+        assert repr(secret)[2:-1].encode() not in log and secret.hex().encode() not in log
+    # and the frames as they are load where pyshm does
+    back = pickle.loads(frames[0], buffers=frames[1:])
+    assert back.ctypes.data == array.ctypes.data
 
 
 def check_dask_serialize(array, here, cases):
