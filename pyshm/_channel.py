@@ -20,6 +20,10 @@ What is secret:
   fetch, in the same round trip, the fds of the other memfds named in that message, and none
   other. Peers of another uid are refused (``SO_PEERCRED``) before they can say anything.
 
+A pickle of protocol 5 carries the secrets as ``pickle.PickleBuffer`` objects: a pickler
+with a ``buffer_callback`` (dask.distributed's, Ray's) hands them out of band, beside the
+pickle, so a framework that logs a pickle it fails to load logs no secret.
+
 Secrets are compared in constant time; a request that is malformed, names nothing, or proves
 nothing gets an empty answer and the server goes on (a connection that sends nothing is
 dropped after ``_REQUEST_SECONDS`` without stalling others).
@@ -284,43 +288,26 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
         return server.address, pair[1 if readonly else 0], ref, pair[2]
 
 
-class SecretsOutOfBand:
-    """Within it, this thread's pickles carry their secrets (batch and memfd) as
-    ``pickle.PickleBuffer`` objects: a protocol 5 pickler with a ``buffer_callback`` hands them
-    out of band, so the pickle itself names memory but cannot fetch it. For a framework that
-    logs a pickle it fails to load but not its buffers (dask.distributed logs the first 10,000
-    bytes): the secrets travel in frames of their own. Only for protocol 5 picklers (a
-    PickleBuffer cannot be pickled with an older protocol). Receivers take both forms
-    (:func:`secret_bytes`)."""
-
-    __slots__ = ("previous",)
-
-    def __enter__(self) -> SecretsOutOfBand:
-        self.previous = getattr(state.local, "out_of_band", False)
-        state.local.out_of_band = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        state.local.out_of_band = self.previous
-
-
-def _secret_out(secret: bytes) -> Any:
-    """`secret` as a pickle should carry it on this thread (see SecretsOutOfBand)."""
-    return pickle.PickleBuffer(secret) if getattr(state.local, "out_of_band", False) else secret
+def _secret_out(secret: bytes, out_of_band: bool) -> Any:
+    """`secret` as a token carries it. For a pickle of protocol 5 (out_of_band), a
+    ``pickle.PickleBuffer``: a pickler with a ``buffer_callback`` hands it out of band, so the
+    pickle itself names memory but cannot fetch it (for a framework that logs a pickle it
+    fails to load but not its buffers: dask.distributed logs its first 10,000 bytes); one
+    without a callback writes its bytes in band, as older protocols get them. Receivers take
+    both (secret_bytes)."""
+    return pickle.PickleBuffer(secret) if out_of_band else secret
 
 
 def secret_bytes(value: Any) -> Optional[bytes]:
     """A secret from a pickle as bytes: in band (bytes) or out of band (a buffer of
-    SECRET_BYTES bytes, see SecretsOutOfBand); None if it is neither."""
+    SECRET_BYTES bytes, see _secret_out); None if it is neither."""
     if type(value) is bytes:
         return value if len(value) == SECRET_BYTES else None
-    if isinstance(value, (memoryview, bytearray, pickle.PickleBuffer)):
-        try:
-            with memoryview(value) as view:
-                return view.tobytes() if view.nbytes == SECRET_BYTES else None
-        except (TypeError, ValueError):
-            return None  # (a released buffer)
-    return None
+    try:  # (any buffer: the receiver's framework decides what out-of-band buffers are)
+        with memoryview(value) as view:
+            return view.tobytes() if view.nbytes == SECRET_BYTES else None
+    except (TypeError, ValueError):
+        return None  # (not a buffer, or a released one)
 
 
 class Mark:
@@ -329,13 +316,21 @@ class Mark:
 
     __slots__ = ()
 
+    # (both forms: a pickler's dispatch table calls __reduce__, others __reduce_ex__ with
+    # their protocol; either way sys._getframe(1) is the caller of the pickler)
     def __reduce__(self):
-        frame = id(sys._getframe(1))  # the caller of this message's pickler
+        return self._reduce(id(sys._getframe(1)), False)
+
+    def __reduce_ex__(self, protocol: int):
+        return self._reduce(id(sys._getframe(1)), protocol >= 5)
+
+    def _reduce(self, frame: int, out_of_band: bool):
+        # (frame: the caller of this message's pickler)
         with state.lock:
             batch = _new_batch(frame)
             state.local.batch = batch
             address = state.server.address if state.server is not None else b""
-        return _received_batch, (address, batch.id, _secret_out(batch.secret))
+        return _received_batch, (address, batch.id, _secret_out(batch.secret, out_of_band))
 
 
 class Ticket:
@@ -348,8 +343,13 @@ class Ticket:
     def __init__(self, key: tuple, holder: Any, readonly: bool, fields: tuple) -> None:
         self.key, self.holder, self.readonly, self.fields = key, holder, readonly, fields
 
-    def __reduce__(self):
-        frame = id(sys._getframe(1))
+    def __reduce__(self):  # (both forms: see Mark)
+        return self._reduce(id(sys._getframe(1)), False)
+
+    def __reduce_ex__(self, protocol: int):
+        return self._reduce(id(sys._getframe(1)), protocol >= 5)
+
+    def _reduce(self, frame: int, out_of_band: bool):
         batch = getattr(state.local, "batch", None)
         solo = None
         # (no lock on this path: only this thread adds to its current batch, and nobody can
@@ -364,9 +364,9 @@ class Ticket:
         elif not self.readonly:
             member[1] = False
         fields = self.fields
-        if getattr(state.local, "out_of_band", False):  # (see SecretsOutOfBand)
-            fields = (*fields[:6], _secret_out(fields[6]), fields[7])
-            solo = None if solo is None else (solo[0], _secret_out(solo[1]))
+        if out_of_band:  # (see _secret_out)
+            fields = (*fields[:6], _secret_out(fields[6], True), fields[7])
+            solo = None if solo is None else (solo[0], _secret_out(solo[1], True))
         return tuple, (fields if solo is None else (*fields[:-1], solo),)
 
 

@@ -32,8 +32,9 @@ What each hook does, and the engine's extension point it uses:
   ``Client.submit`` and ``Client.map`` are wrapped to scatter each ``pyshm.ref`` among them
   straight to a worker here first (by reference, through the hook above) and pass its future
   instead (a ref where dask does not look, inside an object, goes through a pickled call
-  with placeholders, see _Call). A reference's secrets travel in frames of their own, which
-  distributed does not log when a receiver fails to load the pickle.
+  with placeholders, see _Call). A reference's secrets travel out of band (see
+  pyshm._channel._secret_out), in frames that distributed does not log when a receiver
+  fails to load the pickle.
 * **Ray** pickles objects (task arguments and results, actor calls, ``ray.put``) with its
   cloudpickle, where ``ray.util.register_serializer`` replaces the pickling of a type. The
   hook registers one for numpy arrays (and, once torch is imported, for tensors): pyshm
@@ -59,7 +60,6 @@ from typing import Any
 import numpy as np
 
 from . import reduction
-from ._channel import SecretsOutOfBand
 from .arrays import is_shared
 
 __all__ = ["install", "installed"]
@@ -408,9 +408,8 @@ def _install_distributed() -> None:
         if type(x) is np.ndarray and x.size > 0 and reduction.owner_of(x) is not None and \
                 is_shared(x) and _recipient_here(context):
             frames: list = [None]
-            with SecretsOutOfBand():
-                frames[0] = pickle.dumps(reduction.Ref(x), protocol=5,
-                                         buffer_callback=lambda b: frames.append(b.raw()))
+            frames[0] = pickle.dumps(reduction.Ref(x), protocol=5,
+                                     buffer_callback=lambda b: frames.append(b.raw()))
             return {"pickle": True, "pyshm": 1}, frames
         return original(x, context=context)
 
@@ -499,27 +498,48 @@ def _scatter_arguments(client: Any, values: list) -> list:
 
 # Refs hidden where dask does not look (a user's object, a functools.partial, a closure, the
 # function itself) would reach the scheduler inside the task. They are found by pickling the
-# call once more, as distributed will (cloudpickle; arrays out of band: nothing is copied),
-# with each ref a placeholder. submit then runs that pickled call through _call_with_refs,
-# the refs' arrays scattered as above and passed as its arguments (the worker puts them in
-# place of the placeholders); where nothing can be scattered, and for map, the call goes with
-# each ref's array in its place, by value.
+# call once more, as distributed will (cloudpickle; contiguous arrays out of band, not
+# copied), with a placeholder for each ref and for each future where dask looks. submit then
+# runs that pickled call through a loader (_LOADERS: pickled by value, so a worker needs no
+# pyshm to run it), the refs' arrays scattered as above and passed, with those futures, as
+# the loader's arguments: dask resolves them and the loader puts them in place of the
+# placeholders. Where nothing can be scattered, and for map, the call goes with each ref's
+# array in its place, by value. Only while a ref is alive that is not where dask looks (a
+# hidden ref is alive); a ref pickled inside a pickle of its own is not found.
+
+
+def _visible(values: list) -> set:
+    """The ids of the refs and futures where dask looks (see _swap_refs) in ``values``."""
+    from distributed import Future
+
+    found: set = set()
+    stack, walked = list(values), set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (reduction.Ref, Future)):
+            found.add(id(value))
+        elif isinstance(value, (dict, list, tuple, set)) and id(value) not in walked:
+            walked.add(id(value))
+            stack.extend(value.values() if isinstance(value, dict) else value)
+    return found
 
 
 class _Call:
-    """A call (function, arguments, keyword arguments) pickled with its refs as placeholders,
-    or None if it cannot be pickled. `refs`: the refs found, in placeholder order."""
+    """A call (function, arguments, keyword arguments) pickled with placeholders for its refs
+    and for the futures among ``visible`` (ids); ``data`` None if it cannot be pickled.
+    ``holes``: the refs and futures, in placeholder order."""
 
-    __slots__ = ("buffers", "data", "refs")
+    __slots__ = ("buffers", "data", "holes")
 
-    def __init__(self, call: tuple) -> None:
+    def __init__(self, call: tuple, visible: set) -> None:
         import io
 
         self.data = None
         for out_of_band in (True, False):
-            self.refs, buffers, out = [], [], io.BytesIO()
+            self.holes, buffers, out = [], [], io.BytesIO()
             try:
-                _call_pickler()(out, self.refs, buffers if out_of_band else None).dump(call)
+                _call_pickler()(out, self.holes, visible,
+                                buffers if out_of_band else None).dump(call)
                 # (the buffers travel as uint8 arrays: dask keeps their write flag, which it
                 # drops from other buffers in a task)
                 self.buffers = [np.frombuffer(b.raw(), np.uint8) for b in buffers]
@@ -530,108 +550,118 @@ class _Call:
             self.data = out.getvalue()
             return
 
-    def load(self, arrays: Any) -> tuple:
-        """The call again, each ref's place taken by ``arrays[i]``."""
-        return _RefLoader(self.data, self.buffers, arrays).load()
+    @property
+    def refs(self) -> list:
+        return [hole for hole in self.holes if isinstance(hole, reduction.Ref)]
+
+    def by_value(self) -> Any:
+        """What was pickled, again, each ref's array in its place (futures as they were)."""
+        values = [hole.array if isinstance(hole, reduction.Ref) else hole
+                  for hole in self.holes]
+        return _LOADERS[0](self.data, self.buffers, *values, call=False)
 
 
 _PICKLER: list = []
 
 
 def _call_pickler():
-    """cloudpickle's Pickler (distributed's own) that puts placeholders for refs."""
+    """cloudpickle's Pickler (distributed's own) that puts placeholders for refs and for the
+    futures it is told (by id)."""
     if not _PICKLER:
         import cloudpickle
 
         class Pickler(cloudpickle.Pickler):
-            def __init__(self, out, refs: list, buffers: Any) -> None:
+            def __init__(self, out, holes: list, futures: set, buffers: Any) -> None:
                 super().__init__(out, protocol=5, buffer_callback=None if buffers is None
                                  else buffers.append)
-                self.refs, self.seen = refs, {}
+                self.holes, self.futures, self.seen = holes, futures, {}
 
             def persistent_id(self, obj):
-                if type(obj) is not reduction.Ref:
+                if not isinstance(obj, reduction.Ref) and id(obj) not in self.futures:
                     return None
                 at = self.seen.get(id(obj))
                 if at is None:
-                    at = self.seen[id(obj)] = len(self.refs)
-                    self.refs.append(obj)
+                    at = self.seen[id(obj)] = len(self.holes)
+                    self.holes.append(obj)
                 return at
 
         _PICKLER.append(Pickler)
     return _PICKLER[0]
 
 
-class _RefLoader(pickle.Unpickler):
-    def __init__(self, data: bytes, buffers: Any, arrays: Any) -> None:
+def _make_loaders() -> tuple:
+    """The functions a worker runs for a call with placeholders (see above): made here, so
+    that cloudpickle pickles them by value (they need nothing but the standard library)."""
+
+    def call_with_refs(data, buffers, *values, call=True):
         import io
+        import pickle
 
-        super().__init__(io.BytesIO(data), buffers=buffers)
-        self.arrays = arrays
+        class Loader(pickle.Unpickler):
+            def persistent_load(self, at):
+                if type(at) is not int or not 0 <= at < len(values):
+                    raise pickle.UnpicklingError(f"pyshm: no value {at!r} came with this call")
+                return values[at]
 
-    def persistent_load(self, at):
-        if type(at) is not int or not 0 <= at < len(self.arrays):
-            raise pickle.UnpicklingError(f"pyshm: no array {at!r} came with this call")
-        return self.arrays[at]
+        loaded = Loader(io.BytesIO(data), buffers=buffers).load()
+        if not call:
+            return loaded  # (on the client: the call, by value)
+        func, args, kwargs = loaded
+        return func(*args, **kwargs)
+
+    async def call_with_refs_async(data, buffers, *values):
+        return await call_with_refs(data, buffers, *values)
+
+    return call_with_refs, call_with_refs_async
 
 
-def _call_with_refs(data: bytes, buffers: list, *arrays):
-    """On a dask worker: run the call that submit pickled with placeholders for refs (see
-    _Call), with the arrays the refs were scattered as (dask resolved their futures)."""
-    func, args, kwargs = _RefLoader(data, buffers, arrays).load()
-    return func(*args, **kwargs)
-
-
-def _visible_refs(values: list) -> set:
-    """The ids of the refs where dask looks (see _swap_refs) in ``values``."""
-    found: set = set()
-
-    def note(ref: Any) -> Any:
-        found.add(id(ref))
-        return ref
-
-    for value in values:
-        _swap_refs(value, note)
-    return found
+_LOADERS = _make_loaders()
 
 
 def _hidden_call(call: tuple, visible: list) -> Any:
     """The pickled ``call`` (a _Call) if it holds a ref that is not among ``visible`` (where
     dask would find it), else None."""
-    pickled = _Call(call)
-    if pickled.data is None or not pickled.refs:
-        return None
-    seen = _visible_refs(visible)
-    if all(id(ref) in seen for ref in pickled.refs):
+    seen = _visible(visible)
+    try:
+        alive = list(reduction.Ref.live)
+    except RuntimeError:  # (a ref died meanwhile, on another thread)
+        alive = [None]
+    if all(id(ref) in seen for ref in alive):
+        return None  # (every ref alive is where dask looks: none can be hidden)
+    pickled = _Call(call, seen)
+    if pickled.data is None or all(id(ref) in seen for ref in pickled.refs):
         return None
     return pickled
 
 
 def _submit_hidden(client: Any, original, pickled: _Call, func: Any, options: dict):
-    """submit of a call with hidden refs (see above): through _call_with_refs, the refs'
-    arrays scattered to a worker here, or, if none can be, the call rebuilt with the arrays
+    """submit of a call with hidden refs (see above): through a loader, the refs' arrays
+    scattered to a worker here, or, if none can be, the call rebuilt with the arrays
     themselves (by value)."""
-    arrays = [ref.array for ref in pickled.refs]
-    futures = _scatter_arguments(client, pickled.refs)
-    if any(future is array for future, array in zip(futures, arrays)):  # (not scattered)
-        func, args, kwargs = pickled.load(arrays)
+    import inspect
+
+    refs = pickled.refs
+    scattered = _scatter_arguments(client, refs)
+    if any(future is ref.array for future, ref in zip(scattered, refs)):  # (not scattered)
+        func, args, kwargs = pickled.by_value()
         return original(client, func, *args, **kwargs, **options)
+    of = {id(ref): future for ref, future in zip(refs, scattered)}
+    values = [of.get(id(hole), hole) for hole in pickled.holes]
     if options.get("key") is None:
         import uuid
 
         from dask.utils import funcname
 
         options["key"] = f"{funcname(func)}-{uuid.uuid4().hex}"
-    return original(client, _call_with_refs, pickled.data, pickled.buffers, *futures, **options)
+    loader = _LOADERS[1] if inspect.iscoroutinefunction(func) else _LOADERS[0]
+    return original(client, loader, pickled.data, pickled.buffers, *values, **options)
 
 
 def _by_value_if_hidden(value: Any) -> Any:
     """``value``, or a copy of it with each ref's array in its place if it holds a ref where
     dask does not look (for map: see above)."""
     pickled = _hidden_call((value,), [value])
-    if pickled is None:
-        return value
-    return pickled.load([ref.array for ref in pickled.refs])[0]
+    return value if pickled is None else pickled.by_value()[0]
 
 
 def _wrap_task_maker(original):

@@ -331,9 +331,10 @@ def _check_token(token: Any) -> tuple:
         if solo is not None:
             solo = (int(solo[0]), _channel.secret_bytes(solo[1]))
     except (TypeError, ValueError, IndexError) as error:
-        # (not the token itself, whose secrets a framework logging this message would show)
-        raise pickle.UnpicklingError(f"bad pyshm token: not the 8 fields pyshm makes ({error})"
-                                     ) from None
+        # (neither the token nor the error's message, which may quote a field: a framework
+        # logging this message would show its secrets)
+        raise pickle.UnpicklingError("bad pyshm token: not the 8 fields pyshm makes "
+                                     f"({type(error).__name__})") from None
     if secret is None or (solo is not None and not (solo[1] is not None
                                                     and 0 < solo[0] < 1 << 64)):
         raise pickle.UnpicklingError("bad pyshm token: malformed secret")

@@ -677,6 +677,10 @@ def fill_with(value, array):
     return pyshm.is_shared(array)
 
 
+async def fill_holder_later(holder):
+    return fill_holder(holder)
+
+
 def test_dask_refs_hidden_in_objects_are_the_same_memory_in_submit():
     """A ref inside a user's object, a functools.partial or a closure, where dask does not
     look: submit scatters it all the same and the worker puts the array in its place (the
@@ -707,6 +711,19 @@ def test_dask_refs_hidden_in_objects_are_the_same_memory_in_submit():
                              pure=False).result()
         assert both == [True, False, True]
         assert (other == 5).all() and (plain == 0).all() and (array == 7).all()
+        # the scheduler holds the call with placeholders, never a reference
+        import cloudpickle
+
+        task = cluster.scheduler.tasks[future.key].run_spec
+        assert b"rebuild_ndarray" not in cloudpickle.dumps(task)
+        # futures where dask looks still give their values; async functions are awaited
+        given = client.submit(lambda: 41, pure=False)
+        assert client.submit(lambda x, h: (x, fill_holder(h)), given,
+                             Holder(pyshm.ref(array), 7.5), pure=False).result() == (41, True)
+        assert (array == 7.5).all()
+        assert client.submit(fill_holder_later, Holder(pyshm.ref(array), 7.0),
+                             pure=False).result() is True
+        assert (array == 7).all()
         # map: by value
         assert client.gather(client.map(fill_holder, [Holder(pyshm.ref(array), 8.0)])) == [
             False]
@@ -740,6 +757,19 @@ def test_dask_hidden_refs_that_cannot_be_scattered_go_as_their_arrays():
     assert func is fill_holder and kwargs["pure"] is False and kwargs["v"] is array
     assert args[0] is not holder and args[0].array is array and args[1][0] is array
     assert isinstance(holder.array, pyshm.reduction.Ref)  # (the caller's object, unchanged)
+    # what a worker runs needs no pyshm there (pickled by value)
+    import cloudpickle
+
+    plain = engines._Call((divmod, (7, pyshm.ref(array)), {}), set())  # (the ref: a hole)
+    assert len(plain.holes) == 1 and b"rebuild_ndarray" not in plain.data
+    out = run_python("""
+        import sys
+        sys.modules["pyshm"] = None  # (pyshm not importable here)
+        import cloudpickle
+        loader, data, buffers, value = cloudpickle.loads(sys.stdin.buffer.read())
+        print(loader(data, buffers, value))
+    """, cloudpickle.dumps((engines._LOADERS[0], plain.data, plain.buffers, 2)))
+    assert out.strip() == b"(3, 1)"
     # nothing hidden: dask's own way (containers are looked into already)
     visible = [1.0, [pyshm.ref(array)], {"k": pyshm.ref(array)}]
     assert engines._hidden_call((fill_with, tuple(visible), {}), visible) is None
@@ -898,12 +928,17 @@ def test_dask_reference_that_a_worker_cannot_load_leaves_no_secret_in_its_log():
     finally:
         ours.close()
     frames = [bytes(frame) for frame in frames]
+    # and what distributed pickles whole: a ref scattered by hand, inside an object
+    others = [[bytes(f) for f in serialize(value, serializers=("pickle",))[1]]
+              for value in (pyshm.ref(array), Holder(pyshm.ref(array), 1))]
     with _channel.state.lock:
         secrets = {secret for pair in _channel.state.secrets.values() for secret in pair[:2]}
         secrets |= {batch.secret for batch in _channel.state.batches.values()}
     # out of band: the batch's secret and the memfd's, nothing else
     assert len(frames) == 3 and all(frame in secrets for frame in frames[1:]), frames[1:]
-    assert not any(secret in frames[0] for secret in secrets)
+    for pickled in [frames, *others]:
+        assert not any(secret in pickled[0] for secret in secrets)
+        assert len([frame for frame in pickled if frame in secrets]) == 2
     log = run_python(LOAD_WITHOUT_PYSHM, pickle.dumps((header, frames)))
     assert b"not loaded:" in log and b"Failed to deserialize" in log, log
     assert b"pyshm.reduction" in log, log  # (the pickle itself is in the log...)
