@@ -46,19 +46,6 @@ static atomic_size_t next_index;
 #define REFILL (SIZE_MAX - 1)
 static size_t chunk; /* 0: ceiling, SIZE_MAX: whole, REFILL: refill, else chunk bytes */
 
-static void pwrite_all(int fd, const char *p, size_t n, off_t off) {
-    while (n > 0) {
-        ssize_t w = pwrite(fd, p, n, off);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            die("pwrite");
-        p += w;
-        off += w;
-        n -= (size_t)w;
-    }
-}
-
 static void share_one(size_t i) {
     char *src = sources[i];
     int fd = chunk == REFILL ? refill_fds[i] : memfd_create("bench_chunks", MFD_CLOEXEC);

@@ -1,0 +1,220 @@
+/*
+ * bench_receiver.c -- why does a receiver's first read of small-page shared memory cost more
+ * after pyshm's share than after torch's?
+ *
+ * The raw kernel calls, without the library: an array of `mib` MiB of private anonymous pages
+ * (touched) is copied into a fresh memfd one of four ways, then a forked child maps the memfd
+ * and reads one byte per 4 KiB page (its first touch of every page; the `receiver` case of
+ * `python -m pyshm bench` with LSHM_HUGE=0). Methods, interleaved round by round:
+ *   chunked    per 256 KiB: pwrite that range, mmap(MAP_FIXED) it over the same range of the
+ *              array (libshm's small-page in-place share: each chunk's pages are the ones the
+ *              previous chunk's mmap just freed; nobody maps them until a reader does);
+ *   populated  as chunked, then MADV_POPULATE_READ over the array (the sender maps every
+ *              page before the reader comes);
+ *   whole      one pwrite of the whole array (pages new to the memfd), then one mmap over it;
+ *   mapped     mmap the memfd, memcpy into it (torch's share_memory_: the sender maps every
+ *              page as it writes it).
+ * Prints min and median milliseconds of the share and of the child's read per method.
+ * With the word `huge`, the memfd is filled in huge pages instead (mapped at a 2 MiB
+ * boundary, a byte per 2 MiB, MADV_COLLAPSE, memcpy: the huge ceiling of the bench) and the
+ * child, mapping at a 2 MiB boundary too, times its first read and then a second one, every
+ * page mapped by then: the cost of the reads themselves, what no sharing scheme can avoid.
+ *
+ * Build: cc -O2 -o bench_receiver tools/bench_receiver.c (meson builds it with the tests).
+ * Usage: bench_receiver [mib [rounds [huge]]]   (defaults 512 5)
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench_common.h"
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14 */
+#endif
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25 /* Linux 6.1 */
+#endif
+
+enum { METHODS = 4, MAX_ROUNDS = 100, CHUNK = 256 << 10, PAGE = 4096, HUGE = 2 << 20 };
+static const char *const names[METHODS] = {"chunked", "populated", "whole", "mapped"};
+
+/* Share `bytes` of fresh touched pages into a new memfd by `method`; *fd_out: the memfd,
+ * *mem_out: the sender's mapping of it. Returns the seconds the share took. */
+static double share(int method, size_t bytes, int *fd_out, char **mem_out) {
+    char *src = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (src == MAP_FAILED)
+        die("mmap source");
+    for (size_t i = 0; i < bytes; i += PAGE)
+        src[i] = (char)(i / PAGE);
+    int fd = memfd_create("bench_receiver", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
+        die("memfd");
+    double start = now();
+    if (method == 3) {
+        char *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (m == MAP_FAILED)
+            die("mmap memfd");
+        memcpy(m, src, bytes);
+        munmap(src, bytes);
+        src = m;
+    } else if (method == 2) {
+        pwrite_all(fd, src, bytes, 0);
+        if (mmap(src, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED)
+            die("mmap over the array");
+    } else {
+        for (size_t off = 0; off < bytes; off += CHUNK) {
+            size_t n = bytes - off < CHUNK ? bytes - off : CHUNK;
+            pwrite_all(fd, src + off, n, (off_t)off);
+            if (mmap(src + off, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+                     (off_t)off) == MAP_FAILED)
+                die("mmap a chunk over the array");
+        }
+        if (method == 1 && madvise(src, bytes, MADV_POPULATE_READ) != 0)
+            die("MADV_POPULATE_READ");
+    }
+    double seconds = now() - start;
+    *fd_out = fd;
+    *mem_out = src;
+    return seconds;
+}
+
+/* `bytes` of fd mapped at a 2 MiB boundary (the rest of the reservation stays reserved). */
+static char *map_aligned(int fd, size_t bytes, int prot) {
+    char *reserved = mmap(NULL, bytes + HUGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (reserved == MAP_FAILED)
+        return MAP_FAILED;
+    char *at = (char *)(((uintptr_t)reserved + HUGE - 1) & ~(uintptr_t)(HUGE - 1));
+    return mmap(at, bytes, prot, MAP_SHARED | MAP_FIXED, fd, 0);
+}
+
+/* The huge ceiling's share: a new memfd in huge pages (where the kernel gives them), filled
+ * from touched private pages; *fd_out: the memfd. Returns the seconds the copy took. */
+static double share_huge(size_t bytes, int *fd_out) {
+    char *src = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    int fd = memfd_create("bench_receiver", MFD_CLOEXEC);
+    if (src == MAP_FAILED || fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
+        die("memfd");
+    memset(src, 1, bytes);
+    char *m = map_aligned(fd, bytes, PROT_READ | PROT_WRITE);
+    if (m == MAP_FAILED)
+        die("mmap memfd");
+    for (size_t i = 0; i < bytes; i += HUGE)
+        m[i] = 0;
+    if (madvise(m, bytes, MADV_COLLAPSE) != 0)
+        perror("bench_receiver: MADV_COLLAPSE (small pages, then)");
+    double start = now();
+    memcpy(m, src, bytes);
+    double seconds = now() - start;
+    munmap(m, bytes);
+    munmap(src, bytes);
+    *fd_out = fd;
+    return seconds;
+}
+
+/* A forked child maps the memfd (at a 2 MiB boundary if `aligned`) and reads a byte per page,
+ * `reads` times; times[i]: the seconds the i-th read took (the first with the mmap). */
+static void child_reads_times(int fd, size_t bytes, int aligned, int reads, double *times) {
+    int pipe_fds[2];
+    if (pipe(pipe_fds) != 0)
+        die("pipe");
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork");
+    if (pid == 0) {
+        double seconds[2], start = now();
+        const volatile char *m =
+            aligned ? map_aligned(fd, bytes, PROT_READ) : mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
+        if (m == MAP_FAILED)
+            _exit(1);
+        for (int r = 0; r < reads; r++) {
+            for (size_t i = 0; i < bytes; i += PAGE)
+                (void)m[i]; /* (volatile: every read happens) */
+            double end = now();
+            seconds[r] = end - start;
+            start = end;
+        }
+        size_t n = (size_t)reads * sizeof(double);
+        _exit(write(pipe_fds[1], seconds, n) == (ssize_t)n ? 0 : 1);
+    }
+    ssize_t got = read(pipe_fds[0], times, (size_t)reads * sizeof(double));
+    int status = 0;
+    waitpid(pid, &status, 0);
+    close(pipe_fds[0]);
+    close(pipe_fds[1]);
+    if (got != (ssize_t)((size_t)reads * sizeof(double)) || !WIFEXITED(status) ||
+        WEXITSTATUS(status) != 0) {
+        errno = EIO;
+        die("the reading child");
+    }
+}
+
+static int huge_rounds(size_t bytes, int rounds) {
+    static double copies[MAX_ROUNDS], first[MAX_ROUNDS], second[MAX_ROUNDS];
+    for (int r = 0; r < rounds; r++) {
+        int fd;
+        double times[2];
+        copies[r] = share_huge(bytes, &fd);
+        child_reads_times(fd, bytes, 1, 2, times);
+        first[r] = times[0];
+        second[r] = times[1];
+        close(fd);
+    }
+    qsort(copies, (size_t)rounds, sizeof(double), by_value);
+    qsort(first, (size_t)rounds, sizeof(double), by_value);
+    qsort(second, (size_t)rounds, sizeof(double), by_value);
+    printf("%zu MiB in huge pages, %d rounds, ms (min, median): copy %.1f %.1f; a forked "
+           "reader's first read %.2f %.2f, its second read %.2f %.2f\n", bytes >> 20, rounds,
+           copies[0] * 1e3, copies[rounds / 2] * 1e3, first[0] * 1e3, first[rounds / 2] * 1e3,
+           second[0] * 1e3, second[rounds / 2] * 1e3);
+    return 0;
+}
+
+/* A forked child maps the memfd and reads a byte per page; returns the seconds it took. */
+static double child_reads(int fd, size_t bytes) {
+    double seconds;
+    child_reads_times(fd, bytes, 0, 1, &seconds);
+    return seconds;
+}
+
+int main(int argc, char **argv) {
+    bench_name = "bench_receiver";
+    size_t mib = argc > 1 ? strtoul(argv[1], NULL, 10) : 512;
+    int rounds = argc > 2 ? atoi(argv[2]) : 5;
+    int huge = argc > 3 && strcmp(argv[3], "huge") == 0;
+    if (mib == 0 || rounds < 1 || rounds > MAX_ROUNDS || (argc > 3 && !huge)) {
+        fprintf(stderr, "usage: bench_receiver [mib [rounds (1..%d) [huge]]]\n", MAX_ROUNDS);
+        return 2;
+    }
+    size_t bytes = mib << 20;
+    if (huge)
+        return huge_rounds(bytes, rounds);
+    static double shares[METHODS][MAX_ROUNDS], reads[METHODS][MAX_ROUNDS];
+    for (int r = 0; r < rounds; r++)
+        for (int method = 0; method < METHODS; method++) {
+            int fd;
+            char *mem;
+            shares[method][r] = share(method, bytes, &fd, &mem);
+            reads[method][r] = child_reads(fd, bytes);
+            munmap(mem, bytes);
+            close(fd);
+        }
+    printf("%zu MiB, %d rounds: share ms (min, median), a forked reader's first read ms "
+           "(min, median)\n", mib, rounds);
+    for (int method = 0; method < METHODS; method++) {
+        qsort(shares[method], (size_t)rounds, sizeof(double), by_value);
+        qsort(reads[method], (size_t)rounds, sizeof(double), by_value);
+        printf("%-10s share %8.1f %8.1f   read %7.1f %7.1f\n", names[method],
+               shares[method][0] * 1e3, shares[method][rounds / 2] * 1e3,
+               reads[method][0] * 1e3, reads[method][rounds / 2] * 1e3);
+    }
+    return 0;
+}
