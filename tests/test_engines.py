@@ -1306,6 +1306,88 @@ def test_ray_node_that_cannot_reach_this_process_gets_the_bytes(other_network_na
     assert not left, "the Ray node in the other namespace outlived its process"
 
 
+RAY_CLIENT = """
+    import os, sys
+    import numpy as np
+    import pyshm, ray
+
+    def fill(array, value):
+        writeable = array.flags.writeable
+        if writeable:
+            array[:] = value
+        return writeable, pyshm.is_shared(array)
+
+    for attempt in range(3):  # (Ray's client server fails to start now and then, at once)
+        try:
+            ray.init(f"ray://127.0.0.1:{sys.argv[1]}", log_to_driver=False)
+            break
+        except (ConnectionError, RuntimeError):
+            if attempt == 2:
+                raise
+            ray.shutdown()
+    try:
+        assert "ray" in pyshm.engines.installed()
+        task = ray.remote(fill)
+        array = pyshm.zeros(1 << 18, np.float32, shared=True)
+        assert ray.get(task.remote(array, 2.0)) == (True, True) and (array == 2).all()
+        assert ray.get(ray.put(array)).ctypes.data == array.ctypes.data
+        plain = np.zeros(1 << 18, np.float32)  # (Ray's own way: a read-only copy)
+        assert ray.get(task.remote(plain, 3.0)) == (False, False) and (plain == 0).all()
+        print("ok")
+    finally:
+        ray.shutdown()
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_ray_client_mode_on_this_machine_carries_the_same_memory():
+    # a driver connected through Ray Client (ray://, which needs ray[client]): its arguments
+    # go through the client server to the cluster; on this machine, the same memory
+    engine_or_skip("ray")
+    engine_or_skip("grpc")
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="/tmp/rc")  # (short: Ray's socket paths live under it)
+    ports = [free_port() for _ in range(2)]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=os.pathsep.join(
+        [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    with open(os.path.join(where, "head.log"), "wb") as log:
+        head = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+             "--port", str(ports[0]), "--ray-client-server-port", str(ports[1]),
+             "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--include-dashboard=false",
+             "--disable-usage-stats", "--temp-dir", where],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(RAY_CLIENT), str(ports[1])],
+                              capture_output=True, timeout=180, cwd=HERE, env=env, check=False)
+        assert done.returncode == 0, (done.stderr.decode()[-4000:] + "\nthe head wrote:\n"
+                                      + tail_of(os.path.join(where, "head.log")))
+        assert done.stdout.split() == [b"ok"]
+    finally:
+        head.terminate()
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        for pid in os.listdir("/proc"):  # (every process of that cluster: never left running)
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    if where.encode() in cmdline.read():
+                        os.kill(int(pid), 9)
+            except (OSError, ValueError):
+                pass
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def sleep_and_say(seconds):
     time.sleep(seconds)
     return seconds
