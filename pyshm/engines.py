@@ -431,21 +431,34 @@ def _install_distributed() -> None:
 # (dask._task_spec.parse_input): in lists, tuples, sets and dicts, at any depth.
 
 
-def _swap_refs(value: Any, swap: Any) -> Any:
-    """``value`` with each pyshm.ref in it replaced by ``swap(ref)``: the value itself, or
-    inside the lists, tuples, sets and dicts dask looks into for futures, at any depth; each
-    container with a ref in it is rebuilt as dask would hand it to the task (a plain list,
-    set, dict or tuple; a namedtuple of its own type). ``value`` itself if it holds no ref."""
-    if isinstance(value, reduction.Ref):
+def _may_hold(items: Any, kind: Any) -> bool:
+    """Whether ``items`` has a ``kind`` or a container among them (by their types, in one
+    pass of C: a list of a million numbers costs 20 ms, not the 135 of a Python loop)."""
+    wanted = (kind, dict, list, tuple, set)
+    return any(issubclass(type_, wanted) for type_ in set(map(type, items)))
+
+
+def _swap_refs(value: Any, swap: Any, kind: Any = None) -> Any:
+    """``value`` with each pyshm.ref (or instance of ``kind``) in it replaced by
+    ``swap(ref)``: the value itself, or inside the lists, tuples, sets and dicts dask looks
+    into for futures, at any depth; each container with a ref in it is rebuilt as dask would
+    hand it to the task (a plain list, set, dict or tuple; a namedtuple of its own type).
+    ``value`` itself if it holds no ref."""
+    kind = kind or reduction.Ref
+    if isinstance(value, kind):
         return swap(value)
+    if not isinstance(value, (dict, list, tuple, set)):
+        return value
+    if not _may_hold(value.values() if isinstance(value, dict) else value, kind):
+        return value
     if isinstance(value, dict):
-        items = {key: _swap_refs(item, swap) for key, item in value.items()}
+        items = {key: _swap_refs(item, swap, kind) for key, item in value.items()}
         if all(items[key] is item for key, item in value.items()):
             return value
         return items
     if isinstance(value, (list, tuple, set)):
         old = list(value)
-        items = [_swap_refs(item, swap) for item in old]
+        items = [_swap_refs(item, swap, kind) for item in old]
         if all(new is item for new, item in zip(items, old)):
             return value
         if isinstance(value, list):
@@ -461,6 +474,13 @@ def _swap_refs(value: Any, swap: Any) -> Any:
             return type(value)(*items)
         return tuple(items)
     return value
+
+
+def _workers_of(client: Any) -> list:
+    """The addresses of ``client``'s workers, asked of the scheduler now (not
+    Client.scheduler_info(), whose answer the client's periodic refresh, on another thread,
+    can replace meanwhile with one that lists no worker)."""
+    return list(client.sync(client.scheduler.identity, n_workers=-1).get("workers", {}))
 
 
 def _scatter_arguments(client: Any, values: list) -> list:
@@ -483,7 +503,7 @@ def _scatter_arguments(client: Any, values: list) -> list:
     replacement = arrays  # (by value, unless the scatter below works)
     if not getattr(client, "asynchronous", False):
         try:
-            workers = [address for address in client.scheduler_info().get("workers", {})
+            workers = [address for address in _workers_of(client)
                        if _recipient_here({"recipient": address})]
             if workers:
                 unique = {id(array): array for array in arrays.values()}
@@ -499,47 +519,65 @@ def _scatter_arguments(client: Any, values: list) -> list:
 # Refs hidden where dask does not look (a user's object, a functools.partial, a closure, the
 # function itself) would reach the scheduler inside the task. They are found by pickling the
 # call once more, as distributed will (cloudpickle; contiguous arrays out of band, not
-# copied), with a placeholder for each ref and for each future where dask looks. submit then
-# runs that pickled call through a loader (_LOADERS: pickled by value, so a worker needs no
-# pyshm to run it), the refs' arrays scattered as above and passed, with those futures, as
-# the loader's arguments: dask resolves them and the loader puts them in place of the
-# placeholders. Where nothing can be scattered, and for map, the call goes with each ref's
+# copied), with a placeholder (a hole) for each ref and for each future where dask looks.
+# submit then runs that pickled call through a loader (_LOADERS: pickled by value, so a
+# worker needs no pyshm to run it), the refs' arrays scattered as above and passed, with
+# those futures, as the loader's arguments: dask resolves them and the loader puts them in
+# the holes. Where nothing can be scattered, and for map, the call goes with each ref's
 # array in its place, by value. Only while a ref is alive that is not where dask looks (a
 # hidden ref is alive); a ref pickled inside a pickle of its own is not found.
 
 
 def _visible(values: list) -> set:
-    """The ids of the refs and futures where dask looks (see _swap_refs) in ``values``."""
-    from distributed import Future
-
+    """The ids of the refs where dask looks (see _swap_refs) in ``values``."""
     found: set = set()
     stack, walked = list(values), set()
     while stack:
         value = stack.pop()
-        if isinstance(value, (reduction.Ref, Future)):
+        if isinstance(value, reduction.Ref):
             found.add(id(value))
         elif isinstance(value, (dict, list, tuple, set)) and id(value) not in walked:
             walked.add(id(value))
-            stack.extend(value.values() if isinstance(value, dict) else value)
+            items = value.values() if isinstance(value, dict) else value
+            if _may_hold(items, reduction.Ref):
+                stack.extend(items)
     return found
 
 
+class _Visible:
+    """A future where dask looks, while the call is pickled: a hole (its other places in the
+    call, inside objects, stay futures, as dask leaves them)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+
+
+def _hole(at: int) -> Any:
+    """What a pickled call names for its holes; the loaders resolve it themselves (see
+    _make_loaders), so this never runs."""
+    raise pickle.UnpicklingError("pyshm: a call with holes, loaded without its loader")
+
+
 class _Call:
-    """A call (function, arguments, keyword arguments) pickled with placeholders for its refs
-    and for the futures among ``visible`` (ids); ``data`` None if it cannot be pickled.
-    ``holes``: the refs and futures, in placeholder order."""
+    """A call (function, arguments, keyword arguments; or any tuple of values) pickled with
+    holes for its refs and for the futures dask would look at (see above); ``data`` None if
+    it cannot be pickled. ``holes``: the refs and futures, in hole order."""
 
     __slots__ = ("buffers", "data", "holes")
 
-    def __init__(self, call: tuple, visible: set) -> None:
+    def __init__(self, call: tuple) -> None:
         import io
 
+        from distributed import Future
+
+        marked = _swap_refs(call, _Visible, Future)  # (futures where dask looks: holes)
         self.data = None
         for out_of_band in (True, False):
             self.holes, buffers, out = [], [], io.BytesIO()
             try:
-                _call_pickler()(out, self.holes, visible,
-                                buffers if out_of_band else None).dump(call)
+                _call_pickler()(out, self.holes, buffers if out_of_band else None).dump(marked)
                 # (the buffers travel as uint8 arrays: dask keeps their write flag, which it
                 # drops from other buffers in a task)
                 self.buffers = [np.frombuffer(b.raw(), np.uint8) for b in buffers]
@@ -565,43 +603,51 @@ _PICKLER: list = []
 
 
 def _call_pickler():
-    """cloudpickle's Pickler (distributed's own) that puts placeholders for refs and for the
-    futures it is told (by id)."""
+    """cloudpickle's Pickler (distributed's own) that makes holes of refs and _Visible
+    futures (reducer_override: never called for ints, floats, strings, lists, dicts...)."""
     if not _PICKLER:
         import cloudpickle
 
         class Pickler(cloudpickle.Pickler):
-            def __init__(self, out, holes: list, futures: set, buffers: Any) -> None:
+            def __init__(self, out, holes: list, buffers: Any) -> None:
                 super().__init__(out, protocol=5, buffer_callback=None if buffers is None
                                  else buffers.append)
-                self.holes, self.futures, self.seen = holes, futures, {}
+                self.holes, self.seen = holes, {}
 
-            def persistent_id(self, obj):
-                if not isinstance(obj, reduction.Ref) and id(obj) not in self.futures:
-                    return None
-                at = self.seen.get(id(obj))
-                if at is None:
-                    at = self.seen[id(obj)] = len(self.holes)
-                    self.holes.append(obj)
-                return at
+            def reducer_override(self, obj):
+                if type(obj) is _Visible:
+                    self.holes.append(obj.future)
+                    return _hole, (len(self.holes) - 1,)
+                if isinstance(obj, reduction.Ref):
+                    at = self.seen.get(id(obj))
+                    if at is None:
+                        at = self.seen[id(obj)] = len(self.holes)
+                        self.holes.append(obj)
+                    return _hole, (at,)
+                return super().reducer_override(obj)
 
         _PICKLER.append(Pickler)
     return _PICKLER[0]
 
 
 def _make_loaders() -> tuple:
-    """The functions a worker runs for a call with placeholders (see above): made here, so
-    that cloudpickle pickles them by value (they need nothing but the standard library)."""
+    """The functions a worker runs for a call with holes (see above): made here, so that
+    cloudpickle pickles them by value (they need nothing but the standard library)."""
 
     def call_with_refs(data, buffers, *values, call=True):
         import io
         import pickle
 
+        def hole(at):
+            if type(at) is not int or not 0 <= at < len(values):
+                raise pickle.UnpicklingError(f"pyshm: no value {at!r} came with this call")
+            return values[at]
+
         class Loader(pickle.Unpickler):
-            def persistent_load(self, at):
-                if type(at) is not int or not 0 <= at < len(values):
-                    raise pickle.UnpicklingError(f"pyshm: no value {at!r} came with this call")
-                return values[at]
+            def find_class(self, module, name):
+                if module == "pyshm.engines" and name == "_hole":
+                    return hole  # (not pyshm's: see engines._hole)
+                return super().find_class(module, name)
 
         loaded = Loader(io.BytesIO(data), buffers=buffers).load()
         if not call:
@@ -628,7 +674,7 @@ def _hidden_call(call: tuple, visible: list) -> Any:
         alive = [None]
     if all(id(ref) in seen for ref in alive):
         return None  # (every ref alive is where dask looks: none can be hidden)
-    pickled = _Call(call, seen)
+    pickled = _Call(call)
     if pickled.data is None or all(id(ref) in seen for ref in pickled.refs):
         return None
     return pickled

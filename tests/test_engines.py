@@ -600,26 +600,38 @@ def test_dask_task_arguments_given_as_refs_are_the_same_memory():
         assert captured[0] == 2
 
 
+class StandInClient:
+    """What pyshm asks of a dask client (engines._scatter_arguments), without a cluster:
+    ``workers`` its workers' addresses, ``fail`` whether a scatter raises."""
+
+    asynchronous = False
+
+    def __init__(self, workers, fail=False):
+        self.workers, self.fail = workers, fail
+
+    def sync(self, func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    @property
+    def scheduler(self):
+        return self
+
+    def identity(self, n_workers=0):
+        return {"workers": {w: {} for w in self.workers}}
+
+    def scatter(self, values, **options):
+        if self.fail:
+            raise OSError("the worker is gone")
+        return [f"future of {id(v)}" for v in values]
+
+
 def test_dask_ref_arguments_that_cannot_be_scattered_go_as_their_arrays():
     """No worker of ours here, an asynchronous client or a failed scatter: the ref's array
     goes into the task (by value), never the ref (the scheduler would map and keep it)."""
     engine_or_skip("distributed")
     array = pyshm.zeros(1000, np.float32, shared=True)
 
-    class Client:  # (what _scatter_arguments asks of a client)
-        asynchronous = False
-
-        def __init__(self, workers, fail=False):
-            self.workers, self.fail = workers, fail
-
-        def scheduler_info(self):
-            return {"workers": {w: {} for w in self.workers}}
-
-        def scatter(self, values, **options):
-            if self.fail:
-                raise OSError("the worker is gone")
-            return [f"future of {id(v)}" for v in values]
-
+    Client = StandInClient
     asynchronous = Client([])
     asynchronous.asynchronous = True
     for client in (Client([]), Client(["tcp://203.0.113.7:1"]), asynchronous):
@@ -721,6 +733,22 @@ def test_dask_refs_hidden_in_objects_are_the_same_memory_in_submit():
         assert client.submit(lambda x, h: (x, fill_holder(h)), given,
                              Holder(pyshm.ref(array), 7.5), pure=False).result() == (41, True)
         assert (array == 7.5).all()
+        # (and where dask does not look, a future stays a future, as without pyshm)
+        assert client.submit(lambda x, h, inside=Holder(given, 0): (
+            x, type(inside.array).__name__, fill_holder(h)), given,
+            Holder(pyshm.ref(array), 7.25), pure=False).result() == (41, "Future", True)
+        # many threads at once: each finds the worker (the client's refreshes race them)
+        from concurrent.futures import ThreadPoolExecutor
+
+        arrays = [pyshm.zeros(16, np.float32, shared=True) for _ in range(32)]
+
+        def one(i):
+            return client.submit(fill_holder, Holder(pyshm.ref(arrays[i]), i + 1.0),
+                                 pure=False).result()
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(32))) == [True] * 32
+        assert [float(a[0]) for a in arrays] == [i + 1.0 for i in range(32)]
         assert client.submit(fill_holder_later, Holder(pyshm.ref(array), 7.0),
                              pure=False).result() is True
         assert (array == 7).all()
@@ -738,12 +766,6 @@ def test_dask_hidden_refs_that_cannot_be_scattered_go_as_their_arrays():
     array = pyshm.zeros(1000, np.float32, shared=True)
     calls = []
 
-    class Client:  # (no worker of ours here)
-        asynchronous = False
-
-        def scheduler_info(self):
-            return {"workers": {"tcp://203.0.113.7:1": {}}}
-
     def submit(client, func, *args, **kwargs):
         calls.append((func, args, kwargs))
 
@@ -752,7 +774,8 @@ def test_dask_hidden_refs_that_cannot_be_scattered_go_as_their_arrays():
     pickled = engines._hidden_call(call, [holder, listed, call[2]["v"]])
     assert pickled is not None and len(pickled.refs) == 3
     assert b"pyshm.reduction" not in pickled.data  # (placeholders, never a reference)
-    engines._submit_hidden(Client(), submit, pickled, fill_holder, {"pure": False})
+    elsewhere = StandInClient(["tcp://203.0.113.7:1"])  # (no worker of ours here)
+    engines._submit_hidden(elsewhere, submit, pickled, fill_holder, {"pure": False})
     (func, args, kwargs), = calls
     assert func is fill_holder and kwargs["pure"] is False and kwargs["v"] is array
     assert args[0] is not holder and args[0].array is array and args[1][0] is array
@@ -760,7 +783,7 @@ def test_dask_hidden_refs_that_cannot_be_scattered_go_as_their_arrays():
     # what a worker runs needs no pyshm there (pickled by value)
     import cloudpickle
 
-    plain = engines._Call((divmod, (7, pyshm.ref(array)), {}), set())  # (the ref: a hole)
+    plain = engines._Call((divmod, (7, pyshm.ref(array)), {}))  # (the ref: a hole)
     assert len(plain.holes) == 1 and b"rebuild_ndarray" not in plain.data
     out = run_python("""
         import sys

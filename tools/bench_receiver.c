@@ -79,7 +79,7 @@ static double share(int method, size_t bytes, int *fd_out, char **mem_out) {
                 die("mmap a chunk over the array");
         }
         if (method == 1 && madvise(src, bytes, MADV_POPULATE_READ) != 0)
-            die("MADV_POPULATE_READ");
+            perror("bench_receiver: MADV_POPULATE_READ (before Linux 5.14: as chunked, then)");
     }
     double seconds = now() - start;
     *fd_out = fd;
@@ -130,6 +130,7 @@ static void child_reads_times(int fd, size_t bytes, int aligned, int reads, doub
     if (pid < 0)
         die("fork");
     if (pid == 0) {
+        close(pipe_fds[0]);
         double seconds[2], start = now();
         const volatile char *m =
             aligned ? map_aligned(fd, bytes, PROT_READ) : mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
@@ -145,13 +146,20 @@ static void child_reads_times(int fd, size_t bytes, int aligned, int reads, doub
         size_t n = (size_t)reads * sizeof(double);
         _exit(write(pipe_fds[1], seconds, n) == (ssize_t)n ? 0 : 1);
     }
-    ssize_t got = read(pipe_fds[0], times, (size_t)reads * sizeof(double));
+    close(pipe_fds[1]); /* (so that a child that dies before writing gives EOF, not a hang) */
+    size_t want = (size_t)reads * sizeof(double), got = 0;
+    while (got < want) {
+        ssize_t n = read(pipe_fds[0], (char *)times + got, want - got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        got += (size_t)n;
+    }
     int status = 0;
     waitpid(pid, &status, 0);
     close(pipe_fds[0]);
-    close(pipe_fds[1]);
-    if (got != (ssize_t)((size_t)reads * sizeof(double)) || !WIFEXITED(status) ||
-        WEXITSTATUS(status) != 0) {
+    if (got != want || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
         errno = EIO;
         die("the reading child");
     }
