@@ -20,9 +20,12 @@ void lshm__plan_engine_free(engine *e) {
     free(e->pos), free(e->start_by_pos), free(e->end_by_pos), free(e->max_end_below);
     free(e->placed_lo), free(e->placed_hi);
     free(e->blocks);
-    if (e->here)
-        for (size_t v = 0; v < 2 * (size_t)e->leaves; v++)
-            free(e->here[v].ranges), free(e->sub[v].ranges);
+    for (size_t v = 0; v < 2 * (size_t)e->leaves; v++) { /* (either may have failed) */
+        if (e->here)
+            free(e->here[v].ranges);
+        if (e->sub)
+            free(e->sub[v].ranges);
+    }
     free(e->here), free(e->sub), free(e->slot_lo), free(e->slot_hi);
 }
 

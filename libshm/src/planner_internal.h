@@ -11,6 +11,24 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+#ifdef LSHM_TESTING
+/* Tests: every allocation of the planner is a fault point too (see internal.h), so a test can
+ * fail each one in turn. Needs internal.h included first, as every planner file does. */
+static inline void *lshm__plan_malloc(size_t n) {
+    return LSHM_FAULT("planner: malloc") ? NULL : malloc(n);
+}
+static inline void *lshm__plan_calloc(size_t n, size_t size) {
+    return LSHM_FAULT("planner: calloc") ? NULL : calloc(n, size);
+}
+static inline void *lshm__plan_realloc(void *p, size_t n) {
+    return LSHM_FAULT("planner: realloc") ? NULL : realloc(p, n);
+}
+#define malloc(n) lshm__plan_malloc(n)
+#define calloc(n, size) lshm__plan_calloc(n, size)
+#define realloc(p, n) lshm__plan_realloc(p, n)
+#endif
 
 typedef struct lshm__plan_problem {
     size_t n;              /* tensors to place */

@@ -12,7 +12,15 @@
  * 5. Capacity mode on a perfect packing the heuristics miss.
  * 6. Fuzzer findings (tests/fuzz/corpus/plan): validate of plans near 2^64, capacity
  *    UINT64_MAX, the lower bound at alignments above 2^32, lifetimes longer than INT64_MAX.
+ * 7. Out of memory: each allocation of lshm_plan (dense and sparse engines, pins, the exact
+ *    search, capacity mode) and of lshm_plan_lower_bound failed in turn: -ENOMEM with offsets
+ *    and result untouched, or a valid plan; never a crash (nor a leak: the sanitizer build).
  */
+#ifndef LSHM_TESTING
+#define LSHM_TESTING /* the fault-injection hooks of internal.h (the planner's allocations) */
+#endif
+#include "internal.h"
+
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -818,6 +826,93 @@ static void test_extreme_lifetimes_exact(void)
     trace_free(&t);
 }
 
+/* Fails the 1st, 2nd, ... allocation of one lshm_plan call until a call gets through them
+ * all; returns how many there were. */
+static int plan_failing_each_allocation(const trace *t, const int64_t *fixed,
+                                        const lshm_plan_options *o)
+{
+    uint64_t *off = malloc((t->n + 1) * 8);
+    ASSERT(off);
+    for (int nth = 1;; nth++) {
+        lshm_plan_result r;
+        memset(off, 0xAB, (t->n + 1) * 8);
+        memset(&r, 0xCD, sizeof r);
+        lshm__fault_arm(nth, -ENOMEM);
+        int rc = lshm_plan(t->n, t->size, t->first, t->last, fixed, o, off, &r);
+        int hit = lshm__fault_points_hit();
+        lshm__fault_arm(0, 0);
+        if (rc == 0) {
+            brute_check(t, off, o->alignment, (o->flags & LSHM_PLAN_INCLUSIVE) != 0,
+                        r.arena_size, fixed);
+        } else {
+            ASSERT_EQ(rc, -ENOMEM);
+            for (size_t i = 0; i < t->n; i++)
+                ASSERT_UINT_EQ(off[i], 0xABABABABABABABABull);
+            ASSERT_UINT_EQ(r.arena_size, 0xCDCDCDCDCDCDCDCDull);
+        }
+        if (hit < nth) { /* no allocation failed: the plan is whole */
+            ASSERT_EQ(rc, 0);
+            free(off);
+            return nth - 1;
+        }
+        ASSERT(nth < 100000);
+    }
+}
+
+static void test_out_of_memory(void)
+{
+    lshm_plan_options o;
+    lshm_plan_options_init(&o);
+    o.alignment = 1;
+    rng_state = 0xD15EA5Eull;
+    trace dense = random_trace(300, 60, 5000, 1);
+    trace sparse = random_trace(200, 100000, 5000, 1);
+    int64_t *fixed = malloc(dense.n * 8);
+    uint64_t *off = malloc(dense.n * 8);
+    ASSERT(fixed && off);
+    lshm_plan_result r;
+    plan_trace(&dense, 1, 0, 0.0, off, &r);
+    for (size_t i = 0; i < dense.n; i++)
+        fixed[i] = rnd() % 5 == 0 ? (int64_t)off[i] : -1;
+    int counts[6];
+    ASSERT_EQ(setenv("LSHM_PLAN_ENGINE", "dense", 1), 0); /* (the segment-tree engine) */
+    counts[0] = plan_failing_each_allocation(&dense, NULL, &o);
+    counts[2] = plan_failing_each_allocation(&dense, fixed, &o);
+    ASSERT_EQ(unsetenv("LSHM_PLAN_ENGINE"), 0);
+    counts[1] = plan_failing_each_allocation(&sparse, NULL, &o);
+    o.flags = LSHM_PLAN_INCLUSIVE, o.alignment = 64;
+    counts[3] = plan_failing_each_allocation(&sparse, NULL, &o);
+    /* the exact search (a time budget) and capacity mode on a packing only it finds */
+    trace medium = trace_from(tflm_greedy_medium_data, COUNT(tflm_greedy_medium_data));
+    o.flags = 0, o.alignment = 1, o.time_limit = 0.05;
+    counts[4] = plan_failing_each_allocation(&medium, NULL, &o);
+    trace packed = guillotine_trace(3, 24, 40, 4096);
+    o.capacity = 4096;
+    counts[5] = plan_failing_each_allocation(&packed, NULL, &o);
+    for (int c = 0; c < 6; c++)
+        ASSERT(counts[c] > 0); /* (each case did allocate: the points are reached) */
+    printf("  allocations failed in turn: %d %d %d %d %d %d\n", counts[0], counts[1], counts[2],
+           counts[3], counts[4], counts[5]);
+    /* the lower bound alone */
+    o.capacity = 0, o.time_limit = 0.0;
+    for (int nth = 1;; nth++) {
+        uint64_t lb = 12345;
+        lshm__fault_arm(nth, -ENOMEM);
+        int rc = lshm_plan_lower_bound(dense.n, dense.size, dense.first, dense.last, &o, &lb);
+        int hit = lshm__fault_points_hit();
+        lshm__fault_arm(0, 0);
+        if (hit < nth) {
+            ASSERT_EQ(rc, 0);
+            ASSERT_UINT_EQ(lb, r.lower_bound);
+            break;
+        }
+        ASSERT_EQ(rc, -ENOMEM);
+        ASSERT_UINT_EQ(lb, 12345);
+    }
+    free(fixed), free(off);
+    trace_free(&dense), trace_free(&sparse), trace_free(&medium), trace_free(&packed);
+}
+
 int main(void)
 {
     RUN_TEST(test_framework_facts);
@@ -832,5 +927,6 @@ int main(void)
     RUN_TEST(test_capacity_max);
     RUN_TEST(test_lower_bound_huge_alignment);
     RUN_TEST(test_extreme_lifetimes_exact);
+    RUN_TEST(test_out_of_memory);
     return 0;
 }
