@@ -310,9 +310,9 @@ def secret_bytes(value: Any) -> Optional[bytes]:
         return None  # (not a buffer, or a released one)
 
 
-class Mark:
-    """The sending thread's marker in every token; pickle memoizes it per message, so its
-    reduction runs once per message and begins that message's batch."""
+class _Reduced:
+    """The base of Mark and Ticket: both pickle forms lead to ``_reduce(frame, out_of_band)``,
+    frame the id of the pickler's caller, out_of_band for protocol 5 (see _secret_out)."""
 
     __slots__ = ()
 
@@ -325,6 +325,16 @@ class Mark:
         return self._reduce(id(sys._getframe(1)), protocol >= 5)
 
     def _reduce(self, frame: int, out_of_band: bool):
+        raise NotImplementedError
+
+
+class Mark(_Reduced):
+    """The sending thread's marker in every token; pickle memoizes it per message, so its
+    reduction runs once per message and begins that message's batch."""
+
+    __slots__ = ()
+
+    def _reduce(self, frame: int, out_of_band: bool):
         # (frame: the caller of this message's pickler)
         with state.lock:
             batch = _new_batch(frame)
@@ -333,21 +343,15 @@ class Mark:
         return _received_batch, (address, batch.id, _secret_out(batch.secret, out_of_band))
 
 
-class Ticket:
+class Ticket(_Reduced):
     """One memfd named in a token; its reduction enlists the memory in the current batch and
-    becomes the token the receiver resolves. `fields`: the token, ending in None (no batch of
-    its own; see __reduce__)."""
+    becomes the token the receiver resolves. `fields`: the token (key, address, size, offset,
+    nbytes, readonly, secret, solo), solo None (no batch of its own; see _reduce)."""
 
     __slots__ = ("key", "holder", "readonly", "fields")
 
     def __init__(self, key: tuple, holder: Any, readonly: bool, fields: tuple) -> None:
         self.key, self.holder, self.readonly, self.fields = key, holder, readonly, fields
-
-    def __reduce__(self):  # (both forms: see Mark)
-        return self._reduce(id(sys._getframe(1)), False)
-
-    def __reduce_ex__(self, protocol: int):
-        return self._reduce(id(sys._getframe(1)), protocol >= 5)
 
     def _reduce(self, frame: int, out_of_band: bool):
         batch = getattr(state.local, "batch", None)
@@ -363,11 +367,13 @@ class Ticket:
             batch.members[self.key] = [self.holder, self.readonly]
         elif not self.readonly:
             member[1] = False
-        fields = self.fields
+        if solo is None and not out_of_band:
+            return tuple, (self.fields,)
+        *head, secret, _ = self.fields  # (the token's last two fields: its secret, solo)
         if out_of_band:  # (see _secret_out)
-            fields = (*fields[:6], _secret_out(fields[6], True), fields[7])
+            secret = _secret_out(secret, True)
             solo = None if solo is None else (solo[0], _secret_out(solo[1], True))
-        return tuple, (fields if solo is None else (*fields[:-1], solo),)
+        return tuple, ((*head, secret, solo),)
 
 
 def mark() -> Mark:
