@@ -405,7 +405,8 @@ def _sweep(now: float) -> None:
         del state.ranges[where]
     for key in [k for k, ref in state.live.items() if ref() is None]:
         del state.live[key]
-    held = {key for b in state.batches.values() for key in b.members}
+    # (list(): one C call; a pickling thread adds to its batch's members without the lock)
+    held = {key for b in state.batches.values() for key in list(b.members)}
     alive = {where[0] for where in state.ranges}
     for key in [k for k in state.secrets if k not in held and k not in alive
                 and k not in state.live]:
@@ -596,8 +597,11 @@ class _Server:
                     del waiting[conn]
                     conn.close()  # sent nothing in time
                 if not events:
-                    with state.lock:
-                        _sweep(now)
+                    try:
+                        with state.lock:
+                            _sweep(now)
+                    except Exception:  # noqa: BLE001 - as for a request: the server lives on
+                        pass
         finally:
             for conn in waiting:
                 conn.close()

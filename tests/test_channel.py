@@ -319,6 +319,50 @@ def test_the_server_survives_a_blast_of_garbage():
     os.close(fd)
 
 
+def test_sweeps_while_a_thread_pickles_many_memfds():
+    """The once-a-second sweep (of every thread's export and of the server when idle) walks
+    the batches while another thread's pickle adds to its own batch without the lock: it
+    must neither raise in that pickle or sweep, nor kill the server."""
+    arrays = [pyshm.zeros(1 << 18, np.uint8, shared=True) for _ in range(256)]
+    errors: list = []
+    stop = threading.Event()
+
+    def pickle_all() -> None:
+        while not stop.is_set():
+            try:
+                ForkingPickler.dumps(arrays)
+            except Exception as error:  # noqa: BLE001 - what the test looks for
+                errors.append(f"pickle: {error!r}")
+                return
+
+    def sweep() -> None:
+        while not stop.is_set():
+            try:
+                with _channel.state.lock:
+                    _channel.state.next_sweep = 0.0  # (now, not in a second)
+                    _channel._sweep(time.monotonic())
+            except Exception as error:  # noqa: BLE001
+                errors.append(f"sweep: {error!r}")
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch inside each walk: 0.1 s to fail before)
+    threads = [threading.Thread(target=pickle_all), threading.Thread(target=sweep)]
+    try:
+        for thread in threads:
+            thread.start()
+        stop.wait(3.0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert _channel.state.server.thread.is_alive()
+    del arrays
+    _channel.drop_holds()
+
+
 def _fetch_in_a_loop(conn, address, key, secret, seconds):
     """Keep a sender's server busy replying (real fetches, each one hands out an fd)."""
     served = failed = 0
