@@ -330,7 +330,8 @@ def _check_token(token: Any) -> tuple:
             size, offset, nbytes = int(size), int(offset), int(nbytes)
         if solo is not None:
             solo = (int(solo[0]), _channel.secret_bytes(solo[1]))
-    except (TypeError, ValueError, IndexError) as error:
+        readonly = readonly if type(readonly) is bool else bool(readonly)
+    except (TypeError, ValueError, IndexError, OverflowError) as error:  # (inf: Overflow)
         # (neither the token nor the error's message, which may quote a field: a framework
         # logging this message would show its secrets)
         raise pickle.UnpicklingError("bad pyshm token: not the 8 fields pyshm makes "
@@ -344,7 +345,7 @@ def _check_token(token: Any) -> tuple:
         )
     if not (0 <= key[0] < 1 << 64 and 0 <= key[1] < 1 << 64):
         raise pickle.UnpicklingError(f"bad pyshm token: no memfd is {key!r}")
-    return key, address, size, offset, nbytes, bool(readonly), secret, solo
+    return key, address, size, offset, nbytes, readonly, secret, solo
 
 
 def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapping:

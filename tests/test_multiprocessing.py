@@ -620,6 +620,17 @@ def test_an_array_of_ours_comes_back_only_as_its_token_says():
     huge_key = ((2 ** 70, 1),) + token[1:]
     with pytest.raises(pickle.UnpicklingError):
         func(None, huge_key, shape, dtype, strides, start, writeable)
+    # fields a plain pickle can hold that no int or bool can come from: refused as bad tokens
+    key, address, size, offset, nbytes, readonly, secret, _ = token
+    inf = float("inf")
+    for bad in [((inf, 1), address, size, offset, nbytes, readonly, secret, None),
+                (key, address, inf, offset, nbytes, readonly, secret, None),
+                (key, address, size, -inf, nbytes, readonly, secret, None),
+                (key, address, size, offset, float("nan"), readonly, secret, None),
+                (key, address, size, offset, nbytes, readonly, secret, (inf, secret)),
+                (key, address, size, offset, nbytes, np.array([True, False]), secret, None)]:
+        with pytest.raises(pickle.UnpicklingError, match="bad pyshm token"):
+            func(None, bad, shape, dtype, strides, start, writeable)
 
 
 HOSTILE_LAYOUTS = [((1000,), "u1", (1,), 0), ((2,), "u1", (-1,), 0), ((2,), "u1", (10 ** 9,), 0),
