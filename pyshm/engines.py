@@ -55,7 +55,7 @@ import threading
 import time
 import warnings
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -438,12 +438,13 @@ def _may_hold(items: Any, kind: Any) -> bool:
     return any(issubclass(type_, wanted) for type_ in set(map(type, items)))
 
 
-def _swap_refs(value: Any, swap: Any, kind: Any = None) -> Any:
+def _swap_refs(value: Any, swap: Any, kind: Any = None, memo: Optional[dict] = None) -> Any:
     """``value`` with each pyshm.ref (or instance of ``kind``) in it replaced by
     ``swap(ref)``: the value itself, or inside the lists, tuples, sets and dicts dask looks
     into for futures, at any depth; each container with a ref in it is rebuilt as dask would
     hand it to the task (a plain list, set, dict or tuple; a namedtuple of its own type).
-    ``value`` itself if it holds no ref."""
+    ``value`` itself if it holds no ref. Each container is walked once (``memo``: id ->
+    what it became; a container met again inside itself stays as it is)."""
     kind = kind or reduction.Ref
     if isinstance(value, kind):
         return swap(value)
@@ -451,29 +452,38 @@ def _swap_refs(value: Any, swap: Any, kind: Any = None) -> Any:
         return value
     if not _may_hold(value.values() if isinstance(value, dict) else value, kind):
         return value
+    memo = {} if memo is None else memo
+    done = memo.get(id(value))
+    if done is not None:
+        return done[0]
+    memo[id(value)] = (value,)  # (until it is rebuilt: a cycle leads back to itself)
+    memo[id(value)] = new = (_rebuilt(value, swap, kind, memo),)
+    return new[0]
+
+
+def _rebuilt(value: Any, swap: Any, kind: Any, memo: dict) -> Any:
+    """The container ``value`` with its refs swapped (see _swap_refs)."""
     if isinstance(value, dict):
-        items = {key: _swap_refs(item, swap, kind) for key, item in value.items()}
+        items = {key: _swap_refs(item, swap, kind, memo) for key, item in value.items()}
         if all(items[key] is item for key, item in value.items()):
             return value
         return items
-    if isinstance(value, (list, tuple, set)):
-        old = list(value)
-        items = [_swap_refs(item, swap, kind) for item in old]
-        if all(new is item for new, item in zip(items, old)):
-            return value
-        if isinstance(value, list):
-            return items
-        if isinstance(value, set):
-            try:
-                return set(items)
-            except TypeError:  # (by value: arrays cannot be in a set)
-                raise TypeError("a pyshm.ref inside a set reaches a dask task only as the "
-                                "future of its scatter to a worker of this user on this "
-                                "machine, and there is none: pass it outside the set") from None
-        if hasattr(type(value), "_fields"):  # (a namedtuple: dask keeps its type)
-            return type(value)(*items)
-        return tuple(items)
-    return value
+    old = list(value)
+    items = [_swap_refs(item, swap, kind, memo) for item in old]
+    if all(new is item for new, item in zip(items, old)):
+        return value
+    if isinstance(value, list):
+        return items
+    if isinstance(value, set):
+        try:
+            return set(items)
+        except TypeError:  # (by value: arrays cannot be in a set)
+            raise TypeError("a pyshm.ref inside a set reaches a dask task only as the "
+                            "future of its scatter to a worker of this user on this "
+                            "machine, and there is none: pass it outside the set") from None
+    if hasattr(type(value), "_fields"):  # (a namedtuple: dask keeps its type)
+        return type(value)(*items)
+    return tuple(items)
 
 
 def _workers_of(client: Any) -> list:
@@ -483,20 +493,30 @@ def _workers_of(client: Any) -> list:
     return list(client.sync(client.scheduler.identity, n_workers=-1).get("workers", {}))
 
 
+def _refs_in(values: list) -> dict:
+    """The pyshm.refs where dask looks (see _swap_refs) in ``values``, by their ids; each
+    container walked once (a cycle, or one list in many places, costs no more)."""
+    refs: dict = {}
+    stack, walked = list(values), set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, reduction.Ref):
+            refs[id(value)] = value
+        elif isinstance(value, (dict, list, tuple, set)) and id(value) not in walked:
+            walked.add(id(value))
+            items = value.values() if isinstance(value, dict) else value
+            if _may_hold(items, reduction.Ref):
+                stack.extend(items)
+    return refs
+
+
 def _scatter_arguments(client: Any, values: list) -> list:
     """``values`` with each pyshm.ref in them (see _swap_refs) replaced by the future of its
     array scattered to a worker here, or, where that cannot be (no such worker, an
     asynchronous client, a failed scatter), by its array itself, which then goes into the
     task by value (a ref there would make the scheduler map the memory and keep it; see
     above). ``values`` itself if they hold no ref."""
-    refs: dict = {}
-
-    def note(ref: Any) -> Any:
-        refs[id(ref)] = ref
-        return ref
-
-    for value in values:
-        _swap_refs(value, note)
+    refs = _refs_in(values)
     if not refs:
         return values
     arrays = {key: ref.array for key, ref in refs.items()}
@@ -526,22 +546,6 @@ def _scatter_arguments(client: Any, values: list) -> list:
 # the holes. Where nothing can be scattered, and for map, the call goes with each ref's
 # array in its place, by value. Only while a ref is alive that is not where dask looks (a
 # hidden ref is alive); a ref pickled inside a pickle of its own is not found.
-
-
-def _visible(values: list) -> set:
-    """The ids of the refs where dask looks (see _swap_refs) in ``values``."""
-    found: set = set()
-    stack, walked = list(values), set()
-    while stack:
-        value = stack.pop()
-        if isinstance(value, reduction.Ref):
-            found.add(id(value))
-        elif isinstance(value, (dict, list, tuple, set)) and id(value) not in walked:
-            walked.add(id(value))
-            items = value.values() if isinstance(value, dict) else value
-            if _may_hold(items, reduction.Ref):
-                stack.extend(items)
-    return found
 
 
 class _Visible:
@@ -667,7 +671,7 @@ _LOADERS = _make_loaders()
 def _hidden_call(call: tuple, visible: list) -> Any:
     """The pickled ``call`` (a _Call) if it holds a ref that is not among ``visible`` (where
     dask would find it), else None."""
-    seen = _visible(visible)
+    seen = _refs_in(visible)
     try:
         alive = list(reduction.Ref.live)
     except RuntimeError:  # (a ref died meanwhile, on another thread)

@@ -668,6 +668,22 @@ def test_dask_ref_arguments_that_cannot_be_scattered_go_as_their_arrays():
         untouched = [[1, [2, {"a": (3,)}]], {4}, Pair(array, 5)]
         out = engines._scatter_arguments(Client(here), untouched)
         assert all(o is u for o, u in zip(out, untouched))  # (no ref: the very same objects)
+        # one list in 2**60 places and a list inside itself: each walked once, in no time
+        deep, cyclic = [0], [1]
+        for _ in range(60):
+            deep = [deep, deep]
+        cyclic.append(cyclic)
+        out = engines._scatter_arguments(Client(here), [deep, cyclic])
+        assert out[0] is deep and out[1] is cyclic
+        assert engines._hidden_call((len, (deep, cyclic), {}), [deep, cyclic]) is None
+        shared = [pyshm.ref(array)]
+        for _ in range(60):
+            shared = [shared, shared]
+        (out,) = engines._scatter_arguments(Client(here), [shared])
+        for _ in range(60):
+            assert type(out) is list and out[0] is out[1]  # (rebuilt once, shared as given)
+            out = out[0]
+        assert out == [f"future of {id(array)}"]
     finally:
         ours.close()
 
@@ -826,14 +842,21 @@ SUBMIT_AND_EXIT = """
     import sys
     import numpy as np
     import distributed, pyshm
-    from test_engines import checksum_to
+    from test_engines import Holder, checksum_of_holder_to, checksum_to
     client = distributed.Client(sys.argv[1])
     array = pyshm.zeros(1 << 20, np.float32, shared=True)
     array[:] = 5
     distributed.fire_and_forget(client.submit(checksum_to, pyshm.ref(array), sys.argv[2],
                                               pure=False))
+    # a ref hidden in an object: the task's call, pickled with a hole, goes through a loader
+    distributed.fire_and_forget(client.submit(checksum_of_holder_to, Holder(
+        pyshm.ref(array), 0.0), sys.argv[3], pure=False))
     # and the script ends at once: the worker mapped the memory when it was scattered to it
 """
+
+
+def checksum_of_holder_to(holder, path):
+    checksum_to(holder.array, path)
 
 
 def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable(tmp_path):
@@ -846,18 +869,19 @@ def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable(tmp_p
                               cwd=HERE)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         # a task argument of a client that ends right after fire_and_forget(submit(...))
-        path = str(tmp_path / "checksum")
+        path, hidden = str(tmp_path / "checksum"), str(tmp_path / "checksum-hidden")
         done = subprocess.run(
             [sys.executable, "-c", textwrap.dedent(SUBMIT_AND_EXIT), cluster.scheduler_address,
-             path], capture_output=True, timeout=120, cwd=HERE,
+             path, hidden], capture_output=True, timeout=120, cwd=HERE,
             env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
                 HERE, os.environ.get("PYTHONPATH", "")]))))
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         deadline = time.monotonic() + 60
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with open(path) as result:
-            assert result.read() == f"{5.0 * (1 << 20)} True"
+        for written in (path, hidden):
+            while not os.path.exists(written) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with open(written) as result:
+                assert result.read() == f"{5.0 * (1 << 20)} True"
         left = client.get_dataset("left")
         # the worker mapped the memory when the data arrived (by reference: pyshm memory),
         # so it outlives its sender
