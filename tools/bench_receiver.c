@@ -87,13 +87,23 @@ static double share(int method, size_t bytes, int *fd_out, char **mem_out) {
     return seconds;
 }
 
-/* `bytes` of fd mapped at a 2 MiB boundary (the rest of the reservation stays reserved). */
+/* `bytes` (a multiple of the page size) of fd mapped at a 2 MiB boundary, through a
+ * reservation of 2 MiB more whose head and tail are given back. */
 static char *map_aligned(int fd, size_t bytes, int prot) {
     char *reserved = mmap(NULL, bytes + HUGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (reserved == MAP_FAILED)
         return MAP_FAILED;
     char *at = (char *)(((uintptr_t)reserved + HUGE - 1) & ~(uintptr_t)(HUGE - 1));
-    return mmap(at, bytes, prot, MAP_SHARED | MAP_FIXED, fd, 0);
+    char *m = mmap(at, bytes, prot, MAP_SHARED | MAP_FIXED, fd, 0);
+    if (m == MAP_FAILED) {
+        munmap(reserved, bytes + HUGE);
+        return MAP_FAILED;
+    }
+    if (at > reserved)
+        munmap(reserved, (size_t)(at - reserved));
+    if (reserved + bytes + HUGE > at + bytes)
+        munmap(at + bytes, (size_t)(reserved + bytes + HUGE - (at + bytes)));
+    return m;
 }
 
 /* The huge ceiling's share: a new memfd in huge pages (where the kernel gives them), filled
@@ -122,7 +132,11 @@ static double share_huge(size_t bytes, int *fd_out) {
 
 /* A forked child maps the memfd (at a 2 MiB boundary if `aligned`) and reads a byte per page,
  * `reads` times; times[i]: the seconds the i-th read took (the first with the mmap). */
+#define MAX_READS 2
+
 static void child_reads_times(int fd, size_t bytes, int aligned, int reads, double *times) {
+    if (reads < 1 || reads > MAX_READS)
+        die("child_reads_times: reads out of range");
     int pipe_fds[2];
     if (pipe(pipe_fds) != 0)
         die("pipe");
@@ -131,7 +145,7 @@ static void child_reads_times(int fd, size_t bytes, int aligned, int reads, doub
         die("fork");
     if (pid == 0) {
         close(pipe_fds[0]);
-        double seconds[2], start = now();
+        double seconds[MAX_READS], start = now();
         const volatile char *m =
             aligned ? map_aligned(fd, bytes, PROT_READ) : mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
         if (m == MAP_FAILED)
