@@ -497,16 +497,12 @@ def _refs_in(values: list) -> dict:
     """The pyshm.refs where dask looks (see _swap_refs) in ``values``, by their ids; each
     container walked once (a cycle, or one list in many places, costs no more)."""
     refs: dict = {}
-    stack, walked = list(values), set()
-    while stack:
-        value = stack.pop()
-        if isinstance(value, reduction.Ref):
-            refs[id(value)] = value
-        elif isinstance(value, (dict, list, tuple, set)) and id(value) not in walked:
-            walked.add(id(value))
-            items = value.values() if isinstance(value, dict) else value
-            if _may_hold(items, reduction.Ref):
-                stack.extend(items)
+
+    def note(ref: Any) -> Any:
+        refs[id(ref)] = ref
+        return ref
+
+    _swap_refs(list(values), note)
     return refs
 
 
