@@ -28,9 +28,9 @@ What each hook does, and the engine's extension point it uses:
   receiver rebuilds it), everything else (another machine, a scheduler, disk) by value as
   before.
   Task arguments (``submit(f, a)``, ``map``) are pickled into the task, which goes through
-  the scheduler, where no reference is safe: plain arrays go dask's way (by value), and
-  ``Client.submit`` and ``Client.map`` are wrapped to scatter each ``pyshm.ref`` among them
-  straight to a worker here first (by reference, through the hook above) and pass its future
+  the scheduler, where no reference is safe, so ``Client.submit`` and ``Client.map`` are
+  wrapped to scatter each pyshm array and each ``pyshm.ref`` among them (other arrays go
+  dask's way, by value) straight to a worker here first (by reference, through the hook above) and pass its future
   instead (a ref where dask does not look, inside an object, goes through a pickled call
   with placeholders, see _Call). A reference's secrets travel out of band (see
   pyshm._channel._secret_out), in frames that distributed does not log when a receiver
@@ -421,13 +421,14 @@ def _install_distributed() -> None:
 
 # Task arguments: Client.submit and Client.map pickle their arguments into the task, which
 # goes through the scheduler, where no reference is safe (it keeps task messages, and it would
-# have to fetch on its event loop). So a pyshm.ref among the arguments (the explicit handle:
-# plain arrays keep dask's own way, which survives a worker's loss) is scattered first,
+# have to fetch on its event loop). So a pyshm array or a pyshm.ref among the arguments (an
+# array as a ref of it: _arrays_as_refs; other arrays keep dask's own way) is scattered first,
 # straight to a worker of this user on this machine (where the data hook above sends it by
 # reference), and the task gets its future, as submit(f, client.scatter(a, direct=True,
 # hash=False)) would by hand. The scheduler then holds a key, never the memory. With no such
 # worker, an asynchronous client, or a scatter that fails, the ref's array goes into the task
-# by value, as a plain array would. Refs are looked for where dask looks for futures
+# by value, as any array would. A scattered argument, unlike one inside the task, does not
+# survive the loss of the worker that holds it (dask cancels the task). Refs are looked for where dask looks for futures
 # (dask._task_spec.parse_input): in lists, tuples, sets and dicts, at any depth.
 
 
@@ -710,10 +711,38 @@ def _by_value_if_hidden(value: Any) -> Any:
     return value if pickled is None else pickled.by_value()[0]
 
 
+def _array_as_ref(a: Any) -> Any:
+    """A ref of ``a`` if it is a pyshm array to pass by reference (_pyshm_array: shared, or
+    shared in place now, on the caller's thread), else ``a`` (dask's own way: by value). An
+    array that cannot be shared in place (a slice of a private arena, no memory or fds left
+    for its memfd) goes by value too, as it would without pyshm."""
+    if not _pyshm_array(a):
+        return a
+    try:
+        return reduction.Ref(a)
+    except (TypeError, OSError, MemoryError):
+        return a
+
+
+def _arrays_as_refs(args: tuple, kwargs: dict, names: list, each: bool) -> tuple:
+    """``args`` and ``kwargs`` with each pyshm array where dask looks (see _swap_refs) as a
+    ref of it (_array_as_ref), so that it goes as a ref does. For map, a list or tuple
+    iterable element by element (an array given as an iterable stays one: map iterates it)."""
+    if not _may_hold([*args, *(kwargs[name] for name in names)], np.ndarray):
+        return args, kwargs  # (no array, no container: nothing to look into)
+    memo: dict = {}
+    args = tuple(_swap_refs(a, _array_as_ref, np.ndarray, memo)
+                 if not each or isinstance(a, (list, tuple)) else a for a in args)
+    for name in names:
+        kwargs[name] = _swap_refs(kwargs[name], _array_as_ref, np.ndarray, memo)
+    return args, kwargs
+
+
 def _wrap_task_maker(original):
     """Client.submit or Client.map, scattering the refs among its arguments first: submit's
     positional arguments, map's list and tuple iterables (element by element), and either's
-    keyword arguments that are not its own options (map passes those to every task)."""
+    keyword arguments that are not its own options (map passes those to every task). A pyshm
+    array there (shared, or not shared yet: shared in place now) goes as a ref of it."""
     import inspect
 
     options = {p.name for p in inspect.signature(original).parameters.values()
@@ -721,10 +750,13 @@ def _wrap_task_maker(original):
     each = original.__name__ == "map"
 
     def make(self, func, *args, **kwargs):
-        if not reduction.Ref.live or kwargs.get("actor") or kwargs.get("actors"):
-            # (no ref is alive in this process: nothing to look for)
+        if kwargs.get("actor") or kwargs.get("actors"):
             return original(self, func, *args, **kwargs)
         names = [name for name in kwargs if name not in options]
+        args, kwargs = _arrays_as_refs(args, kwargs, names, each)
+        if not reduction.Ref.live:
+            # (no ref is alive in this process: nothing to look for)
+            return original(self, func, *args, **kwargs)
         if not each:
             user = {name: kwargs[name] for name in names}
             pickled = _hidden_call((func, args, user), [*args, *user.values()])

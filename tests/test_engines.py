@@ -557,44 +557,61 @@ def fill_nested(arrays, pair):
     return [pyshm.is_shared(a) for a in (first, second, pair.array)]
 
 
-def test_dask_task_arguments_given_as_refs_are_the_same_memory():
-    """client.submit(f, pyshm.ref(a)) and client.map: each ref among the arguments is
-    scattered straight to a worker here first (by reference), and the task gets its future;
-    plain arrays, shared or not, go dask's own way (by value, through the scheduler)."""
+def test_dask_task_arguments_that_are_pyshm_arrays_or_refs_are_the_same_memory():
+    """A pyshm array or a pyshm.ref of one among submit's or map's arguments (where dask
+    looks: positional, keyword, map's lists, nested lists/tuples/dicts) is scattered straight
+    to a worker here first (by reference), and the task gets its future: the worker writes
+    our memory. One not shared yet is shared in place by submit. Other arrays, and pyshm
+    arrays hidden in a closure, go dask's own way (by value)."""
     distributed = engine_or_skip("distributed")
     with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
                                   dashboard_address=None) as cluster, \
             distributed.Client(cluster) as client, warnings.catch_warnings():
-        warnings.simplefilter("error")  # (by value, dask warns of "a large graph" here)
-        big = pyshm.zeros(16 << 20, np.float32, shared=True)  # 64 MiB
-        assert client.submit(fill_and_say, pyshm.ref(big), 2.0).result() == (2.0 * big.size,
+        for given in (pyshm.ref, lambda a: a):
+            warnings.simplefilter("error")  # (by value, dask warns of "a large graph" here)
+            big = pyshm.zeros(16 << 20, np.float32, shared=True)  # 64 MiB
+            address = big.ctypes.data
+            assert client.submit(fill_and_say, given(big), 2.0).result() == (2.0 * big.size,
                                                                               True)
-        assert (big == 2).all()  # the worker's write, in our memory
-        assert client.submit(fill_and_say, array=pyshm.ref(big[::2]), value=3.0).result()[1]
-        assert big[0] == 3 and big[1] == 2  # (keyword arguments, views)
-        small = [pyshm.zeros(1000, np.float32, shared=True) for _ in range(3)]  # (one slab)
-        refs = [pyshm.ref(a) for a in small]
-        # (pure=False: equal bytes would otherwise make the three one task)
-        results = client.gather(client.map(fill_and_say, refs + [refs[0]], [1.0, 2.0, 3.0, 1.0],
-                                           pure=False))
-        assert results == [(1000.0, True), (2000.0, True), (3000.0, True), (1000.0, True)]
-        assert [float(a[0]) for a in small] == [1.0, 2.0, 3.0]
-        # refs inside the lists, tuples, sets and dicts dask looks into for futures
-        trio = [pyshm.zeros(1000, np.float32, shared=True) for _ in range(3)]
-        nested = client.submit(fill_nested, [pyshm.ref(trio[0]), {"b": (pyshm.ref(trio[1]),)}],
-                               Pair(pyshm.ref(trio[2]), 4.0)).result()
-        assert nested == [True, True, True]
-        assert [float(a[0]) for a in trio] == [4.0, 5.0, 6.0]
-        # a ref passed to every task of a map (a keyword argument)
-        results = client.gather(client.map(fill_at, [0, 1, 2], array=pyshm.ref(big),
-                                           pure=False))
-        assert results == [True] * 3 and list(big[:3]) == [1.0, 2.0, 3.0]
+            assert (big == 2).all() and big.ctypes.data == address  # the worker's write, here
+            assert client.submit(fill_and_say, array=given(big[::2]), value=3.0).result()[1]
+            assert big[0] == 3 and big[1] == 2  # (keyword arguments, views)
+            # twice with the default pure=True: each submit a task of its own (the arrays'
+            # bytes are not hashed: the memory may change between the two)
+            assert client.submit(fill_at, 0, given(big)).result() and big[0] == 1
+            big[0] = 5
+            assert client.submit(fill_at, 0, given(big)).result() and big[0] == 1
+            fresh = pyshm.zeros(1 << 20, np.float32)  # (not shared yet: shared in place)
+            fresh_address = fresh.ctypes.data
+            assert client.submit(fill_and_say, given(fresh), 4.0).result() == (
+                4.0 * fresh.size, True)
+            assert pyshm.is_shared(fresh) and fresh.ctypes.data == fresh_address
+            assert (fresh == 4).all()
+            small = [pyshm.zeros(1000, np.float32, shared=True) for _ in range(3)]  # (a slab)
+            args = [given(a) for a in small]
+            # (pure=False: equal bytes would otherwise make the three one task)
+            results = client.gather(client.map(fill_and_say, args + [args[0]],
+                                               [1.0, 2.0, 3.0, 1.0], pure=False))
+            assert results == [(1000.0, True), (2000.0, True), (3000.0, True), (1000.0, True)]
+            assert [float(a[0]) for a in small] == [1.0, 2.0, 3.0]
+            trio = [pyshm.zeros(1000, np.float32, shared=True) for _ in range(3)]
+            nested = client.submit(fill_nested, [given(trio[0]), {"b": (given(trio[1]),)}],
+                                   Pair(given(trio[2]), 4.0), pure=False).result()
+            assert nested == [True, True, True]
+            assert [float(a[0]) for a in trio] == [4.0, 5.0, 6.0]
+            # an argument passed to every task of a map (a keyword argument)
+            results = client.gather(client.map(fill_at, [0, 1, 2], array=given(big),
+                                               pure=False))
+            assert results == [True] * 3 and list(big[:3]) == [1.0, 2.0, 3.0]
+        # map over an array: its rows are map's elements, as without pyshm (by value)
+        rows = pyshm.zeros((2, 4), np.float32, shared=True)
+        assert client.gather(client.map(fill_at, [0, 1], rows, pure=False)) == [False, False]
+        assert (rows == 0).all()
         # everything else: dask's own way (a copy, written there)
         warnings.simplefilter("ignore")
-        for array in (np.zeros(1000, np.float32), pyshm.zeros(1000, np.float32), small[1]):
-            assert client.submit(fill_and_say, array, 6.0, pure=False).result() == (6000.0,
-                                                                                    False)
-            assert array[0] in (0, 2)
+        plain = np.zeros(1000, np.float32)
+        assert client.submit(fill_and_say, plain, 6.0, pure=False).result() == (6000.0, False)
+        assert (plain == 0).all()
         captured = small[1]
         assert client.submit(lambda: fill_and_say(captured, 7.0)).result() == (7000.0, False)
         assert captured[0] == 2
@@ -684,6 +701,56 @@ def test_dask_ref_arguments_that_cannot_be_scattered_go_as_their_arrays():
             assert type(out) is list and out[0] is out[1]  # (rebuilt once, shared as given)
             out = out[0]
         assert out == [f"future of {id(array)}"]
+    finally:
+        ours.close()
+
+
+def test_dask_pyshm_array_arguments_go_as_refs_or_by_value():
+    """submit and map hand each pyshm array where dask looks to the scatter refs get: its
+    future with a worker here, the array itself (by value) with none; arrays that are not
+    pyshm memory, or cannot be shared in place, are passed on as they are."""
+    engine_or_skip("distributed")
+    import socket
+
+    given = []
+
+    def submit(self, func, *args, key=None, pure=True, **kwargs):
+        given.append((args, kwargs))
+
+    def map(self, func, *iterables, key=None, pure=True, **kwargs):
+        given.append((iterables, kwargs))
+
+    submit_, map_ = engines._wrap_task_maker(submit), engines._wrap_task_maker(map)
+    array = pyshm.zeros(1000, np.float32, shared=True)
+    fresh, plain = pyshm.zeros(1000, np.float32), np.zeros(1000, np.float32)
+    ours = socket.socket()  # (a worker of ours, here)
+    ours.bind(("127.0.0.1", 0))
+    ours.listen()
+    try:
+        here = StandInClient([f"tcp://127.0.0.1:{ours.getsockname()[1]}"])
+        submit_(here, len, array, [fresh, {"k": plain}], value=array, pure=False)
+        (args, kwargs), = given
+        assert args[0] == f"future of {id(array)}" and kwargs["value"] == args[0]
+        assert args[1][0] == f"future of {id(fresh)}" and pyshm.is_shared(fresh)
+        assert args[1][1]["k"] is plain and set(kwargs) == {"value"}
+        given.clear()
+        rows = pyshm.zeros((2, 3), np.float32, shared=True)
+        map_(here, len, [array, plain], rows, (fresh,), range(2), array=array)
+        (iterables, kwargs), = given
+        assert iterables[0] == [f"future of {id(array)}", plain] and iterables[1] is rows
+        assert iterables[2] == [f"future of {id(fresh)}"] and kwargs["array"] == iterables[0][0]
+        assert isinstance(iterables[3], range)
+        given.clear()
+        with pyshm.Arena([800, 80], [0, 0], [1, 1]) as arena:  # (private: no in-place share)
+            arena.allocate()
+            slot = arena.array(0, (200,), np.float32)
+            submit_(here, len, slot)
+            assert given[0][0][0] is slot and not pyshm.is_shared(slot)
+            given.clear()
+            del slot
+        submit_(StandInClient([]), len, array, [array])  # (no worker here: by value)
+        (args, _), = given
+        assert args[0] is array and args[1][0] is array
     finally:
         ours.close()
 
@@ -1147,6 +1214,9 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
                     back = client.submit(fill_array, pyshm.ref(array), 3.0,
                                          pure=False).result()
                     assert float(back.sum()) == 3 * (1 << 18) and (array == 1).all()
+                    # the array itself as an argument: the same (by value)
+                    back = client.submit(fill_array, array, 4.0, pure=False).result()
+                    assert float(back.sum()) == 4 * (1 << 18) and (array == 1).all()
         finally:
             worker.terminate()
             try:  # (a worker closing gracefully may wait on its scheduler: never left running)

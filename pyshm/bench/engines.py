@@ -17,8 +17,8 @@ Workers are started once per engine, before the rounds.
 * dask.distributed ``LocalCluster`` (one process worker), a client with direct transfers:
   ``scatter`` then ``submit`` and ``result`` ("dask"), and ``submit(f, array)`` with the
   array as the task's argument ("dask submit": pickled into the task, through the scheduler;
-  for pyshm, ``submit(f, pyshm.ref(array))``, which pyshm scatters first), a ``numpy.zeros``
-  array (by value both ways) against a pyshm array made with ``shared=True``;
+  a pyshm array there pyshm scatters to the worker first), a ``numpy.zeros`` array (by value
+  both ways) against a pyshm array made with ``shared=True``;
 * Ray, a local cluster of 2 CPUs: ``ray.put`` then a task on the object and ``ray.get``, a
   ``numpy.zeros`` array (Ray's object store: read in place, read-only, so the worker writes a
   copy that comes back by value) against a pyshm array made with ``shared=True`` (which Ray
@@ -153,8 +153,7 @@ def _dask_engines(nbytes):
         def call():
             with warnings.catch_warnings():  # (by value, dask warns of "a large graph")
                 warnings.filterwarnings("ignore", "Sending large graph")
-                argument = pyshm.ref(array) if pyshm.is_shared(array) else array
-                return client.submit(touch_array, argument, pure=False).result()
+                return client.submit(touch_array, array, pure=False).result()
         return call
 
     label = f"distributed {distributed.__version__}"
