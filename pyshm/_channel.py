@@ -66,6 +66,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 import weakref
 from multiprocessing import util as _mp_util
 from typing import Any, Optional
@@ -548,6 +549,7 @@ class _Server:
         sock.settimeout(1.0)
         self.sock = sock
         self.answering = False  # between reading a request and sending its last fd (linger)
+        self.sweep_failed = False  # (a bug: said once, see _run)
         self.thread = threading.Thread(target=self._run, name="pyshm-fd-server", daemon=True)
         self.thread.start()
         _register_linger()  # (again: a fork may have cleared it; linger() twice is harmless)
@@ -600,8 +602,12 @@ class _Server:
                     try:
                         with state.lock:
                             _sweep(now)
-                    except Exception:  # noqa: BLE001 - as for a request: the server lives on
-                        pass
+                    except Exception as error:  # noqa: BLE001 - the server lives on: said once
+                        if not self.sweep_failed:
+                            self.sweep_failed = True
+                            warnings.warn(f"pyshm: the fd server's sweep failed ({error!r}); "
+                                          "it goes on serving (please report this)",
+                                          RuntimeWarning, stacklevel=1)
         finally:
             for conn in waiting:
                 conn.close()

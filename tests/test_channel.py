@@ -363,6 +363,41 @@ def test_sweeps_while_a_thread_pickles_many_memfds():
     _channel.drop_holds()
 
 
+SWEEP_FAILS = r"""
+import multiprocessing as mp, sys, threading, time
+from multiprocessing.reduction import ForkingPickler
+import numpy as np, pyshm
+from pyshm import _channel
+
+real, calls = _channel._sweep, []
+def failing(now):
+    if threading.current_thread().name == "pyshm-fd-server":
+        calls.append(now)
+        raise RuntimeError("a bug in the sweep")
+    real(now)
+_channel._sweep = failing
+a = pyshm.zeros(100_000, np.uint8, shared=True)
+a[:] = 3
+ForkingPickler.dumps(a)  # (the server starts)
+deadline = time.monotonic() + 30
+while len(calls) < 3 and time.monotonic() < deadline:  # (idle: it sweeps once a second)
+    time.sleep(0.1)
+with mp.get_context("spawn").Pool(1) as pool:  # (the receiver fetches the memfd from it)
+    print(len(calls) >= 3, pool.apply(np.sum, (a,)), _channel.state.server.thread.is_alive())
+"""
+
+
+def test_a_failing_sweep_is_said_once_and_the_server_serves_on():
+    """A bug in the server's idle sweep neither kills the server nor passes in silence: one
+    RuntimeWarning, however many sweeps fail."""
+    done = subprocess.run([sys.executable, "-W", "always", "-c", SWEEP_FAILS],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "300000", "True"]
+    said = [line for line in done.stderr.splitlines() if "RuntimeWarning: pyshm" in line]
+    assert len(said) == 1 and "a bug in the sweep" in said[0], done.stderr[-3000:]
+
+
 def _fetch_in_a_loop(conn, address, key, secret, seconds):
     """Keep a sender's server busy replying (real fetches, each one hands out an fd)."""
     served = failed = 0
