@@ -828,35 +828,90 @@ static void test_extreme_lifetimes_exact(void)
 
 /* Fails the 1st, 2nd, ... allocation of one lshm_plan call until a call gets through them
  * all; returns how many there were. */
-static int plan_failing_each_allocation(const trace *t, const int64_t *fixed,
-                                        const lshm_plan_options *o)
+/* Runs call(ctx) with its nth allocation failing (-ENOMEM), for nth = 1, 2, ... until a run
+   in which none failed (that one must succeed), check(ctx, rc) judging each outcome. Returns
+   how many allocations the call makes. */
+static int failing_each_allocation(int (*call)(void *), void (*check)(void *, int), void *ctx)
 {
-    uint64_t *off = malloc((t->n + 1) * 8);
-    ASSERT(off);
     for (int nth = 1;; nth++) {
-        lshm_plan_result r;
-        memset(off, 0xAB, (t->n + 1) * 8);
-        memset(&r, 0xCD, sizeof r);
         lshm__fault_arm(nth, -ENOMEM);
-        int rc = lshm_plan(t->n, t->size, t->first, t->last, fixed, o, off, &r);
+        int rc = call(ctx);
         int hit = lshm__fault_points_hit();
         lshm__fault_arm(0, 0);
-        if (rc == 0) {
-            brute_check(t, off, o->alignment, (o->flags & LSHM_PLAN_INCLUSIVE) != 0,
-                        r.arena_size, fixed);
-        } else {
-            ASSERT_EQ(rc, -ENOMEM);
-            for (size_t i = 0; i < t->n; i++)
-                ASSERT_UINT_EQ(off[i], 0xABABABABABABABABull);
-            ASSERT_UINT_EQ(r.arena_size, 0xCDCDCDCDCDCDCDCDull);
-        }
-        if (hit < nth) { /* no allocation failed: the plan is whole */
+        check(ctx, rc);
+        if (hit < nth) { /* no allocation failed: the result is whole */
             ASSERT_EQ(rc, 0);
-            free(off);
             return nth - 1;
         }
         ASSERT(nth < 100000);
     }
+}
+
+typedef struct {
+    const trace *t;
+    const int64_t *fixed;
+    const lshm_plan_options *o;
+    uint64_t *off;
+    lshm_plan_result r;
+} plan_call;
+
+static int run_plan(void *ctx)
+{
+    plan_call *c = ctx;
+    memset(c->off, 0xAB, (c->t->n + 1) * 8);
+    memset(&c->r, 0xCD, sizeof c->r);
+    return lshm_plan(c->t->n, c->t->size, c->t->first, c->t->last, c->fixed, c->o, c->off,
+                     &c->r);
+}
+
+/* a valid plan, or -ENOMEM with the offsets and the result untouched */
+static void check_plan(void *ctx, int rc)
+{
+    plan_call *c = ctx;
+    if (rc == 0) {
+        brute_check(c->t, c->off, c->o->alignment, (c->o->flags & LSHM_PLAN_INCLUSIVE) != 0,
+                    c->r.arena_size, c->fixed);
+        return;
+    }
+    ASSERT_EQ(rc, -ENOMEM);
+    for (size_t i = 0; i < c->t->n; i++)
+        ASSERT_UINT_EQ(c->off[i], 0xABABABABABABABABull);
+    ASSERT_UINT_EQ(c->r.arena_size, 0xCDCDCDCDCDCDCDCDull);
+}
+
+static int plan_failing_each_allocation(const trace *t, const int64_t *fixed,
+                                        const lshm_plan_options *o)
+{
+    plan_call c = {t, fixed, o, malloc((t->n + 1) * 8), {0}};
+    ASSERT(c.off);
+    int count = failing_each_allocation(run_plan, check_plan, &c);
+    free(c.off);
+    return count;
+}
+
+typedef struct {
+    const trace *t;
+    const lshm_plan_options *o;
+    uint64_t lb, expected;
+} bound_call;
+
+static int run_lower_bound(void *ctx)
+{
+    bound_call *c = ctx;
+    c->lb = 12345;
+    return lshm_plan_lower_bound(c->t->n, c->t->size, c->t->first, c->t->last, c->o, &c->lb);
+}
+
+/* the bound, or -ENOMEM with it untouched */
+static void check_lower_bound(void *ctx, int rc)
+{
+    bound_call *c = ctx;
+    if (rc == 0) {
+        ASSERT_UINT_EQ(c->lb, c->expected);
+        return;
+    }
+    ASSERT_EQ(rc, -ENOMEM);
+    ASSERT_UINT_EQ(c->lb, 12345);
 }
 
 static void test_out_of_memory(void)
@@ -895,20 +950,8 @@ static void test_out_of_memory(void)
            counts[3], counts[4], counts[5]);
     /* the lower bound alone */
     o.capacity = 0, o.time_limit = 0.0;
-    for (int nth = 1;; nth++) {
-        uint64_t lb = 12345;
-        lshm__fault_arm(nth, -ENOMEM);
-        int rc = lshm_plan_lower_bound(dense.n, dense.size, dense.first, dense.last, &o, &lb);
-        int hit = lshm__fault_points_hit();
-        lshm__fault_arm(0, 0);
-        if (hit < nth) {
-            ASSERT_EQ(rc, 0);
-            ASSERT_UINT_EQ(lb, r.lower_bound);
-            break;
-        }
-        ASSERT_EQ(rc, -ENOMEM);
-        ASSERT_UINT_EQ(lb, 12345);
-    }
+    bound_call bound = {&dense, &o, 0, r.lower_bound};
+    ASSERT(failing_each_allocation(run_lower_bound, check_lower_bound, &bound) > 0);
     free(fixed), free(off);
     trace_free(&dense), trace_free(&sparse), trace_free(&medium), trace_free(&packed);
 }
