@@ -1434,9 +1434,10 @@ RAY_CLIENT = """
             array[:] = value
         return writeable, pyshm.is_shared(array)
 
+    host, port, where = sys.argv[1:]
     for attempt in range(3):  # (Ray's client server fails to start now and then, at once)
         try:
-            ray.init(f"ray://127.0.0.1:{sys.argv[1]}", log_to_driver=False)
+            ray.init(f"ray://{host}:{port}", log_to_driver=False)
             break
         except (ConnectionError, RuntimeError):
             if attempt == 2:
@@ -1446,8 +1447,14 @@ RAY_CLIENT = """
         assert "ray" in pyshm.engines.installed()
         task = ray.remote(fill)
         array = pyshm.zeros(1 << 18, np.float32, shared=True)
-        assert ray.get(task.remote(array, 2.0)) == (True, True) and (array == 2).all()
-        assert ray.get(ray.put(array)).ctypes.data == array.ctypes.data
+        array[:] = 1
+        if where == "here":  # the same memory
+            assert ray.get(task.remote(array, 2.0)) == (True, True) and (array == 2).all()
+            assert ray.get(ray.put(array)).ctypes.data == array.ctypes.data
+        else:  # a cluster that cannot reach us: Ray's copy, read-only, as without pyshm
+            assert ray.get(task.remote(array, 2.0)) == (False, False) and (array == 1).all()
+            back = ray.get(ray.put(array))
+            assert back.ctypes.data != array.ctypes.data and (back == 1).all()
         plain = np.zeros(1 << 18, np.float32)  # (Ray's own way: a read-only copy)
         assert ray.get(task.remote(plain, 3.0)) == (False, False) and (plain == 0).all()
         print("ok")
@@ -1464,30 +1471,28 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_ray_client_mode_on_this_machine_carries_the_same_memory():
-    # a driver connected through Ray Client (ray://, which needs ray[client]): its arguments
-    # go through the client server to the cluster; on this machine, the same memory
-    engine_or_skip("ray")
-    engine_or_skip("grpc")
+def run_ray_client(host: str, where: str, inside: tuple = ()) -> None:
+    """RAY_CLIENT against a Ray head started (by ``inside`` + ray start) on ``host``."""
     import shutil
     import tempfile
 
-    where = tempfile.mkdtemp(prefix="/tmp/rc")  # (short: Ray's socket paths live under it)
+    place = tempfile.mkdtemp(prefix="/tmp/rc")  # (short: Ray's socket paths live under it)
     ports = [free_port() for _ in range(2)]
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=os.pathsep.join(
         [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    with open(os.path.join(where, "head.log"), "wb") as log:
+    with open(os.path.join(place, "head.log"), "wb") as log:
         head = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+            [*inside, sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
              "--port", str(ports[0]), "--ray-client-server-port", str(ports[1]),
-             "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--include-dashboard=false",
-             "--disable-usage-stats", "--temp-dir", where],
+             "--node-ip-address", host, "--num-cpus", "1", "--include-dashboard=false",
+             "--disable-usage-stats", "--temp-dir", place],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, "-c", textwrap.dedent(RAY_CLIENT), str(ports[1])],
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(RAY_CLIENT), host,
+                               str(ports[1]), where],
                               capture_output=True, timeout=180, cwd=HERE, env=env, check=False)
         assert done.returncode == 0, (done.stderr.decode()[-4000:] + "\nthe head wrote:\n"
-                                      + tail_of(os.path.join(where, "head.log")))
+                                      + tail_of(os.path.join(place, "head.log")))
         assert done.stdout.split() == [b"ok"]
     finally:
         head.terminate()
@@ -1498,11 +1503,38 @@ def test_ray_client_mode_on_this_machine_carries_the_same_memory():
         for pid in os.listdir("/proc"):  # (every process of that cluster: never left running)
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                    if where.encode() in cmdline.read():
+                    if place.encode() in cmdline.read():
                         os.kill(int(pid), 9)
             except (OSError, ValueError):
                 pass
-        shutil.rmtree(where, ignore_errors=True)
+        shutil.rmtree(place, ignore_errors=True)
+        try:  # (Ray leaves the address of that cluster for the next ray.init() to join)
+            with open("/tmp/ray/ray_current_cluster") as current:
+                if current.read().startswith(host + ":"):
+                    os.unlink("/tmp/ray/ray_current_cluster")
+        except OSError:
+            pass
+
+
+def test_ray_client_mode_on_this_machine_carries_the_same_memory():
+    # a driver connected through Ray Client (ray://, which needs ray[client]): its arguments
+    # go through the client server to the cluster; on this machine, the same memory
+    engine_or_skip("ray")
+    engine_or_skip("grpc")
+    run_ray_client("127.0.0.1", "here")
+
+
+def test_ray_client_of_a_cluster_that_cannot_reach_this_process_gets_the_bytes(
+        other_network_namespace):
+    # the same driver against a cluster in a network namespace of its own (as on another
+    # machine): Ray's copy, read-only, no error
+    engine_or_skip("ray")
+    engine_or_skip("grpc")
+    pair = other_network_namespace
+    run_ray_client(pair.there, "elsewhere", ("ip", "netns", "exec", pair.name))
+    left = subprocess.run(["ip", "netns", "pids", pair.name],
+                          capture_output=True, text=True, check=False).stdout.split()
+    assert not left, "the Ray head in the other namespace outlived its test"
 
 
 def sleep_and_say(seconds):
