@@ -605,9 +605,12 @@ class _Server:
                     except Exception as error:  # noqa: BLE001 - the server lives on: said once
                         if not self.sweep_failed:
                             self.sweep_failed = True
-                            warnings.warn(f"pyshm: the fd server's sweep failed ({error!r}); "
-                                          "it goes on serving (please report this)",
-                                          RuntimeWarning, stacklevel=1)
+                            try:  # (a filter may make the warning an error: still serve)
+                                warnings.warn(f"pyshm: the fd server's sweep failed ({error!r});"
+                                              " it goes on serving (please report this)",
+                                              RuntimeWarning, stacklevel=1)
+                            except Exception:  # noqa: BLE001
+                                pass
         finally:
             for conn in waiting:
                 conn.close()

@@ -383,7 +383,8 @@ deadline = time.monotonic() + 30
 while len(calls) < 3 and time.monotonic() < deadline:  # (idle: it sweeps once a second)
     time.sleep(0.1)
 with mp.get_context("spawn").Pool(1) as pool:  # (the receiver fetches the memfd from it)
-    print(len(calls) >= 3, pool.apply(np.sum, (a,)), _channel.state.server.thread.is_alive())
+    total = pool.apply_async(np.sum, (a,)).get(60)
+    print(len(calls) >= 3, total, _channel.state.server.thread.is_alive())
 """
 
 
@@ -396,6 +397,11 @@ def test_a_failing_sweep_is_said_once_and_the_server_serves_on():
     assert done.stdout.split() == ["True", "300000", "True"]
     said = [line for line in done.stderr.splitlines() if "RuntimeWarning: pyshm" in line]
     assert len(said) == 1 and "a bug in the sweep" in said[0], done.stderr[-3000:]
+    # warnings as errors (a filter of the user's): the server serves on all the same
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", SWEEP_FAILS],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "300000", "True"]
 
 
 def _fetch_in_a_loop(conn, address, key, secret, seconds):
