@@ -507,27 +507,38 @@ def _refs_in(values: list) -> dict:
     return refs
 
 
-def _scatter_arguments(client: Any, values: list) -> list:
+def _workers_here(client: Any) -> list:
+    """The addresses of ``client``'s workers that a reference can go to (see
+    _recipient_here): none for an asynchronous client (its scatter cannot be waited for
+    here) or when the scheduler cannot be asked."""
+    if getattr(client, "asynchronous", False):
+        return []
+    try:
+        return [address for address in _workers_of(client)
+                if _recipient_here({"recipient": address})]
+    except Exception:  # (a closed client, a scheduler gone: dask's own way)
+        return []
+
+
+def _scatter_arguments(client: Any, values: list, workers: Optional[list] = None) -> list:
     """``values`` with each pyshm.ref in them (see _swap_refs) replaced by the future of its
-    array scattered to a worker here, or, where that cannot be (no such worker, an
-    asynchronous client, a failed scatter), by its array itself, which then goes into the
-    task by value (a ref there would make the scheduler map the memory and keep it; see
-    above). ``values`` itself if they hold no ref."""
+    array scattered to a worker here (``workers``: _workers_here, asked now if None), or,
+    where that cannot be (no such worker, an asynchronous client, a failed scatter), by its
+    array itself, which then goes into the task by value (a ref there would make the
+    scheduler map the memory and keep it; see above). ``values`` itself if they hold no
+    ref."""
     refs = _refs_in(values)
     if not refs:
         return values
     arrays = {key: ref.array for key, ref in refs.items()}
     replacement = arrays  # (by value, unless the scatter below works)
-    if not getattr(client, "asynchronous", False):
+    workers = _workers_here(client) if workers is None else workers
+    if workers:
         try:
-            workers = [address for address in _workers_of(client)
-                       if _recipient_here({"recipient": address})]
-            if workers:
-                unique = {id(array): array for array in arrays.values()}
-                futures = dict(zip(unique, client.scatter(list(unique.values()),
-                                                          workers=workers, direct=True,
-                                                          hash=False)))
-                replacement = {key: futures[id(array)] for key, array in arrays.items()}
+            unique = {id(array): array for array in arrays.values()}
+            futures = dict(zip(unique, client.scatter(list(unique.values()), workers=workers,
+                                                      direct=True, hash=False)))
+            replacement = {key: futures[id(array)] for key, array in arrays.items()}
         except Exception:  # (a worker gone meanwhile, a closed client: dask's own way)
             replacement = arrays
     return [_swap_refs(value, lambda ref: replacement[id(ref)]) for value in values]
@@ -724,25 +735,33 @@ def _array_as_ref(a: Any) -> Any:
         return a
 
 
-def _arrays_as_refs(args: tuple, kwargs: dict, names: list, each: bool) -> tuple:
-    """``args`` and ``kwargs`` with each pyshm array where dask looks (see _swap_refs) as a
-    ref of it (_array_as_ref), so that it goes as a ref does. For map, a list or tuple
-    iterable element by element (an array given as an iterable stays one: map iterates it)."""
+def _arrays_as_refs(client: Any, args: tuple, kwargs: dict, names: list,
+                    each: bool) -> tuple:
+    """(``args``, ``kwargs``, the workers here) with each pyshm array where dask looks (see
+    _swap_refs) as a ref of it (_array_as_ref), so that it goes as a ref does. For map, a
+    list or tuple iterable element by element (an array given as an iterable stays one: map
+    iterates it). Only if ``client`` has a worker here (_workers_here, asked once, when an
+    array or a container is among them: None if not asked): else nothing would be scattered,
+    so nothing is shared in place and every container stays as it is."""
     if not _may_hold([*args, *(kwargs[name] for name in names)], np.ndarray):
-        return args, kwargs  # (no array, no container: nothing to look into)
+        return args, kwargs, None  # (no array, no container: nothing to look into)
+    workers = _workers_here(client)
+    if not workers:
+        return args, kwargs, workers
     memo: dict = {}
     args = tuple(_swap_refs(a, _array_as_ref, np.ndarray, memo)
                  if not each or isinstance(a, (list, tuple)) else a for a in args)
     for name in names:
         kwargs[name] = _swap_refs(kwargs[name], _array_as_ref, np.ndarray, memo)
-    return args, kwargs
+    return args, kwargs, workers
 
 
 def _wrap_task_maker(original):
     """Client.submit or Client.map, scattering the refs among its arguments first: submit's
     positional arguments, map's list and tuple iterables (element by element), and either's
     keyword arguments that are not its own options (map passes those to every task). A pyshm
-    array there (shared, or not shared yet: shared in place now) goes as a ref of it."""
+    array there goes as a ref of it when the client has a worker here (one not shared yet is
+    shared in place then: _arrays_as_refs)."""
     import inspect
 
     options = {p.name for p in inspect.signature(original).parameters.values()
@@ -753,7 +772,7 @@ def _wrap_task_maker(original):
         if kwargs.get("actor") or kwargs.get("actors"):
             return original(self, func, *args, **kwargs)
         names = [name for name in kwargs if name not in options]
-        args, kwargs = _arrays_as_refs(args, kwargs, names, each)
+        args, kwargs, workers = _arrays_as_refs(self, args, kwargs, names, each)
         if not reduction.Ref.live:
             # (no ref is alive in this process: nothing to look for)
             return original(self, func, *args, **kwargs)
@@ -775,7 +794,7 @@ def _wrap_task_maker(original):
             given = [_by_value_if_hidden(value) for value in given]
             if all(new is old for new, old in zip(given, before)):
                 given = before
-        values = _scatter_arguments(self, given)
+        values = _scatter_arguments(self, given, workers)
         if values is not before:
             rebuilt, at = [], 0
             for a, run in zip(args, runs):

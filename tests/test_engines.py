@@ -748,9 +748,16 @@ def test_dask_pyshm_array_arguments_go_as_refs_or_by_value():
             assert given[0][0][0] is slot and not pyshm.is_shared(slot)
             given.clear()
             del slot
-        submit_(StandInClient([]), len, array, [array])  # (no worker here: by value)
-        (args, _), = given
-        assert args[0] is array and args[1][0] is array
+        # no worker here (none, or in this very process): by value, nothing shared in place,
+        # every container as it was given
+        for workers in ([], ["inproc://10.0.0.1/1/2"]):
+            unshared = pyshm.zeros(1000, np.float32)
+            counts = collections.defaultdict(int, a=unshared)
+            submit_(StandInClient(workers), len, array, [array], unshared, counts=counts)
+            (args, kwargs), = given
+            assert args[0] is array and args[1][0] is array and args[2] is unshared
+            assert kwargs["counts"] is counts and not pyshm.is_shared(unshared)
+            given.clear()
     finally:
         ours.close()
 
