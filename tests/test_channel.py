@@ -319,6 +319,19 @@ def test_the_server_survives_a_blast_of_garbage():
     os.close(fd)
 
 
+def _sweep_until(stop: threading.Event, errors: list) -> None:
+    """Sweep the channel's state again and again (lock held, as the server does) until
+    ``stop``; an exception is noted in ``errors`` and ends it."""
+    while not stop.is_set():
+        try:
+            with _channel.state.lock:
+                _channel.state.next_sweep = 0.0  # (now, not in a second)
+                _channel._sweep(time.monotonic())
+        except Exception as error:  # noqa: BLE001 - what the tests look for
+            errors.append(f"sweep: {error!r}")
+            return
+
+
 def test_sweeps_while_a_thread_pickles_many_memfds():
     """The once-a-second sweep (of every thread's export and of the server when idle) walks
     the batches while another thread's pickle adds to its own batch without the lock: it
@@ -335,19 +348,10 @@ def test_sweeps_while_a_thread_pickles_many_memfds():
                 errors.append(f"pickle: {error!r}")
                 return
 
-    def sweep() -> None:
-        while not stop.is_set():
-            try:
-                with _channel.state.lock:
-                    _channel.state.next_sweep = 0.0  # (now, not in a second)
-                    _channel._sweep(time.monotonic())
-            except Exception as error:  # noqa: BLE001
-                errors.append(f"sweep: {error!r}")
-                return
-
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # (threads switch inside each walk: 0.1 s to fail before)
-    threads = [threading.Thread(target=pickle_all), threading.Thread(target=sweep)]
+    threads = [threading.Thread(target=pickle_all),
+               threading.Thread(target=_sweep_until, args=(stop, errors))]
     try:
         for thread in threads:
             thread.start()
@@ -361,6 +365,44 @@ def test_sweeps_while_a_thread_pickles_many_memfds():
     assert _channel.state.server.thread.is_alive()
     del arrays
     _channel.drop_holds()
+
+
+def test_fork_in_the_middle_of_a_sweep():
+    """fork() while another thread sweeps (holding the channel's lock most of the time): the
+    child pickles shared arrays, its own and the parent's, and sweeps, without hanging."""
+    arrays = [pyshm.zeros(1 << 16, np.uint8, shared=True) for _ in range(64)]
+    ForkingPickler.dumps(arrays)  # (batches for the sweep to walk)
+    errors: list = []
+    stop = threading.Event()
+    sweeper = threading.Thread(target=_sweep_until, args=(stop, errors))
+    sweeper.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    ForkingPickler.dumps([pyshm.zeros(100, np.uint8, shared=True), arrays[0]])
+                    with _channel.state.lock:
+                        _channel._sweep(time.monotonic() + 10.0)
+                    code = 0
+                finally:
+                    os._exit(code)
+            deadline = time.monotonic() + 30
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    pytest.fail("a child forked in the middle of a sweep hung")
+                time.sleep(0.01)
+            assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        stop.set()
+        sweeper.join()
+    assert errors == []
 
 
 SWEEP_FAILS = r"""
