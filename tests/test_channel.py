@@ -29,7 +29,7 @@ import pyshm
 from pyshm import _channel, reduction
 from pyshm._memory import owner_of as _owner_of
 
-from shm_harness import start_with_pipe
+from shm_harness import start_with_pipe, wait_or_kill
 
 METHODS = ["fork", "spawn", "forkserver"]
 TRIALS = int(os.environ.get("PYSHM_EXIT_TRIALS", "100"))
@@ -388,16 +388,8 @@ def test_fork_in_the_middle_of_a_sweep():
                     code = 0
                 finally:
                     os._exit(code)
-            deadline = time.monotonic() + 30
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    pytest.fail("a child forked in the middle of a sweep hung")
-                time.sleep(0.01)
+            status = wait_or_kill(pid, 30)
+            assert status is not None, "a child forked in the middle of a sweep hung"
             assert os.waitstatus_to_exitcode(status) == 0
     finally:
         stop.set()

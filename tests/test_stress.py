@@ -342,18 +342,8 @@ def _fork_once(snapshot, inflight, f):
             os.write(to_child_w, b"go")
         except BrokenPipeError:
             pass
-        end = time.monotonic() + CHILD_TIMEOUT
-        hung = False
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > end:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                hung = True
-                break
-            time.sleep(0.01)
+        status = H.wait_or_kill(pid, CHILD_TIMEOUT)
+        hung = status is None
         tail = _read_line(to_parent_r, 0.1) or ""
     finally:
         os.close(to_parent_r)
