@@ -30,8 +30,8 @@ What each hook does, and the engine's extension point it uses:
   Task arguments (``submit(f, a)``, ``map``) are pickled into the task, which goes through
   the scheduler, where no reference is safe, so ``Client.submit`` and ``Client.map`` are
   wrapped to scatter each pyshm array and each ``pyshm.ref`` among them (other arrays go
-  dask's way, by value) straight to a worker here first (by reference, through the hook above) and pass its future
-  instead (a ref where dask does not look, inside an object, goes through a pickled call
+  dask's way, by value) straight to a worker here first (by reference, through the hook
+  above) and pass its future instead (a ref where dask does not look, inside an object, goes through a pickled call
   with placeholders, see _Call). A reference's secrets travel out of band (see
   pyshm._channel._secret_out), in frames that distributed does not log when a receiver
   fails to load the pickle.
@@ -428,8 +428,9 @@ def _install_distributed() -> None:
 # hash=False)) would by hand. The scheduler then holds a key, never the memory. With no such
 # worker, an asynchronous client, or a scatter that fails, the ref's array goes into the task
 # by value, as any array would. A scattered argument, unlike one inside the task, does not
-# survive the loss of the worker that holds it (dask cancels the task). Refs are looked for where dask looks for futures
-# (dask._task_spec.parse_input): in lists, tuples, sets and dicts, at any depth.
+# survive the loss of the worker that holds it (dask cancels the task). Refs are looked for
+# where dask looks for futures (dask._task_spec.parse_input): in lists, tuples, sets and
+# dicts, at any depth.
 
 
 def _may_hold(items: Any, kind: Any) -> bool:
@@ -740,11 +741,23 @@ def _arrays_as_refs(client: Any, args: tuple, kwargs: dict, names: list,
     """(``args``, ``kwargs``, the workers here) with each pyshm array where dask looks (see
     _swap_refs) as a ref of it (_array_as_ref), so that it goes as a ref does. For map, a
     list or tuple iterable element by element (an array given as an iterable stays one: map
-    iterates it). Only if ``client`` has a worker here (_workers_here, asked once, when an
-    array or a container is among them: None if not asked): else nothing would be scattered,
+    iterates it). Only if ``client`` has a worker here (_workers_here, asked once, and only
+    when a pyshm array is among them: None if not asked): else nothing would be scattered,
     so nothing is shared in place and every container stays as it is."""
-    if not _may_hold([*args, *(kwargs[name] for name in names)], np.ndarray):
+    looked = [a for a in args if not each or isinstance(a, (list, tuple))]
+    looked += [kwargs[name] for name in names]
+    if not _may_hold(looked, np.ndarray):
         return args, kwargs, None  # (no array, no container: nothing to look into)
+    found: list = []
+
+    def note(a: Any) -> Any:
+        if not found and _pyshm_array(a):
+            found.append(a)
+        return a
+
+    _swap_refs(looked, note, np.ndarray)  # (no pyshm array: no question to the scheduler)
+    if not found:
+        return args, kwargs, None
     workers = _workers_here(client)
     if not workers:
         return args, kwargs, workers

@@ -748,6 +748,14 @@ def test_dask_pyshm_array_arguments_go_as_refs_or_by_value():
             assert given[0][0][0] is slot and not pyshm.is_shared(slot)
             given.clear()
             del slot
+        # no pyshm array: the scheduler is not asked for its workers (a round trip per submit)
+        asked = []
+        counting = StandInClient(here.workers)
+        counting.identity = lambda n_workers=0: asked.append(1) or {"workers": {}}
+        submit_(counting, len, [1, [2.0, {"k": plain}]], plain, value=(plain,))
+        map_(counting, len, [plain, 3], value=[plain])
+        assert asked == [] and len(given) == 2
+        given.clear()
         # no worker here (none, or in this very process): by value, nothing shared in place,
         # every container as it was given
         for workers in ([], ["inproc://10.0.0.1/1/2"]):
