@@ -693,14 +693,15 @@ def _hidden_call(call: tuple, visible: list) -> Any:
     return pickled
 
 
-def _submit_hidden(client: Any, original, pickled: _Call, func: Any, options: dict):
+def _submit_hidden(client: Any, original, pickled: _Call, func: Any, options: dict,
+                   workers: Optional[list] = None):
     """submit of a call with hidden refs (see above): through a loader, the refs' arrays
     scattered to a worker here, or, if none can be, the call rebuilt with the arrays
-    themselves (by value)."""
+    themselves (by value). ``workers``: as for _scatter_arguments."""
     import inspect
 
     refs = pickled.refs
-    scattered = _scatter_arguments(client, refs)
+    scattered = _scatter_arguments(client, refs, workers)
     if any(future is ref.array for future, ref in zip(scattered, refs)):  # (not scattered)
         func, args, kwargs = pickled.by_value()
         return original(client, func, *args, **kwargs, **options)
@@ -794,7 +795,7 @@ def _wrap_task_maker(original):
             pickled = _hidden_call((func, args, user), [*args, *user.values()])
             if pickled is not None:
                 own = {name: v for name, v in kwargs.items() if name not in user}
-                return _submit_hidden(self, original, pickled, func, own)
+                return _submit_hidden(self, original, pickled, func, own, workers)
         # each argument as the run of values it stands for: map's lists element by element,
         # anything else (an iterator map must not consume too) as one value
         runs = [list(a) if each and isinstance(a, (list, tuple)) else [a] for a in args]

@@ -756,6 +756,13 @@ def test_dask_pyshm_array_arguments_go_as_refs_or_by_value():
         map_(counting, len, [plain, 3], value=[plain])
         assert asked == [] and len(given) == 2
         given.clear()
+        # a pyshm array and a ref hidden in an object: the scheduler asked once for both
+        counting.identity = lambda n_workers=0: asked.append(1) or {
+            "workers": {w: {} for w in here.workers}}
+        submit_(counting, fill_holder, array, Holder(pyshm.ref(array), 1.0))
+        (args, _), = given  # (the pickled call, its buffers, then its holes' values)
+        assert asked == [1] and list(args[2:]) == [f"future of {id(array)}"] * 2
+        given.clear()
         # no worker here (none, or in this very process): by value, nothing shared in place,
         # every container as it was given
         for workers in ([], ["inproc://10.0.0.1/1/2"]):
