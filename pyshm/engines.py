@@ -31,10 +31,10 @@ What each hook does, and the engine's extension point it uses:
   the scheduler, where no reference is safe, so ``Client.submit`` and ``Client.map`` are
   wrapped to scatter each pyshm array and each ``pyshm.ref`` among them (other arrays go
   dask's way, by value) straight to a worker here first (by reference, through the hook
-  above) and pass its future instead (a ref where dask does not look, inside an object, goes through a pickled call
-  with placeholders, see _Call). A reference's secrets travel out of band (see
-  pyshm._channel._secret_out), in frames that distributed does not log when a receiver
-  fails to load the pickle.
+  above) and pass its future instead (a ref where dask does not look, inside an object,
+  goes through a pickled call with placeholders, see _Call). A reference's secrets travel
+  out of band (see pyshm._channel._secret_out), in frames that distributed does not log
+  when a receiver fails to load the pickle.
 * **Ray** pickles objects (task arguments and results, actor calls, ``ray.put``) with its
   cloudpickle, where ``ray.util.register_serializer`` replaces the pickling of a type. The
   hook registers one for numpy arrays (and, once torch is imported, for tensors): pyshm
@@ -495,16 +495,18 @@ def _workers_of(client: Any) -> list:
     return list(client.sync(client.scheduler.identity, n_workers=-1).get("workers", {}))
 
 
-def _refs_in(values: list) -> dict:
-    """The pyshm.refs where dask looks (see _swap_refs) in ``values``, by their ids; each
-    container walked once (a cycle, or one list in many places, costs no more)."""
+def _refs_in(values: list, kind: Any = None, wanted: Any = None) -> dict:
+    """The pyshm.refs (or the instances of ``kind`` for which ``wanted`` is true) where dask
+    looks (see _swap_refs) in ``values``, by their ids; each container walked once (a cycle,
+    or one list in many places, costs no more)."""
     refs: dict = {}
 
     def note(ref: Any) -> Any:
-        refs[id(ref)] = ref
+        if wanted is None or wanted(ref):
+            refs[id(ref)] = ref
         return ref
 
-    _swap_refs(list(values), note)
+    _swap_refs(list(values), note, kind)
     return refs
 
 
@@ -740,34 +742,25 @@ def _array_as_ref(a: Any) -> Any:
 def _arrays_as_refs(client: Any, args: tuple, kwargs: dict, names: list,
                     each: bool) -> tuple:
     """(``args``, ``kwargs``, the workers here) with each pyshm array where dask looks (see
-    _swap_refs) as a ref of it (_array_as_ref), so that it goes as a ref does. For map, a
-    list or tuple iterable element by element (an array given as an iterable stays one: map
-    iterates it). Only if ``client`` has a worker here (_workers_here, asked once, and only
-    when a pyshm array is among them: None if not asked): else nothing would be scattered,
-    so nothing is shared in place and every container stays as it is."""
-    looked = [a for a in args if not each or isinstance(a, (list, tuple))]
-    looked += [kwargs[name] for name in names]
-    if not _may_hold(looked, np.ndarray):
-        return args, kwargs, None  # (no array, no container: nothing to look into)
-    found: list = []
-
-    def note(a: Any) -> Any:
-        if not found and _pyshm_array(a):
-            found.append(a)
-        return a
-
-    _swap_refs(looked, note, np.ndarray)  # (no pyshm array: no question to the scheduler)
-    if not found:
-        return args, kwargs, None
+    _swap_refs) as a ref of it (_array_as_ref), so that it goes as a ref does: submit's
+    positional arguments, map's list and tuple iterables element by element (an array given
+    to map as an iterable stays one: map iterates it), and the keyword arguments ``names``.
+    Only if ``client`` has a worker here (_workers_here, asked once, and only when a pyshm
+    array is among them: None if not asked): else nothing would be scattered, so nothing is
+    shared in place and every container stays as it is."""
+    at = [i for i, a in enumerate(args) if not each or isinstance(a, (list, tuple))]
+    looked = [args[i] for i in at] + [kwargs[name] for name in names]
+    if not _refs_in(looked, np.ndarray, _pyshm_array):
+        return args, kwargs, None  # (no pyshm array: no question to the scheduler)
     workers = _workers_here(client)
     if not workers:
         return args, kwargs, workers
-    memo: dict = {}
-    args = tuple(_swap_refs(a, _array_as_ref, np.ndarray, memo)
-                 if not each or isinstance(a, (list, tuple)) else a for a in args)
-    for name in names:
-        kwargs[name] = _swap_refs(kwargs[name], _array_as_ref, np.ndarray, memo)
-    return args, kwargs, workers
+    swapped = _swap_refs(looked, _array_as_ref, np.ndarray)
+    args = list(args)
+    for i, value in zip(at, swapped):
+        args[i] = value
+    kwargs.update(zip(names, swapped[len(at):]))
+    return tuple(args), kwargs, workers
 
 
 def _wrap_task_maker(original):
