@@ -554,6 +554,18 @@ class _Server:
         self.thread.start()
         _register_linger()  # (again: a fork may have cleared it; linger() twice is harmless)
 
+    def _say_sweep_failed(self, error: Exception) -> None:
+        """One RuntimeWarning for the first failed sweep (a bug), none after; never raises
+        (a filter may make the warning an error: the server serves on)."""
+        if self.sweep_failed:
+            return
+        self.sweep_failed = True
+        try:
+            warnings.warn(f"pyshm: the fd server's sweep failed ({error!r}); it goes on "
+                          "serving (please report this)", RuntimeWarning, stacklevel=1)
+        except Exception:  # noqa: BLE001
+            pass
+
     def _run(self) -> None:
         """Serve until the socket is closed; survive everything else. Connections wait for
         their request in one selector, each for at most _REQUEST_SECONDS."""
@@ -602,15 +614,8 @@ class _Server:
                     try:
                         with state.lock:
                             _sweep(now)
-                    except Exception as error:  # noqa: BLE001 - the server lives on: said once
-                        if not self.sweep_failed:
-                            self.sweep_failed = True
-                            try:  # (a filter may make the warning an error: still serve)
-                                warnings.warn(f"pyshm: the fd server's sweep failed ({error!r});"
-                                              " it goes on serving (please report this)",
-                                              RuntimeWarning, stacklevel=1)
-                            except Exception:  # noqa: BLE001
-                                pass
+                    except Exception as error:  # noqa: BLE001 - the server lives on
+                        self._say_sweep_failed(error)
         finally:
             for conn in waiting:
                 conn.close()
