@@ -27,21 +27,6 @@ import pyshm
 # ---- resource counts ---------------------------------------------------------------------------
 
 
-def wait_or_kill(pid: int, seconds: float):
-    """The wait status of child ``pid`` once it exits, or None if it has not within
-    ``seconds`` (it is then SIGKILLed and reaped: a hung child is never left behind)."""
-    end = time.monotonic() + seconds
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        if time.monotonic() > end:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return None
-        time.sleep(0.01)
-
-
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd")) - 1  # listdir's own fd
 
@@ -312,6 +297,21 @@ def note(text: str) -> None:
     """From inside a run_in_fork child: send a line of text to the parent's report."""
     if _note_fd is not None:
         os.write(_note_fd, (text + "\n").encode())
+
+
+def wait_or_kill(pid: int, seconds: float):
+    """The wait status of child ``pid`` once it exits, or None if it has not within
+    ``seconds`` (it is then SIGKILLed and reaped: a hung child is never left behind)."""
+    end = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.01)
 
 
 # ---- the worker processes ---------------------------------------------------------------------
