@@ -741,6 +741,12 @@ def test_dask_pyshm_array_arguments_go_as_refs_or_by_value():
         assert iterables[2] == [f"future of {id(fresh)}"] and kwargs["array"] == iterables[0][0]
         assert isinstance(iterables[3], range)
         given.clear()
+        # an empty pyshm array and an ndarray subclass over pyshm memory: as they are
+        empty, sub = pyshm.zeros(0, np.float32, shared=True), array.view(np.recarray)
+        submit_(here, len, array, empty, [sub])
+        (args, _), = given
+        assert args[0] == f"future of {id(array)}" and args[1] is empty and args[2][0] is sub
+        given.clear()
         with pyshm.Arena([800, 80], [0, 0], [1, 1]) as arena:  # (private: no in-place share)
             arena.allocate()
             slot = arena.array(0, (200,), np.float32)
@@ -940,6 +946,8 @@ SUBMIT_AND_EXIT = """
     # a ref hidden in an object: the task's call, pickled with a hole, goes through a loader
     distributed.fire_and_forget(client.submit(checksum_of_holder_to, Holder(
         pyshm.ref(array), 0.0), sys.argv[3], pure=False))
+    # the array itself as the argument
+    distributed.fire_and_forget(client.submit(checksum_to, array, sys.argv[4], pure=False))
     # and the script ends at once: the worker mapped the memory when it was scattered to it
 """
 
@@ -959,14 +967,15 @@ def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable(tmp_p
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         # a task argument of a client that ends right after fire_and_forget(submit(...))
         path, hidden = str(tmp_path / "checksum"), str(tmp_path / "checksum-hidden")
+        itself = str(tmp_path / "checksum-array")
         done = subprocess.run(
             [sys.executable, "-c", textwrap.dedent(SUBMIT_AND_EXIT), cluster.scheduler_address,
-             path, hidden], capture_output=True, timeout=120, cwd=HERE,
+             path, hidden, itself], capture_output=True, timeout=120, cwd=HERE,
             env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
                 HERE, os.environ.get("PYTHONPATH", "")]))))
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         deadline = time.monotonic() + 60
-        for written in (path, hidden):
+        for written in (path, hidden, itself):
             while not os.path.exists(written) and time.monotonic() < deadline:
                 time.sleep(0.05)
             with open(written) as result:
