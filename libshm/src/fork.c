@@ -1,8 +1,9 @@
 /*
  * fork.c -- fork() and the library: a fork waits for the shares and resizes in flight, and
- * parent and child each put their process-wide state right (the pool of memfds, the slabs)
- * from pthread_atfork handlers registered once, at load time. Interface: internal.h
- * (lshm__fork_guard_enter/leave around a share, lshm__forked_child, lshm__fork_handlers_ok).
+ * parent and child each put their process-wide state right (the pool of memfds, the slabs, the
+ * share's write fence) from pthread_atfork handlers registered once, at load time. Interface:
+ * internal.h (lshm__fork_guard_enter/leave around a share, lshm__forked_child,
+ * lshm__fork_handlers_ok).
  */
 #include "internal.h"
 
@@ -68,6 +69,7 @@ static void child_after_fork(void) {
     atomic_store_explicit(&forked_child, 1, memory_order_relaxed);
     lshm__pool_after_fork();
     lshm__slab_after_fork_child();
+    lshm__os_fence_after_fork_child(); /* the inherited userfaultfd is the parent's */
     fork_writer = 0;
     fork_lock = fork_lock_fresh;
     if (fork_depth > 0) /* this thread is inside a share: it will unlock when it leaves */
@@ -86,6 +88,7 @@ static void register_atfork(void) {
  * first share of the process runs; the once in fork_guard_enter covers a build without it. */
 __attribute__((constructor)) static void register_atfork_at_load(void) {
     pthread_once(&atfork_once, register_atfork);
+    lshm__os_fence_open(); /* (the write fence of shares: os_linux.c) */
 }
 
 void lshm__fork_guard_enter(void) {

@@ -96,6 +96,32 @@ int lshm__os_map_fd(int fd, uint64_t offset, size_t len, int readonly, void *fix
 /* [offset, offset + len) of fd mapped MAP_PRIVATE (copy-on-write) and writable over
  * [addr, addr + len) (MAP_FIXED). Returns 0 or -errno and leaves lshm_last_error alone. */
 int lshm__os_map_fd_private_fixed(int fd, uint64_t offset, size_t len, void *addr);
+/* The write fence of an in-place share (os_linux.c): [base, base + len) of private pages
+ * write-protected through the process's userfaultfd while they are copied and remapped, so a
+ * concurrent write waits instead of landing in a page the remap drops. len 0: no fence. */
+typedef struct lshm__fence {
+    char *base;
+    size_t len;
+} lshm__fence;
+/* At load time and in a fork's child (fork.c): the process's userfaultfd, if it can have one. */
+void lshm__os_fence_open(void);
+void lshm__os_fence_after_fork_child(void);
+/* Protect [addr, addr + len) (whole pages) before the copy. 0 with f->len 0 where it cannot
+ * (no userfaultfd, memory it cannot protect): the share goes on unfenced. An error (-ENOMEM:
+ * the mapping could not be split) changes nothing. */
+int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f);
+/* [addr, addr + len) of the fence was mapped anew: let the writers blocked there retry. */
+void lshm__os_fence_wake(const lshm__fence *f, void *addr, size_t len);
+/* A failed share: [from, end of the fence) is still the private memory: writable again,
+ * unregistered; every writer woken. */
+void lshm__os_fence_lift(lshm__fence *f, void *from);
+/* A share that succeeded (the whole range mapped anew): every writer woken. */
+void lshm__os_fence_end(lshm__fence *f);
+#ifdef LSHM_TESTING
+extern _Atomic int lshm__fence_off;            /* share unfenced */
+extern _Atomic int lshm__fence_fails;          /* UFFDIO_REGISTER fails with this -errno */
+#endif
+extern _Atomic unsigned long lshm__fences_set; /* fences set up */
 /* fallocate(PUNCH_HOLE | KEEP_SIZE): give back [offset, offset + len) of fd (reads see zeros).
  * Not a fault point and no message: it only undoes part of a failed share. */
 int lshm__os_punch_hole(int fd, uint64_t offset, uint64_t len);

@@ -20,9 +20,27 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#if __has_include(<sys/single_threaded.h>)
+#include <sys/single_threaded.h> /* glibc 2.32 */
+#define LSHM_HAVE_SINGLE_THREADED 1
+#endif
+
+#if __has_include(<linux/userfaultfd.h>)
+#include <linux/userfaultfd.h>
+#define LSHM_HAVE_UFFD 1
+#ifndef UFFD_USER_MODE_ONLY
+#define UFFD_USER_MODE_ONLY 1 /* Linux 5.11 */
+#endif
+#ifndef UFFD_FEATURE_WP_UNPOPULATED
+#define UFFD_FEATURE_WP_UNPOPULATED (1 << 13) /* Linux 6.4; older headers lack the name */
+#endif
+#endif
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
@@ -521,6 +539,145 @@ void lshm__os_unmap(void *addr, size_t len) {
     int r = munmap(addr, len);
     assert(r == 0); /* only fails for a bad range, which would be our bug */
     (void)r;
+}
+
+/* ---- the write fence of an in-place share ---------------------------------------------------
+ * A share copies a storage's private pages into a memfd and then maps the memfd over them: a
+ * write another thread makes to a page after it was copied and before it was remapped would go
+ * to the old page, which the mmap throws away. So the range is write-protected through a
+ * userfaultfd first (UFFDIO_REGISTER_MODE_WP, then UFFDIO_WRITEPROTECT; with
+ * UFFD_FEATURE_WP_UNPOPULATED pages never touched are protected too). Reads go on as before. A
+ * thread that writes there meanwhile blocks in its page fault; the mmap replaces the protected
+ * range by a new, unregistered mapping, and UFFDIO_WAKE lets the writer retry its write, which
+ * now lands in the shared page. Nobody reads the userfaultfd: a write fault waits on it until
+ * the wake (or until the fd is closed). A failed share lifts the protection over what is still
+ * the private range and unregisters it.
+ * One userfaultfd per process (opening one per share would cost 9 us, as much as a 4 KiB
+ * share), opened at load time with O_CLOEXEC. Without CAP_SYS_PTRACE and with the default
+ * vm.unprivileged_userfaultfd=0 only UFFD_USER_MODE_ONLY is allowed: a write the kernel makes
+ * for another thread during the share (read(2) into the array) then fails with EFAULT instead
+ * of blocking, which still loses nothing silently. Kernels before 6.4 (no
+ * UFFD_FEATURE_WP_UNPOPULATED), no userfaultfd (seccomp, CONFIG_USERFAULTFD=n) and memory it
+ * cannot protect (file mappings, memory another userfaultfd already watches) share unfenced,
+ * as before: concurrent writes may then be lost. A fork()'s child opens one of its own: the
+ * inherited one belongs to the parent's address space. A process that never started a second
+ * thread (glibc's __libc_single_threaded) has nobody to fence against and skips it. LSHM_FENCE=0
+ * in the environment (read at load time) opens no userfaultfd at all: for sandboxes that kill a
+ * process on the syscall, or programs that never write an array while another thread shares it
+ * and want the 3 us a small share saves. */
+static int fence_fd = -1;                  /* set at load and in a fork's child only */
+_Atomic int lshm__fence_off;               /* tests: share unfenced */
+_Atomic int lshm__fence_fails;             /* tests: UFFDIO_REGISTER fails with this -errno */
+_Atomic unsigned long lshm__fences_set;   /* fences set up (tests read it) */
+
+void lshm__os_fence_open(void) {
+#ifdef LSHM_HAVE_UFFD
+    const char *env = getenv("LSHM_FENCE");
+    if (env != NULL && strcmp(env, "0") == 0)
+        return;
+    int flags = O_CLOEXEC | O_NONBLOCK;
+    int fd = (int)syscall(SYS_userfaultfd, flags);
+    if (fd < 0 && errno == EPERM)
+        fd = (int)syscall(SYS_userfaultfd, flags | UFFD_USER_MODE_ONLY);
+    if (fd < 0)
+        return;
+    struct uffdio_api api = {.api = UFFD_API, .features = UFFD_FEATURE_WP_UNPOPULATED};
+    if (ioctl(fd, UFFDIO_API, &api) != 0 ||
+        (api.features & UFFD_FEATURE_PAGEFAULT_FLAG_WP) == 0) {
+        close(fd);
+        return;
+    }
+    fence_fd = fd;
+#endif
+}
+
+void lshm__os_fence_after_fork_child(void) {
+    if (fence_fd >= 0)
+        close(fence_fd);
+    fence_fd = -1;
+    lshm__os_fence_open();
+}
+
+#ifdef LSHM_HAVE_UFFD
+static int fence_ioctl(unsigned long request, void *arg) {
+    int rc;
+    do
+        rc = ioctl(fence_fd, request, arg);
+    while (rc != 0 && errno == EINTR);
+    return rc == 0 ? 0 : -errno;
+}
+#endif
+
+int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f) {
+    f->base = addr;
+    f->len = 0;
+    size_t page = lshm__os_page_size();
+    len = (len + page - 1) / page * page;
+    if (len == 0 || fence_fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed))
+        return 0;
+#ifdef LSHM_HAVE_SINGLE_THREADED
+    if (__libc_single_threaded) /* (no other thread to write meanwhile) */
+        return 0;
+#endif
+#ifdef LSHM_HAVE_UFFD
+    struct uffdio_register reg = {{(uintptr_t)addr, len}, UFFDIO_REGISTER_MODE_WP, 0};
+    /* (not an LSHM_FAULT point, which would renumber every share's points: tests set
+     * lshm__fence_fails instead) */
+    int rc = atomic_load_explicit(&lshm__fence_fails, memory_order_relaxed);
+    if (rc == 0)
+        rc = fence_ioctl(UFFDIO_REGISTER, &reg);
+    if (rc == -ENOMEM) /* (splitting the mapping: vm.max_map_count) */
+        return LSHM_FAIL(rc, "userfaultfd: write-protecting %zu bytes at %p: %s", len, addr,
+                         strerror(-rc));
+    if (rc != 0)
+        return 0; /* memory it cannot protect: unfenced */
+    struct uffdio_writeprotect wp = {{(uintptr_t)addr, len}, UFFDIO_WRITEPROTECT_MODE_WP};
+    if ((rc = fence_ioctl(UFFDIO_WRITEPROTECT, &wp)) != 0) {
+        struct uffdio_range range = {(uintptr_t)addr, len};
+        (void)fence_ioctl(UFFDIO_UNREGISTER, &range);
+        if (rc == -ENOMEM)
+            return LSHM_FAIL(rc, "userfaultfd: write-protecting %zu bytes at %p: %s", len,
+                             addr, strerror(-rc));
+        return 0;
+    }
+    f->len = len;
+    atomic_fetch_add_explicit(&lshm__fences_set, 1, memory_order_relaxed);
+#endif
+    return 0;
+}
+
+void lshm__os_fence_wake(const lshm__fence *f, void *addr, size_t len) {
+#ifdef LSHM_HAVE_UFFD
+    if (f->len == 0 || len == 0)
+        return;
+    size_t page = lshm__os_page_size();
+    struct uffdio_range range = {(uintptr_t)addr, (len + page - 1) / page * page};
+    (void)fence_ioctl(UFFDIO_WAKE, &range);
+#else
+    (void)f, (void)addr, (void)len;
+#endif
+}
+
+void lshm__os_fence_lift(lshm__fence *f, void *from) {
+#ifdef LSHM_HAVE_UFFD
+    if (f->len == 0)
+        return;
+    char *end = f->base + f->len, *start = from;
+    if (start < end) { /* still the private pages: writable again, unregistered */
+        struct uffdio_writeprotect wp = {{(uintptr_t)start, (size_t)(end - start)}, 0};
+        (void)fence_ioctl(UFFDIO_WRITEPROTECT, &wp);
+        struct uffdio_range range = {(uintptr_t)start, (size_t)(end - start)};
+        (void)fence_ioctl(UFFDIO_UNREGISTER, &range);
+    }
+    lshm__os_fence_wake(f, f->base, f->len);
+    f->len = 0;
+#else
+    (void)f, (void)from;
+#endif
+}
+
+void lshm__os_fence_end(lshm__fence *f) {
+    lshm__os_fence_lift(f, f->base + f->len);
 }
 
 void lshm__os_close(int fd) {

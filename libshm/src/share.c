@@ -32,6 +32,11 @@
  * (no page faults: the ceiling rows of `python -m pyshm bench`) and it allocates every page of
  * the memfd, so there is no later SIGBUS and no need for a separate fallocate on this path.
  * The fd stays in this process (and this call) until it is sealed.
+ * Writes of other threads: before the first copy the storage's pages are write-protected
+ * (lshm__os_fence_begin, a userfaultfd: os_linux.c), so a write between a page's copy and its
+ * remap waits in its page fault instead of landing in the page the remap drops; each chunk's
+ * writers are let go once it is mapped, the rest when the share ends, and a failure lifts the
+ * protection from what is still private.
  *
  * Storages in a slab (slab.c) are shared the same way, in place, but into their range of the
  * slab's one memfd (lshm__slab_share) rather than a memfd of their own, so they never use the
@@ -205,19 +210,22 @@ static size_t next_chunk(size_t page) {
 }
 
 /* The end of a chunked share that swapped [data, data + swapped) and returned rc: on failure
- * map the swapped chunks back privately (the memfd pages hold the very bytes) and close fd. */
-static int chunks_done(int fd, char *data, size_t swapped, int rc) {
+ * map the swapped chunks back privately (the memfd pages hold the very bytes), lift the fence
+ * from the rest and close fd. */
+static int chunks_done(int fd, char *data, size_t swapped, int rc, lshm__fence *fence) {
     if (rc != 0) {
         if (swapped > 0 && lshm__os_map_fd_private_fixed(fd, 0, swapped, data) == 0)
             atomic_fetch_add_explicit(&lshm__share_restores, 1, memory_order_relaxed);
+        lshm__os_fence_lift(fence, data + swapped);
         lshm__os_close(fd);
     }
     return rc;
 }
 
 /* share_chunked's steps over [*off, end) (whole pages but maybe the storage's last): pwrite
- * each chunk and map it over the storage. *off: how far it got. */
-static int pwrite_chunks(int fd, char *data, size_t *off, size_t end) {
+ * each chunk, map it over the storage and let the writers that waited for it go on. *off: how
+ * far it got. */
+static int pwrite_chunks(int fd, char *data, size_t *off, size_t end, const lshm__fence *fence) {
     size_t page = lshm__os_page_size();
     int rc = 0;
     while (*off < end) {
@@ -227,6 +235,7 @@ static int pwrite_chunks(int fd, char *data, size_t *off, size_t end) {
         if ((rc = lshm__os_pwrite_all(fd, data + *off, n, *off)) != 0 ||
             (rc = lshm__os_map_fd(fd, *off, n, 0, data + *off, &m)) != 0)
             break;
+        lshm__os_fence_wake(fence, data + *off, n);
         *off += n;
     }
     return rc;
@@ -243,10 +252,10 @@ static int pwrite_chunks(int fd, char *data, size_t *off, size_t end) {
  * memfd pages, which hold the very bytes): copy-on-write across fork() and writes that stay in
  * this process, as before the call. Closing the memfd leaves those mappings alive.
  * fd: a new memfd of `capacity` bytes (lshm__os_memfd_sized), closed on failure. */
-static int share_chunked(lshm_storage *s, char *data, int fd) {
+static int share_chunked(lshm_storage *s, char *data, int fd, lshm__fence *fence) {
     size_t off = 0;
-    int rc = pwrite_chunks(fd, data, &off, s->capacity);
-    return chunks_done(fd, data, off, rc);
+    int rc = pwrite_chunks(fd, data, &off, s->capacity, fence);
+    return chunks_done(fd, data, off, rc, fence);
 }
 
 /* Huge pages for the chunked share: a storage of 2 MiB or more whose pages start at a 2 MiB
@@ -350,15 +359,15 @@ static void tell_helper(huge_ahead *h, size_t done, int stop) {
  * share_chunked, which fills fresh small pages faster. So does the tail short of 2 MiB. No
  * room for the second mapping (ENOMEM: address space, vm.max_map_count) shares with small
  * pages instead (share_chunked). Failure: as share_chunked. */
-static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
+static int share_chunked_huge(lshm_storage *s, char *data, int fd, lshm__fence *fence) {
     const size_t huge = LSHM__HUGE_BYTES;
     size_t cap = s->capacity, whole = cap / huge * huge;
     char *copy = NULL;
     int rc = lshm__os_map_fd_aligned(fd, whole, 0, (void **)&copy);
     if (rc == -ENOMEM)
-        return share_chunked(s, data, fd);
+        return share_chunked(s, data, fd, fence);
     if (rc != 0)
-        return chunks_done(fd, data, 0, rc);
+        return chunks_done(fd, data, 0, rc, fence);
     size_t chunk = atomic_load_explicit(&lshm__share_huge_chunk_bytes, memory_order_relaxed);
     chunk = chunk < huge ? huge : chunk / huge * huge;
     huge_ahead h = {fd, copy, whole, chunk, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
@@ -383,6 +392,7 @@ static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
         atomic_fetch_add_explicit(&lshm__share_huge_chunks, 1, memory_order_relaxed);
         if ((rc = lshm__os_map_fd(fd, off, n, 0, data + off, &m)) != 0)
             break;
+        lshm__os_fence_wake(fence, data + off, n);
         off += n;
         if (!lshm__os_collapse_wanted())
             break; /* refused for good (the first chunk tells): the rest as share_chunked */
@@ -395,8 +405,8 @@ static int share_chunked_huge(lshm_storage *s, char *data, int fd) {
     }
     lshm__os_unmap(copy, whole);
     if (rc == 0)
-        rc = pwrite_chunks(fd, data, &off, cap);
-    return chunks_done(fd, data, off, rc);
+        rc = pwrite_chunks(fd, data, &off, cap, fence);
+    return chunks_done(fd, data, off, rc, fence);
 }
 
 /* Refilling a pooled memfd beats a fresh share only below the chunk threshold (it saves the
@@ -478,12 +488,18 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
     int fd = -1;
     void *mapped = NULL;
     int rc;
+    /* Memory shared in place: no other thread's write may land in a page the remap drops. */
+    lshm__fence fence = {NULL, 0};
+    if (owns_whole_pages(s) && (rc = lshm__os_fence_begin(data, s->capacity, &fence)) != 0)
+        return rc;
 
     if (s->origin == LSHM__ORIGIN_SLAB && !own_memfd) {
         /* The fork handlers are in place: registered at load, and by share()'s
          * lshm__fork_guard_enter before it got here. */
-        if ((rc = lshm__slab_share(s)) != 0)
+        if ((rc = lshm__slab_share(s)) != 0) {
+            lshm__os_fence_lift(&fence, data);
             return rc;
+        }
     } else if (owns_whole_pages(s)) {
         /* Copy whole pages: the tail of the last page goes along, so a raw pointer sees the
          * same bytes anywhere in the range it owns. */
@@ -499,18 +515,21 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
         } else if (want_chunks(s)) {
             /* (on failure the chunked paths have closed fd) */
             if ((rc = lshm__os_memfd_sized(s->capacity, &fd)) == 0)
-                rc = want_huge(s, data) ? share_chunked_huge(s, data, fd)
-                                        : share_chunked(s, data, fd);
+                rc = want_huge(s, data) ? share_chunked_huge(s, data, fd, &fence)
+                                        : share_chunked(s, data, fd, &fence);
             swapped = 1;
         } else {
             rc = make_filled_memfd(data, s->capacity, &fd);
         }
-        if (rc != 0)
+        if (rc != 0) {
+            lshm__os_fence_lift(&fence, data); /* (the chunked paths lifted it already) */
             return rc;
+        }
         s->fork_epoch = epoch;
         if (s->capacity > 0 && !swapped) {
             rc = lshm__os_map_fd(fd, 0, s->capacity, 0, data, &mapped);
             if (rc != 0) {
+                lshm__os_fence_lift(&fence, data);
                 lshm__os_close(fd);
                 return rc;
             }
@@ -551,6 +570,7 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
         s->release = NULL;
         atomic_store_explicit(&s->data, mapped, memory_order_release);
     }
+    lshm__os_fence_end(&fence); /* (the writers that waited write into the shared pages) */
     /* Publish last: a thread that sees SHARED without the lock also sees fd and data. */
     unsigned flags = atomic_load_explicit(&s->flags, memory_order_relaxed);
     atomic_store_explicit(&s->flags, (flags | LSHM_STORAGE_SHARED) & ~LSHM_STORAGE_RESIZABLE,

@@ -1,0 +1,377 @@
+/*
+ * test_share_writes.c -- no write by another thread is lost to a share (DESIGN section 5:
+ * "no write by any thread is ever undone by a share").
+ *
+ * A writer thread adds 1 to one word per cache line of a storage, pass after pass, while the
+ * main thread shares the storage in place; when both are done every word it wrote must equal
+ * the number of passes it made. Every in-place path: a slab page, one memfd (below the chunk
+ * threshold), a pooled memfd refilled, chunks of small pages, chunks of huge pages, pages never
+ * touched before; in a forked child; as an unprivileged user (userfaultfd in user-mode-only
+ * mode); with the kernel writing for the thread (pread into the storage); through failed
+ * shares (a fault mid-way, a fence that cannot be set up). A process that never had a second
+ * thread sets up no fence. And the control: with the fence off the same writer does lose
+ * writes, so the test can fail.
+ */
+#ifndef LSHM_TESTING
+#define LSHM_TESTING
+#endif
+#include "internal.h"
+#include "task.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define STRIDE 8 /* words: one per 64-byte line */
+
+typedef struct writer {
+    volatile uint64_t *words;
+    size_t nwords;
+    int kernel;     /* write through pread(2) from `src` (the kernel writes), one word per page */
+    int src;
+    _Atomic int started, stop;
+    uint64_t passes;
+    int error;      /* errno of a failed pread */
+} writer;
+
+static void *write_passes(void *arg) {
+    writer *w = arg;
+    size_t step = w->kernel ? lshm__os_page_size() / sizeof(uint64_t) : STRIDE;
+    atomic_store(&w->started, 1);
+    do {
+        for (size_t i = 0; i < w->nwords; i += step) {
+            if (!w->kernel) {
+                w->words[i] += 1;
+                continue;
+            }
+            uint64_t v = w->words[i] + 1;
+            if (pwrite(w->src, &v, sizeof v, 0) != (ssize_t)sizeof v ||
+                pread(w->src, (void *)&w->words[i], sizeof v, 0) != (ssize_t)sizeof v) {
+                w->error = errno;
+                return NULL;
+            }
+        }
+        w->passes++;
+    } while (!atomic_load(&w->stop) || w->passes < 3);
+    return NULL;
+}
+
+/* How many of the written words do not equal the number of passes. */
+static size_t lost_words(const writer *w) {
+    size_t step = w->kernel ? lshm__os_page_size() / sizeof(uint64_t) : STRIDE, lost = 0;
+    for (size_t i = 0; i < w->nwords; i += step)
+        if (w->words[i] != w->passes)
+            lost++;
+    return lost;
+}
+
+typedef struct share_run {
+    int rc;
+    size_t lost;
+    uint64_t passes;
+    int error;
+} share_run;
+
+/* Share s while a writer runs over its first n bytes (zero before); the writer stops once the
+ * share returned and it made 3 passes. */
+static share_run share_while_writing(lshm_storage *s, size_t n, int kernel) {
+    writer w = {.words = lshm_storage_data(s), .nwords = n / sizeof(uint64_t), .kernel = kernel};
+    if (kernel) {
+        w.src = memfd_create("src", MFD_CLOEXEC);
+        ASSERT_GE(w.src, 0);
+    }
+    pthread_t t;
+    ASSERT_OK(pthread_create(&t, NULL, write_passes, &w));
+    while (!atomic_load(&w.started))
+        ;
+    usleep(1000); /* the writer is inside its passes */
+    share_run r = {lshm_storage_share(s), 0, 0, 0};
+    atomic_store(&w.stop, 1);
+    ASSERT_OK(pthread_join(t, NULL));
+    if (kernel)
+        close(w.src);
+    r.lost = lost_words(&w);
+    r.passes = w.passes;
+    r.error = w.error;
+    return r;
+}
+
+/* A fresh storage of n bytes (zeros; `touch`: its pages written first, else never touched),
+ * shared while written: nothing lost, shared in place. */
+static void check_no_loss(size_t n, int touch, int kernel, int origin) {
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+    if (origin >= 0)
+        ASSERT_EQ(s->origin, origin);
+    void *data = lshm_storage_data(s);
+    if (touch)
+        memset(data, 0, n);
+    unsigned long fences = lshm__fences_set;
+    share_run r = share_while_writing(s, n, kernel);
+    ASSERT_OK(r.rc);
+    ASSERT_EQ(r.error, 0);
+    ASSERT_PTR_EQ(lshm_storage_data(s), data);
+    ASSERT(lshm_storage_flags(s) & LSHM_STORAGE_SHARED);
+    ASSERT_UINT_EQ(lshm__fences_set, fences + 1);
+    ASSERT_UINT_EQ(r.lost, 0);
+    ASSERT_GE(r.passes, 3);
+    lshm_storage_release(s);
+}
+
+static size_t page;
+
+static void test_every_path_loses_nothing(void) {
+    int fds = fd_count();
+    for (int round = 0; round < 3; round++) {
+        check_no_loss(page, 1, 0, LSHM__ORIGIN_SLAB);         /* a slab page */
+        check_no_loss(16 * page, 1, 0, LSHM__ORIGIN_SLAB);    /* several */
+        check_no_loss(512 << 10, 1, 0, LSHM__ORIGIN_PAGES);   /* one memfd */
+        check_no_loss(512 << 10, 1, 0, LSHM__ORIGIN_PAGES);   /* the last one's, pooled */
+        check_no_loss(3 << 19, 1, 0, LSHM__ORIGIN_PAGES);     /* chunks of small pages */
+        check_no_loss(3 << 19, 0, 0, LSHM__ORIGIN_PAGES);     /* ... never touched before */
+        check_no_loss(64 << 20, 1, 0, LSHM__ORIGIN_PAGES);    /* chunks of huge pages */
+        check_no_loss(64 << 20, 0, 0, LSHM__ORIGIN_PAGES);    /* ... never touched before */
+    }
+    lshm_pool_trim();
+    ASSERT_EQ(fd_count(), fds);
+}
+
+/* The pooled path really was taken by the second 512 KiB share above: a pooled memfd exists
+ * after the first release and is gone (taken) after the second share. */
+static void test_pooled_refill_loses_nothing(void) {
+    lshm_pool_trim();
+    int fds = fd_count();
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(512 << 10, NULL, 0, &s));
+    ASSERT_OK(lshm_storage_share(s));
+    lshm_storage_release(s);
+    ASSERT_EQ(fd_count(), fds + 1); /* pooled */
+    ASSERT_OK(lshm_storage_create(512 << 10, NULL, 0, &s));
+    memset(lshm_storage_data(s), 0, 512 << 10);
+    share_run r = share_while_writing(s, 512 << 10, 0);
+    ASSERT_OK(r.rc);
+    ASSERT_EQ(fd_count(), fds + 1); /* the pooled one, now the storage's */
+    ASSERT_UINT_EQ(r.lost, 0);
+    lshm_storage_release(s);
+    lshm_pool_trim();
+    ASSERT_EQ(fd_count(), fds);
+}
+
+/* The kernel writing for the thread (pread into the storage) waits as a plain write does. */
+static void test_kernel_writes_are_not_lost(void) {
+    if (geteuid() != 0) { /* (user-mode-only userfaultfd: such writes fail with EFAULT) */
+        printf("  skipped: not root\n");
+        return;
+    }
+    for (int round = 0; round < 3; round++) {
+        check_no_loss(512 << 10, 1, 1, LSHM__ORIGIN_PAGES);
+        check_no_loss(64 << 20, 1, 1, LSHM__ORIGIN_PAGES);
+    }
+}
+
+/* The control: without the fence the same writer loses writes (so the checks above can fail). */
+static void test_unfenced_share_loses_writes(void) {
+    atomic_store(&lshm__fence_off, 1);
+    size_t lost = 0;
+    for (int trial = 0; trial < 10 && lost == 0; trial++) {
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(64 << 20, NULL, 0, &s));
+        memset(lshm_storage_data(s), 0, 64 << 20);
+        unsigned long fences = lshm__fences_set;
+        share_run r = share_while_writing(s, 64 << 20, 0);
+        ASSERT_OK(r.rc);
+        ASSERT_UINT_EQ(lshm__fences_set, fences);
+        lost += r.lost;
+        lshm_storage_release(s);
+    }
+    atomic_store(&lshm__fence_off, 0);
+    ASSERT_GT(lost, 0);
+}
+
+/* A share that fails (each fault point of a chunked share in turn, while written): the writer
+ * never hangs, nothing it wrote is lost, the storage is private and writable as before. */
+static void test_failed_shares_lose_nothing(void) {
+    int fds = fd_count();
+    size_t saved = lshm__share_chunk_bytes;
+    lshm__share_chunk_bytes = 64 << 10; /* 24 chunks of 1.5 MiB */
+    const size_t sizes[] = {3 << 19, 64 << 20, 512 << 10, 16 * page};
+    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+        size_t n = sizes[k];
+        for (int nth = 1;; nth++) {
+            lshm_pool_trim();
+            lshm_storage *s;
+            ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+            void *data = lshm_storage_data(s);
+            memset(data, 0, n);
+            lshm__fault_arm(nth, -ENOSPC);
+            share_run r = share_while_writing(s, n, 0);
+            int hit = lshm__fault_points_hit();
+            lshm__fault_arm(0, 0);
+            ASSERT_UINT_EQ(r.lost, 0);
+            ASSERT_PTR_EQ(lshm_storage_data(s), data);
+            if (hit < nth) { /* past every point: it succeeded */
+                ASSERT_OK(r.rc);
+                lshm_storage_release(s);
+                break;
+            }
+            ASSERT_ERR(r.rc, -ENOSPC);
+            ASSERT_EQ(lshm_storage_flags(s), 0);
+            /* private and writable (a fence left behind would block this write for ever) */
+            ((volatile uint64_t *)data)[n / sizeof(uint64_t) - 1] = 5;
+            /* a retry while written loses nothing either */
+            uint64_t *words = data;
+            memset(data, 0, n);
+            r = share_while_writing(s, n, 0);
+            ASSERT_OK(r.rc);
+            ASSERT_UINT_EQ(r.lost, 0);
+            ASSERT_UINT_EQ(words[0], r.passes);
+            lshm_storage_release(s);
+            if (nth > 40)
+                break; /* (the 64 MiB share's later points are the same steps again) */
+        }
+    }
+    lshm__share_chunk_bytes = saved;
+    lshm_pool_trim();
+    ASSERT_EQ(fd_count(), fds);
+}
+
+/* The fence cannot be set up (UFFDIO_REGISTER's ENOMEM: vm.max_map_count): the share fails
+ * with that error and changes nothing; the next one works. */
+static void test_fence_that_cannot_be_set_up(void) {
+    int fds = fd_count();
+    const size_t sizes[] = {page, 512 << 10, 64 << 20};
+    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+        lshm_pool_trim(); /* (the last round's memfd) */
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(sizes[k], NULL, 0, &s));
+        unsigned char *data = lshm_storage_data(s);
+        memset(data, 9, sizes[k]);
+        atomic_store(&lshm__fence_fails, -ENOMEM);
+        int rc = lshm_storage_share(s);
+        atomic_store(&lshm__fence_fails, 0);
+        ASSERT_ERR(rc, -ENOMEM);
+        ASSERT(strstr(lshm_last_error(), "userfaultfd") != NULL);
+        ASSERT_PTR_EQ(lshm_storage_data(s), data);
+        ASSERT_EQ(lshm_storage_flags(s), 0);
+        ASSERT_EQ(fd_count(), fds);
+        data[0] = 1; /* writable */
+        ASSERT_OK(lshm_storage_share(s));
+        ASSERT_EQ(data[0], 1);
+        ASSERT_EQ(data[sizes[k] - 1], 9);
+        lshm_storage_release(s);
+    }
+    /* memory the fence cannot protect (another error): shared unfenced, as before */
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
+    unsigned long fences = lshm__fences_set;
+    atomic_store(&lshm__fence_fails, -EINVAL);
+    int rc = lshm_storage_share(s);
+    atomic_store(&lshm__fence_fails, 0);
+    ASSERT_OK(rc);
+    ASSERT_UINT_EQ(lshm__fences_set, fences);
+    lshm_storage_release(s);
+    lshm_pool_trim();
+    ASSERT_EQ(fd_count(), fds);
+}
+
+/* Run fn in a forked child (after `unprivileged`: as nobody, without CAP_SYS_PTRACE) and
+ * expect it to exit 0. */
+static void in_child(void (*fn)(void), int unprivileged) {
+    int fds = fd_count();
+    pid_t pid = fork();
+    ASSERT(pid >= 0);
+    if (pid == 0) {
+        if (fd_count() != fds) /* the child's own userfaultfd took the inherited one's place */
+            _exit(3);
+        if (unprivileged) {
+            if (setgroups(0, NULL) != 0 || setresgid(65534, 65534, 65534) != 0 ||
+                setresuid(65534, 65534, 65534) != 0)
+                _exit(4);
+            lshm__os_fence_after_fork_child(); /* as an ordinary user opens it */
+            if (fd_count() != fds)
+                _exit(5);
+        }
+        fn();
+        _exit(0);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status));
+    ASSERT_EQ(WEXITSTATUS(status), 0);
+}
+
+static void child_shares(void) {
+    check_no_loss(page, 1, 0, LSHM__ORIGIN_SLAB);
+    check_no_loss(3 << 19, 1, 0, LSHM__ORIGIN_PAGES);
+    check_no_loss(64 << 20, 0, 0, LSHM__ORIGIN_PAGES);
+}
+
+static void test_forked_child_loses_nothing(void) {
+    in_child(child_shares, 0);
+}
+
+static void test_ordinary_user_loses_nothing(void) {
+    if (geteuid() != 0) {
+        child_shares(); /* this is an ordinary user */
+        return;
+    }
+    in_child(child_shares, 1);
+}
+
+static void *nothing(void *arg) {
+    return arg;
+}
+
+/* A process that never started a second thread (this program run again as `single`) has
+ * nobody to fence against: no fence until it starts one. */
+static void child_single_then_threaded(void) {
+    lshm_storage *s;
+    unsigned long fences = lshm__fences_set;
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
+    ASSERT_OK(lshm_storage_share(s));
+    lshm_storage_release(s);
+    ASSERT_UINT_EQ(lshm__fences_set, fences);
+    pthread_t t;
+    ASSERT_OK(pthread_create(&t, NULL, nothing, NULL));
+    ASSERT_OK(pthread_join(t, NULL));
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
+    ASSERT_OK(lshm_storage_share(s));
+    lshm_storage_release(s);
+    ASSERT_UINT_EQ(lshm__fences_set, fences + 1);
+}
+
+static void test_single_threaded_process_needs_no_fence(void) {
+    pid_t pid = fork();
+    ASSERT(pid >= 0);
+    if (pid == 0) {
+        execl("/proc/self/exe", "test_share_writes", "single", (char *)NULL);
+        _exit(6);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status));
+    ASSERT_EQ(WEXITSTATUS(status), 0);
+}
+
+int main(int argc, char **argv) {
+    page = lshm__os_page_size();
+    if (argc > 1 && strcmp(argv[1], "single") == 0) {
+        child_single_then_threaded();
+        return 0;
+    }
+    RUN_TEST(test_every_path_loses_nothing);
+    RUN_TEST(test_pooled_refill_loses_nothing);
+    RUN_TEST(test_kernel_writes_are_not_lost);
+    RUN_TEST(test_unfenced_share_loses_writes);
+    RUN_TEST(test_failed_shares_lose_nothing);
+    RUN_TEST(test_fence_that_cannot_be_set_up);
+    RUN_TEST(test_forked_child_loses_nothing);
+    RUN_TEST(test_ordinary_user_loses_nothing);
+    RUN_TEST(test_single_threaded_process_needs_no_fence);
+    return 0;
+}
