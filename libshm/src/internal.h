@@ -102,6 +102,7 @@ int lshm__os_map_fd_private_fixed(int fd, uint64_t offset, size_t len, void *add
 typedef struct lshm__fence {
     char *base;
     size_t len;
+    int fd; /* the userfaultfd it was set up with */
 } lshm__fence;
 /* At load time and in a fork's child (fork.c): the process's userfaultfd, if it can have one. */
 void lshm__os_fence_open(void);
@@ -120,6 +121,7 @@ void lshm__os_fence_end(lshm__fence *f);
 #ifdef LSHM_TESTING
 extern _Atomic int lshm__fence_off;            /* share unfenced */
 extern _Atomic int lshm__fence_fails;          /* UFFDIO_REGISTER fails with this -errno */
+extern _Atomic int lshm__fence_wp_fails;       /* UFFDIO_WRITEPROTECT "fails" after it worked */
 #endif
 extern _Atomic unsigned long lshm__fences_set; /* fences set up */
 /* fallocate(PUNCH_HOLE | KEEP_SIZE): give back [offset, offset + len) of fd (reads see zeros).

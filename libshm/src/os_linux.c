@@ -551,7 +551,9 @@ void lshm__os_unmap(void *addr, size_t len) {
  * range by a new, unregistered mapping, and UFFDIO_WAKE lets the writer retry its write, which
  * now lands in the shared page. Nobody reads the userfaultfd: a write fault waits on it until
  * the wake (or until the fd is closed). A failed share lifts the protection over what is still
- * the private range and unregisters it.
+ * the private range and unregisters it. Writes into pages the kernel pinned before (O_DIRECT in
+ * flight, io_uring fixed buffers, RDMA) go through the kernel's own mapping and never fault:
+ * no fence sees them.
  * One userfaultfd per process (opening one per share would cost 9 us, as much as a 4 KiB
  * share), opened at load time with O_CLOEXEC. Without CAP_SYS_PTRACE and with the default
  * vm.unprivileged_userfaultfd=0 only UFFD_USER_MODE_ONLY is allowed: a write the kernel makes
@@ -565,9 +567,18 @@ void lshm__os_unmap(void *addr, size_t len) {
  * in the environment (read at load time) opens no userfaultfd at all: for sandboxes that kill a
  * process on the syscall, or programs that never write an array while another thread shares it
  * and want the 3 us a small share saves. */
-static int fence_fd = -1;                  /* set at load and in a fork's child only */
+/* The process's userfaultfd: its number, the process that opened it (a child forked without
+ * the atfork handlers, by _Fork() or a raw clone, must not use it: its ioctls would act on the
+ * parent's address space) and its identity (a program that closes every fd it does not know
+ * may have the number reused: then it is not ours to use or to close). */
+static _Atomic int fence_fd = -1;
+static pid_t fence_pid;
+static dev_t fence_dev;
+static ino_t fence_ino;
+static pthread_mutex_t fence_lock = PTHREAD_MUTEX_INITIALIZER; /* reopening it */
 _Atomic int lshm__fence_off;               /* tests: share unfenced */
 _Atomic int lshm__fence_fails;             /* tests: UFFDIO_REGISTER fails with this -errno */
+_Atomic int lshm__fence_wp_fails;          /* tests: UFFDIO_WRITEPROTECT "fails" after it worked */
 _Atomic unsigned long lshm__fences_set;   /* fences set up (tests read it) */
 
 void lshm__os_fence_open(void) {
@@ -587,22 +598,47 @@ void lshm__os_fence_open(void) {
         close(fd);
         return;
     }
-    fence_fd = fd;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        close(fd);
+        return;
+    }
+    fence_dev = st.st_dev;
+    fence_ino = st.st_ino;
+    fence_pid = getpid();
+    atomic_store(&fence_fd, fd);
 #endif
 }
 
+/* Is fd still the userfaultfd we opened? */
+static int fence_is_ours(int fd) {
+    struct stat st;
+    return fd >= 0 && fstat(fd, &st) == 0 && st.st_dev == fence_dev && st.st_ino == fence_ino;
+}
+
 void lshm__os_fence_after_fork_child(void) {
-    if (fence_fd >= 0)
-        close(fence_fd);
-    fence_fd = -1;
+    int fd = atomic_exchange(&fence_fd, -1);
+    if (fence_is_ours(fd))
+        close(fd);
     lshm__os_fence_open();
 }
 
+/* fd, the number the fence used, answered as no userfaultfd does (EBADF, ENOTTY): the program
+ * closed it. Open another one (once, for every thread that saw it). */
+static void fence_reopen(int fd) {
+    pthread_mutex_lock(&fence_lock);
+    if (atomic_load(&fence_fd) == fd) {
+        atomic_store(&fence_fd, -1);
+        lshm__os_fence_open();
+    }
+    pthread_mutex_unlock(&fence_lock);
+}
+
 #ifdef LSHM_HAVE_UFFD
-static int fence_ioctl(unsigned long request, void *arg) {
+static int fence_ioctl(int fd, unsigned long request, void *arg) {
     int rc;
     do
-        rc = ioctl(fence_fd, request, arg);
+        rc = ioctl(fd, request, arg);
     while (rc != 0 && errno == EINTR);
     return rc == 0 ? 0 : -errno;
 }
@@ -613,7 +649,9 @@ int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f) {
     f->len = 0;
     size_t page = lshm__os_page_size();
     len = (len + page - 1) / page * page;
-    if (len == 0 || fence_fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed))
+    int fd = atomic_load_explicit(&fence_fd, memory_order_relaxed);
+    if (len == 0 || fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed) ||
+        fence_pid != getpid())
         return 0;
 #ifdef LSHM_HAVE_SINGLE_THREADED
     if (__libc_single_threaded) /* (no other thread to write meanwhile) */
@@ -625,21 +663,36 @@ int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f) {
      * lshm__fence_fails instead) */
     int rc = atomic_load_explicit(&lshm__fence_fails, memory_order_relaxed);
     if (rc == 0)
-        rc = fence_ioctl(UFFDIO_REGISTER, &reg);
-    if (rc == -ENOMEM) /* (splitting the mapping: vm.max_map_count) */
+        rc = fence_ioctl(fd, UFFDIO_REGISTER, &reg);
+    if ((rc == -EBADF || rc == -ENOTTY) && !fence_is_ours(fd)) {
+        fence_reopen(fd);
+        return atomic_load(&fence_fd) != fd ? lshm__os_fence_begin(addr, len, f) : 0;
+    }
+    struct uffdio_range range = {(uintptr_t)addr, len};
+    if (rc == -ENOMEM) { /* (splitting the mapping: vm.max_map_count) */
+        (void)fence_ioctl(fd, UFFDIO_UNREGISTER, &range); /* (the mappings it got to) */
         return LSHM_FAIL(rc, "userfaultfd: write-protecting %zu bytes at %p: %s", len, addr,
                          strerror(-rc));
+    }
     if (rc != 0)
         return 0; /* memory it cannot protect: unfenced */
     struct uffdio_writeprotect wp = {{(uintptr_t)addr, len}, UFFDIO_WRITEPROTECT_MODE_WP};
-    if ((rc = fence_ioctl(UFFDIO_WRITEPROTECT, &wp)) != 0) {
-        struct uffdio_range range = {(uintptr_t)addr, len};
-        (void)fence_ioctl(UFFDIO_UNREGISTER, &range);
+    rc = fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp);
+#ifdef LSHM_TESTING
+    if (rc == 0 && (rc = atomic_load_explicit(&lshm__fence_wp_fails, memory_order_relaxed)))
+        usleep(50000); /* (protected: a writer waits by now, for the failure path to wake) */
+#endif
+    if (rc != 0) {
+        /* It may have protected part of the range, and a writer may wait there already:
+         * unregistering wakes nobody. */
+        (void)fence_ioctl(fd, UFFDIO_UNREGISTER, &range);
+        (void)fence_ioctl(fd, UFFDIO_WAKE, &range);
         if (rc == -ENOMEM)
             return LSHM_FAIL(rc, "userfaultfd: write-protecting %zu bytes at %p: %s", len,
                              addr, strerror(-rc));
         return 0;
     }
+    f->fd = fd;
     f->len = len;
     atomic_fetch_add_explicit(&lshm__fences_set, 1, memory_order_relaxed);
 #endif
@@ -652,7 +705,7 @@ void lshm__os_fence_wake(const lshm__fence *f, void *addr, size_t len) {
         return;
     size_t page = lshm__os_page_size();
     struct uffdio_range range = {(uintptr_t)addr, (len + page - 1) / page * page};
-    (void)fence_ioctl(UFFDIO_WAKE, &range);
+    (void)fence_ioctl(f->fd, UFFDIO_WAKE, &range);
 #else
     (void)f, (void)addr, (void)len;
 #endif
@@ -665,9 +718,9 @@ void lshm__os_fence_lift(lshm__fence *f, void *from) {
     char *end = f->base + f->len, *start = from;
     if (start < end) { /* still the private pages: writable again, unregistered */
         struct uffdio_writeprotect wp = {{(uintptr_t)start, (size_t)(end - start)}, 0};
-        (void)fence_ioctl(UFFDIO_WRITEPROTECT, &wp);
+        (void)fence_ioctl(f->fd, UFFDIO_WRITEPROTECT, &wp);
         struct uffdio_range range = {(uintptr_t)start, (size_t)(end - start)};
-        (void)fence_ioctl(UFFDIO_UNREGISTER, &range);
+        (void)fence_ioctl(f->fd, UFFDIO_UNREGISTER, &range);
     }
     lshm__os_fence_wake(f, f->base, f->len);
     f->len = 0;

@@ -489,7 +489,7 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
     void *mapped = NULL;
     int rc;
     /* Memory shared in place: no other thread's write may land in a page the remap drops. */
-    lshm__fence fence = {NULL, 0};
+    lshm__fence fence = {NULL, 0, -1};
     if (owns_whole_pages(s) && (rc = lshm__os_fence_begin(data, s->capacity, &fence)) != 0)
         return rc;
 

@@ -9,7 +9,9 @@
  * touched before; in a forked child; as an unprivileged user (userfaultfd in user-mode-only
  * mode); with the kernel writing for the thread (pread into the storage); through failed
  * shares (a fault mid-way, a fence that cannot be set up). A process that never had a second
- * thread sets up no fence. And the control: with the fence off the same writer does lose
+ * thread sets up no fence; a protection that fails lets its writers go; a child forked without
+ * the atfork handlers leaves its parent's memory alone; a program that closes the library's
+ * userfaultfd keeps its own fd of that number, and the library opens another. And the control: with the fence off the same writer does lose
  * writes, so the test can fail.
  */
 #ifndef LSHM_TESTING
@@ -24,6 +26,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -280,13 +283,13 @@ static void test_fence_that_cannot_be_set_up(void) {
 }
 
 /* Run fn in a forked child (after `unprivileged`: as nobody, without CAP_SYS_PTRACE) and
- * expect it to exit 0. */
-static void in_child(void (*fn)(void), int unprivileged) {
+ * expect it to exit 0; the child starts with `extra` more fds than the parent. */
+static void in_child(void (*fn)(void), int unprivileged, int extra) {
     int fds = fd_count();
     pid_t pid = fork();
     ASSERT(pid >= 0);
     if (pid == 0) {
-        if (fd_count() != fds) /* the child's own userfaultfd took the inherited one's place */
+        if (fd_count() != fds + extra) /* its own userfaultfd took the inherited one's place */
             _exit(3);
         if (unprivileged) {
             if (setgroups(0, NULL) != 0 || setresgid(65534, 65534, 65534) != 0 ||
@@ -312,7 +315,7 @@ static void child_shares(void) {
 }
 
 static void test_forked_child_loses_nothing(void) {
-    in_child(child_shares, 0);
+    in_child(child_shares, 0, 0);
 }
 
 static void test_ordinary_user_loses_nothing(void) {
@@ -320,7 +323,105 @@ static void test_ordinary_user_loses_nothing(void) {
         child_shares(); /* this is an ordinary user */
         return;
     }
-    in_child(child_shares, 1);
+    in_child(child_shares, 1, 0);
+}
+
+/* UFFDIO_WRITEPROTECT fails after it protected (part of) the range, with a writer waiting
+ * there: the share fails, changing nothing, and the writer goes on (unregistering alone would
+ * leave it asleep for ever). */
+static void test_protection_that_fails_lets_its_writers_go(void) {
+    const size_t sizes[] = {page, 512 << 10, 64 << 20};
+    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(sizes[k], NULL, 0, &s));
+        memset(lshm_storage_data(s), 0, sizes[k]);
+        atomic_store(&lshm__fence_wp_fails, -ENOMEM);
+        alarm(60); /* (a writer left asleep: the test dies instead of hanging) */
+        share_run r = share_while_writing(s, sizes[k], 0);
+        alarm(0);
+        atomic_store(&lshm__fence_wp_fails, 0);
+        ASSERT_ERR(r.rc, -ENOMEM);
+        ASSERT_EQ(lshm_storage_flags(s), 0);
+        ASSERT_UINT_EQ(r.lost, 0);
+        ASSERT_OK(lshm_storage_share(s));
+        lshm_storage_release(s);
+    }
+}
+
+/* A child forked without the atfork handlers (_Fork) holds its parent's userfaultfd, whose
+ * ioctls act on the parent's address space: it shares unfenced, and the parent's memory stays
+ * writable. */
+static void test_child_without_fork_handlers_leaves_the_parent_alone(void) {
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(512 << 10, NULL, 0, &s));
+    volatile unsigned char *data = lshm_storage_data(s);
+    memset((void *)data, 3, 512 << 10);
+    pid_t pid = _Fork();
+    ASSERT(pid >= 0);
+    if (pid == 0) {
+        unsigned long fences = lshm__fences_set;
+        int rc = lshm_storage_share(s);
+        _exit(rc != 0 ? 1 : lshm__fences_set != fences ? 2 : 0);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status));
+    ASSERT_EQ(WEXITSTATUS(status), 0);
+    alarm(10); /* (write-protected from the child: this write would never return) */
+    data[0] = 4;
+    data[(512 << 10) - 1] = 4;
+    alarm(0);
+    ASSERT_EQ(lshm_storage_flags(s), 0);
+    check_no_loss(512 << 10, 1, 0, LSHM__ORIGIN_PAGES); /* and the parent's fence works */
+    lshm_storage_release(s);
+}
+
+/* The fd number of the userfaultfd, or -1. */
+static int userfaultfd_number(void) {
+    for (int fd = 0; fd < 1024; fd++) {
+        char path[64], target[64] = {0};
+        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(path, target, sizeof target - 1);
+        if (n > 0 && strcmp(target, "anon_inode:[userfaultfd]") == 0)
+            return fd;
+    }
+    return -1;
+}
+
+static int is_pipe(int fd) {
+    struct stat st;
+    return fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode);
+}
+
+static int reused_number; /* (for the child below) */
+
+static void child_keeps_the_programs_fd(void) {
+    if (!is_pipe(reused_number))
+        _exit(7); /* the fork handler closed an fd of the program's */
+    check_no_loss(512 << 10, 1, 0, LSHM__ORIGIN_PAGES);
+}
+
+/* The program closes the library's userfaultfd (a close-all) and the number is reused: a
+ * fork's child does not close the program's fd in its place, and the next share opens a new
+ * userfaultfd and is fenced. */
+static void test_userfaultfd_closed_by_the_program(void) {
+    int ufd = userfaultfd_number();
+    ASSERT_GE(ufd, 0);
+    int p[2];
+    ASSERT_OK(pipe2(p, O_CLOEXEC));
+    ASSERT_EQ(dup3(p[0], ufd, O_CLOEXEC), ufd); /* (closes the userfaultfd) */
+    reused_number = ufd;
+    in_child(child_keeps_the_programs_fd, 0, 1); /* (the pipe end and its new userfaultfd) */
+    unsigned long fences = lshm__fences_set;
+    check_no_loss(512 << 10, 1, 0, LSHM__ORIGIN_PAGES); /* fenced (it asserts the count too) */
+    ASSERT_UINT_EQ(lshm__fences_set, fences + 1);
+    ASSERT(is_pipe(ufd));
+    int fresh = userfaultfd_number();
+    ASSERT_GE(fresh, 0);
+    ASSERT_NE(fresh, ufd);
+    close(ufd);
+    close(p[0]);
+    close(p[1]);
 }
 
 static void *nothing(void *arg) {
@@ -370,6 +471,9 @@ int main(int argc, char **argv) {
     RUN_TEST(test_unfenced_share_loses_writes);
     RUN_TEST(test_failed_shares_lose_nothing);
     RUN_TEST(test_fence_that_cannot_be_set_up);
+    RUN_TEST(test_protection_that_fails_lets_its_writers_go);
+    RUN_TEST(test_child_without_fork_handlers_leaves_the_parent_alone);
+    RUN_TEST(test_userfaultfd_closed_by_the_program);
     RUN_TEST(test_forked_child_loses_nothing);
     RUN_TEST(test_ordinary_user_loses_nothing);
     RUN_TEST(test_single_threaded_process_needs_no_fence);
