@@ -301,20 +301,23 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * shared with nobody but a child forked before the next successful share.)
  * Clears LSHM_STORAGE_RESIZABLE. A zero-byte storage becomes shared with a zero-length memfd
  * (data stays NULL, the fd can be sent).
- * Other threads may go on reading and writing the bytes during the call: no write is lost. While
- * the pages are copied and remapped they are write-protected through a userfaultfd (one per
- * process, O_CLOEXEC, opened at load time); a thread that writes there meanwhile waits in its
- * page fault until its range is in the shared memory, then its write lands there. A write the
- * kernel makes for another thread (read(2) into the bytes) waits the same way, except where the
- * process may only use a user-mode-only userfaultfd (no CAP_SYS_PTRACE and
- * vm.unprivileged_userfaultfd=0): there it fails with EFAULT, never silently. No fence, and
- * writes during the call may be lost, where there is no userfaultfd write protection (kernels
- * before 6.4, CONFIG_USERFAULTFD off, a seccomp filter), for memory it cannot protect (an
- * allocator's file mappings, ranges another userfaultfd watches), with LSHM_FENCE=0 in the
- * environment (read at load time) and for storages whose memory moves (see above). A process
- * that never started a second thread sets up none (nobody could write). A signal handler that
- * writes the bytes on the sharing thread itself would wait for ever: don't. -ENOMEM when the
- * protection cannot be set up (vm.max_map_count), changing nothing.
+ * Other threads may go on reading and writing the bytes during the call: no write made through
+ * this process's page tables is lost. While the pages are copied and remapped they are
+ * write-protected through a userfaultfd (one per process, O_CLOEXEC, opened at load time); a
+ * thread that writes there meanwhile waits in its page fault until its range is in the shared
+ * memory, then its write lands there. A write the kernel makes for another thread (read(2) into
+ * the bytes) waits the same way, except where the process may only use a user-mode-only
+ * userfaultfd (no CAP_SYS_PTRACE and vm.unprivileged_userfaultfd=0): there it fails with EFAULT
+ * (a UDP socket then drops the datagram, as it does for any EFAULT). Not fenced, so such writes
+ * may be lost: writes into pages the kernel pinned before the call (O_DIRECT reads in flight,
+ * io_uring fixed buffers, RDMA); no userfaultfd write protection (kernels before 6.4,
+ * CONFIG_USERFAULTFD off, a seccomp filter); memory it cannot protect (an allocator's file
+ * mappings, ranges another userfaultfd watches); LSHM_FENCE=0 in the environment (read at load
+ * time); a child forked without the atfork handlers (_Fork, a raw clone); storages whose memory
+ * moves (see above). A process that never started a second thread sets up none (nobody could
+ * write). A signal handler that writes the bytes on the sharing thread itself would wait for
+ * ever: don't. -ENOMEM when the protection cannot be set up (vm.max_map_count), changing
+ * nothing.
  * fork() waits for shares (and resizes) in flight, and no share starts while a fork runs (a
  * pthread_atfork handler), so a child sees every storage shared completely or not at all, and
  * no storage lock held. A fork() from inside a callback the library calls during a share or
