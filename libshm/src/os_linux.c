@@ -644,19 +644,39 @@ static int fence_ioctl(int fd, unsigned long request, void *arg) {
 }
 #endif
 
+#ifdef LSHM_HAVE_UFFD
+/* The fence could not be set up over `range` (rc): undo what the ioctls did, and say so where
+ * that is an error (ENOMEM); anything else leaves the share unfenced. `registered`: REGISTER
+ * worked (WRITEPROTECT failed), or failed part-way (ENOMEM: every mapping of the range was
+ * ours or nobody's). Any other REGISTER failure (EBUSY: another userfaultfd watches it) made
+ * nothing of ours to undo, and the watcher's registration is not ours to touch. A writer may
+ * already wait on pages a partial UFFDIO_WRITEPROTECT protected: unregistering wakes nobody,
+ * so wake too. */
+static int fence_refused(int fd, struct uffdio_range *range, int rc, int registered) {
+    if (registered || rc == -ENOMEM) {
+        (void)fence_ioctl(fd, UFFDIO_UNREGISTER, range);
+        (void)fence_ioctl(fd, UFFDIO_WAKE, range);
+    }
+    if (rc != -ENOMEM) /* (-ENOMEM: splitting the mapping, vm.max_map_count) */
+        return 0;
+    return LSHM_FAIL(rc, "userfaultfd: write-protecting %llu bytes at %p: %s",
+                     (unsigned long long)range->len, (void *)(uintptr_t)range->start,
+                     strerror(-rc));
+}
+#endif
+
 int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f) {
     f->base = addr;
     f->len = 0;
-    size_t page = lshm__os_page_size();
-    len = (len + page - 1) / page * page;
     int fd = atomic_load_explicit(&fence_fd, memory_order_relaxed);
-    if (len == 0 || fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed) ||
-        fence_pid != getpid())
+    if (len == 0 || fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed))
         return 0;
 #ifdef LSHM_HAVE_SINGLE_THREADED
     if (__libc_single_threaded) /* (no other thread to write meanwhile) */
         return 0;
 #endif
+    if (fence_pid != getpid() || lshm__round_pages(len, &len) != 0) /* (a syscall: after the */
+        return 0;                                                /* free checks) */
 #ifdef LSHM_HAVE_UFFD
     struct uffdio_register reg = {{(uintptr_t)addr, len}, UFFDIO_REGISTER_MODE_WP, 0};
     /* (not an LSHM_FAULT point, which would renumber every share's points: tests set
@@ -669,29 +689,16 @@ int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f) {
         return atomic_load(&fence_fd) != fd ? lshm__os_fence_begin(addr, len, f) : 0;
     }
     struct uffdio_range range = {(uintptr_t)addr, len};
-    if (rc == -ENOMEM) { /* (splitting the mapping: vm.max_map_count) */
-        (void)fence_ioctl(fd, UFFDIO_UNREGISTER, &range); /* (the mappings it got to) */
-        return LSHM_FAIL(rc, "userfaultfd: write-protecting %zu bytes at %p: %s", len, addr,
-                         strerror(-rc));
-    }
-    if (rc != 0)
-        return 0; /* memory it cannot protect: unfenced */
-    struct uffdio_writeprotect wp = {{(uintptr_t)addr, len}, UFFDIO_WRITEPROTECT_MODE_WP};
+    if (rc != 0) /* (the mappings REGISTER got to stay registered) */
+        return fence_refused(fd, &range, rc, 0);
+    struct uffdio_writeprotect wp = {range, UFFDIO_WRITEPROTECT_MODE_WP};
     rc = fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp);
 #ifdef LSHM_TESTING
     if (rc == 0 && (rc = atomic_load_explicit(&lshm__fence_wp_fails, memory_order_relaxed)))
         usleep(50000); /* (protected: a writer waits by now, for the failure path to wake) */
 #endif
-    if (rc != 0) {
-        /* It may have protected part of the range, and a writer may wait there already:
-         * unregistering wakes nobody. */
-        (void)fence_ioctl(fd, UFFDIO_UNREGISTER, &range);
-        (void)fence_ioctl(fd, UFFDIO_WAKE, &range);
-        if (rc == -ENOMEM)
-            return LSHM_FAIL(rc, "userfaultfd: write-protecting %zu bytes at %p: %s", len,
-                             addr, strerror(-rc));
-        return 0;
-    }
+    if (rc != 0)
+        return fence_refused(fd, &range, rc, 1);
     f->fd = fd;
     f->len = len;
     atomic_fetch_add_explicit(&lshm__fences_set, 1, memory_order_relaxed);
@@ -703,8 +710,7 @@ void lshm__os_fence_wake(const lshm__fence *f, void *addr, size_t len) {
 #ifdef LSHM_HAVE_UFFD
     if (f->len == 0 || len == 0)
         return;
-    size_t page = lshm__os_page_size();
-    struct uffdio_range range = {(uintptr_t)addr, (len + page - 1) / page * page};
+    struct uffdio_range range = {(uintptr_t)addr, lshm__round_pages(len, &len) == 0 ? len : 0};
     (void)fence_ioctl(f->fd, UFFDIO_WAKE, &range);
 #else
     (void)f, (void)addr, (void)len;

@@ -11,7 +11,8 @@
  * shares (a fault mid-way, a fence that cannot be set up). A process that never had a second
  * thread sets up no fence; a protection that fails lets its writers go; a child forked without
  * the atfork handlers leaves its parent's memory alone; a program that closes the library's
- * userfaultfd keeps its own fd of that number, and the library opens another. And the control: with the fence off the same writer does lose
+ * userfaultfd keeps its own fd of that number, and the library opens another; memory the
+ * program's own userfaultfd watches is shared unfenced and keeps that registration. And the control: with the fence off the same writer does lose
  * writes, so the test can fail.
  */
 #ifndef LSHM_TESTING
@@ -25,8 +26,11 @@
 #include <grp.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <linux/userfaultfd.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -424,6 +428,59 @@ static void test_userfaultfd_closed_by_the_program(void) {
     close(p[1]);
 }
 
+/* VmFlags of the mapping that starts at p contain "uw" (registered for write-protect)? */
+static int registered_wp(const void *p) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    ASSERT(f != NULL);
+    char line[512];
+    int here = 0, found = 0;
+    while (fgets(line, sizeof line, f) != NULL) {
+        unsigned long start, end;
+        char perms[8];
+        if (sscanf(line, "%lx-%lx %7s", &start, &end, perms) == 3) /* a mapping's first line */
+            here = start == (unsigned long)(uintptr_t)p;
+        else if (here && strncmp(line, "VmFlags:", 8) == 0)
+            found = strstr(line, " uw") != NULL;
+    }
+    fclose(f);
+    return found;
+}
+
+/* Memory the program's own userfaultfd watches: the share goes unfenced, and a share that
+ * fails leaves the program's registration in place (UNREGISTER would remove anybody's). */
+static void test_memory_another_userfaultfd_watches(void) {
+    int mine = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+    ASSERT_GE(mine, 0);
+    struct uffdio_api api = {.api = UFFD_API};
+    ASSERT_OK(ioctl(mine, UFFDIO_API, &api));
+    const size_t n = 512 << 10;
+    lshm_pool_trim();
+    for (int nth = 1;; nth++) {
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+        void *data = lshm_storage_data(s);
+        memset(data, 1, n);
+        struct uffdio_register reg = {{(uintptr_t)data, n}, UFFDIO_REGISTER_MODE_WP, 0};
+        ASSERT_OK(ioctl(mine, UFFDIO_REGISTER, &reg));
+        ASSERT(registered_wp(data));
+        unsigned long fences = lshm__fences_set;
+        lshm__fault_arm(nth, -ENOSPC);
+        int rc = lshm_storage_share(s);
+        int hit = lshm__fault_points_hit();
+        lshm__fault_arm(0, 0);
+        ASSERT_UINT_EQ(lshm__fences_set, fences); /* (EBUSY: unfenced) */
+        if (hit < nth) {
+            ASSERT_OK(rc);
+            lshm_storage_release(s);
+            break;
+        }
+        ASSERT_ERR(rc, -ENOSPC);
+        ASSERT(registered_wp(data)); /* still the program's */
+        lshm_storage_release(s);
+    }
+    close(mine);
+}
+
 static void *nothing(void *arg) {
     return arg;
 }
@@ -474,6 +531,7 @@ int main(int argc, char **argv) {
     RUN_TEST(test_protection_that_fails_lets_its_writers_go);
     RUN_TEST(test_child_without_fork_handlers_leaves_the_parent_alone);
     RUN_TEST(test_userfaultfd_closed_by_the_program);
+    RUN_TEST(test_memory_another_userfaultfd_watches);
     RUN_TEST(test_forked_child_loses_nothing);
     RUN_TEST(test_ordinary_user_loses_nothing);
     RUN_TEST(test_single_threaded_process_needs_no_fence);
