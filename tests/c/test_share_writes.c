@@ -481,6 +481,56 @@ static void test_memory_another_userfaultfd_watches(void) {
     close(mine);
 }
 
+typedef struct forker {
+    volatile unsigned char *data;
+    size_t n;
+    _Atomic int stop;
+    int forks, bad;
+} forker;
+
+/* fork() over and over; each child writes the storage's first and last byte (a protection
+ * inherited from the parent would make that wait for ever: alarm) and exits. */
+static void *fork_repeatedly(void *arg) {
+    forker *k = arg;
+    while (!atomic_load(&k->stop)) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            alarm(10);
+            k->data[0] += 1;
+            k->data[k->n - 1] += 1;
+            _exit(0);
+        }
+        int status = 0;
+        if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status) ||
+            WEXITSTATUS(status) != 0)
+            k->bad++;
+        k->forks++;
+    }
+    return NULL;
+}
+
+/* fork() from a third thread while one thread shares and another writes: fork waits for the
+ * share, the writer loses nothing, every child runs and can write its copy. */
+static void test_fork_while_a_fenced_share_is_written(void) {
+    for (int round = 0; round < 5; round++) {
+        const size_t n = 64 << 20;
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(n, NULL, 0, &s));
+        memset(lshm_storage_data(s), 0, n);
+        forker k = {.data = (unsigned char *)lshm_storage_data(s) + 8, .n = n - 16};
+        pthread_t t;
+        ASSERT_OK(pthread_create(&t, NULL, fork_repeatedly, &k));
+        share_run r = share_while_writing(s, n, 0); /* (the writer skips bytes 8..n-9's ends) */
+        atomic_store(&k.stop, 1);
+        ASSERT_OK(pthread_join(t, NULL));
+        ASSERT_OK(r.rc);
+        ASSERT_UINT_EQ(r.lost, 0);
+        ASSERT_GT(k.forks, 0);
+        ASSERT_EQ(k.bad, 0);
+        lshm_storage_release(s);
+    }
+}
+
 static void *nothing(void *arg) {
     return arg;
 }
@@ -533,6 +583,7 @@ int main(int argc, char **argv) {
     RUN_TEST(test_userfaultfd_closed_by_the_program);
     RUN_TEST(test_memory_another_userfaultfd_watches);
     RUN_TEST(test_forked_child_loses_nothing);
+    RUN_TEST(test_fork_while_a_fenced_share_is_written);
     RUN_TEST(test_ordinary_user_loses_nothing);
     RUN_TEST(test_single_threaded_process_needs_no_fence);
     return 0;
