@@ -360,6 +360,8 @@ _TABLE = [
     # sharing
     ("lshm_storage_create_shared", c_int, [c_size_t, c_uint, POINTER(StorageHandle)], True),
     ("lshm_storage_share", c_int, [StorageHandle], True),
+    # (no errcheck: its -EOPNOTSUPP is an answer, see reduction._share_for_sending)
+    ("lshm_storage_share_fenced", c_int, [StorageHandle], False),
     (
         "lshm_storage_attach",
         c_int,

@@ -61,7 +61,7 @@ extern "C" {
 /* ------------------------------------------------------------------------------------------ */
 
 #define LSHM_VERSION_MAJOR 0
-#define LSHM_VERSION_MINOR 3
+#define LSHM_VERSION_MINOR 4
 #define LSHM_VERSION_PATCH 0
 /* Encoded as major * 10000 + minor * 100 + patch. */
 #define LSHM_VERSION_NUMBER (LSHM_VERSION_MAJOR * 10000 + LSHM_VERSION_MINOR * 100 + LSHM_VERSION_PATCH)
@@ -325,6 +325,20 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * Errors: -EINVAL (NULL), -EBUSY (memory that would move, with other references), -ENOMEM,
  * -ENOSPC, -EMFILE, -ENFILE, other -errno from the kernel. */
 LSHM_API int lshm_storage_share(lshm_storage *s);
+
+/* lshm_storage_share, but never unfenced: memory shared in place whose pages cannot be
+ * write-protected during the copy (no userfaultfd write protection in this process, LSHM_FENCE=0,
+ * a child forked without the atfork handlers, ranges another userfaultfd watches) is refused
+ * with -EOPNOTSUPP and nothing changes; lshm_storage_share would share it unfenced. For a
+ * share made while other threads may be writing the bytes and that must lose none of their
+ * writes (pyshm uses it when multiprocessing pickles an array on a thread of its own). A
+ * process with one thread needs no fence and is not refused; nor is an already shared
+ * storage (0, nothing copied). The limits of the fence are lshm_storage_share's: writes into
+ * pages the kernel pinned before the call are not covered, kernel writes fail with EFAULT where
+ * only a user-mode-only userfaultfd is allowed, storages whose memory moves are shared as
+ * lshm_storage_share shares them (refused with -EBUSY while other references exist).
+ * Errors: those of lshm_storage_share, and -EOPNOTSUPP (no fence). Since 0.4. */
+LSHM_API int lshm_storage_share_fenced(lshm_storage *s);
 
 /* The pool of recycled memfds. When a storage that lshm_storage_share shared in place (default
  * allocator pages) is released, its range is unmapped at once as before, but its memfd (sized,

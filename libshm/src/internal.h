@@ -108,9 +108,11 @@ typedef struct lshm__fence {
 void lshm__os_fence_open(void);
 void lshm__os_fence_after_fork_child(void);
 /* Protect [addr, addr + len) (whole pages) before the copy. 0 with f->len 0 where it cannot
- * (no userfaultfd, memory it cannot protect): the share goes on unfenced. An error (-ENOMEM:
- * the mapping could not be split) changes nothing. */
-int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f);
+ * (no userfaultfd, memory it cannot protect): the share goes on unfenced; with `required`
+ * (lshm_storage_share_fenced) -EOPNOTSUPP instead. 0 with f->len 0, required or not, where no
+ * fence is needed: len 0, a process with one thread. An error (-ENOMEM: the mapping could not
+ * be split; -EOPNOTSUPP) changes nothing. */
+int lshm__os_fence_begin(void *addr, size_t len, int required, lshm__fence *f);
 /* [addr, addr + len) of the fence was mapped anew: let the writers blocked there retry. */
 void lshm__os_fence_wake(const lshm__fence *f, void *addr, size_t len);
 /* A failed share: [from, end of the fence) is still the private memory: writable again,

@@ -644,39 +644,56 @@ static int fence_ioctl(int fd, unsigned long request, void *arg) {
 }
 #endif
 
+/* No fence for this share: fine for lshm_storage_share (it goes on unfenced: 0), refused for
+ * lshm_storage_share_fenced (-EOPNOTSUPP, nothing changed yet). */
+static int unfenced(int required, const char *why) {
+    if (!required)
+        return 0;
+    return LSHM_FAIL(-EOPNOTSUPP, "no write fence for this share (%s): another thread's write "
+                                  "during it could be lost", why);
+}
+
 #ifdef LSHM_HAVE_UFFD
 /* The fence could not be set up over `range` (rc): undo what the ioctls did, and say so where
- * that is an error (ENOMEM); anything else leaves the share unfenced. `registered`: REGISTER
+ * that is an error (ENOMEM); anything else leaves the share unfenced (or refuses it:
+ * `required`, see unfenced). `registered`: REGISTER
  * worked (WRITEPROTECT failed), or failed part-way (ENOMEM: every mapping of the range was
  * ours or nobody's). Any other REGISTER failure (EBUSY: another userfaultfd watches it) made
  * nothing of ours to undo, and the watcher's registration is not ours to touch. A writer may
  * already wait on pages a partial UFFDIO_WRITEPROTECT protected: unregistering wakes nobody,
  * so wake too. */
-static int fence_refused(int fd, struct uffdio_range *range, int rc, int registered) {
+static int fence_refused(int fd, struct uffdio_range *range, int rc, int registered,
+                         int required) {
     if (registered || rc == -ENOMEM) {
         (void)fence_ioctl(fd, UFFDIO_UNREGISTER, range);
         (void)fence_ioctl(fd, UFFDIO_WAKE, range);
     }
     if (rc != -ENOMEM) /* (-ENOMEM: splitting the mapping, vm.max_map_count) */
-        return 0;
+        return unfenced(required, rc == -EBUSY ? "another userfaultfd watches this memory"
+                                               : "this memory cannot be write-protected");
     return LSHM_FAIL(rc, "userfaultfd: write-protecting %llu bytes at %p: %s",
                      (unsigned long long)range->len, (void *)(uintptr_t)range->start,
                      strerror(-rc));
 }
 #endif
 
-int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f) {
+int lshm__os_fence_begin(void *addr, size_t len, int required, lshm__fence *f) {
     f->base = addr;
     f->len = 0;
-    int fd = atomic_load_explicit(&fence_fd, memory_order_relaxed);
-    if (len == 0 || fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed))
+    if (len == 0)
         return 0;
 #ifdef LSHM_HAVE_SINGLE_THREADED
     if (__libc_single_threaded) /* (no other thread to write meanwhile) */
         return 0;
 #endif
-    if (fence_pid != getpid() || lshm__round_pages(len, &len) != 0) /* (a syscall: after the */
-        return 0;                                                /* free checks) */
+    int fd = atomic_load_explicit(&fence_fd, memory_order_relaxed);
+    if (fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed))
+        return unfenced(required, "this process has no userfaultfd write protection: the "
+                                  "kernel has none, or LSHM_FENCE=0");
+    if (fence_pid != getpid()) /* (a syscall: after the free checks) */
+        return unfenced(required, "a child forked without the atfork handlers");
+    if (lshm__round_pages(len, &len) != 0)
+        return unfenced(required, "a range that does not round to pages");
 #ifdef LSHM_HAVE_UFFD
     struct uffdio_register reg = {{(uintptr_t)addr, len}, UFFDIO_REGISTER_MODE_WP, 0};
     /* (not an LSHM_FAULT point, which would renumber every share's points: tests set
@@ -686,11 +703,12 @@ int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f) {
         rc = fence_ioctl(fd, UFFDIO_REGISTER, &reg);
     if ((rc == -EBADF || rc == -ENOTTY) && !fence_is_ours(fd)) {
         fence_reopen(fd);
-        return atomic_load(&fence_fd) != fd ? lshm__os_fence_begin(addr, len, f) : 0;
+        return atomic_load(&fence_fd) != fd ? lshm__os_fence_begin(addr, len, required, f)
+                                            : unfenced(required, "its userfaultfd was closed");
     }
     struct uffdio_range range = {(uintptr_t)addr, len};
     if (rc != 0) /* (the mappings REGISTER got to stay registered) */
-        return fence_refused(fd, &range, rc, 0);
+        return fence_refused(fd, &range, rc, 0, required);
     struct uffdio_writeprotect wp = {range, UFFDIO_WRITEPROTECT_MODE_WP};
     rc = fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp);
 #ifdef LSHM_TESTING
@@ -698,12 +716,14 @@ int lshm__os_fence_begin(void *addr, size_t len, lshm__fence *f) {
         usleep(50000); /* (protected: a writer waits by now, for the failure path to wake) */
 #endif
     if (rc != 0)
-        return fence_refused(fd, &range, rc, 1);
+        return fence_refused(fd, &range, rc, 1, required);
     f->fd = fd;
     f->len = len;
     atomic_fetch_add_explicit(&lshm__fences_set, 1, memory_order_relaxed);
-#endif
     return 0;
+#else
+    return unfenced(required, "built without userfaultfd");
+#endif
 }
 
 void lshm__os_fence_wake(const lshm__fence *f, void *addr, size_t len) {

@@ -482,15 +482,17 @@ static void give_back(const old_memory *old) {
 
 /* Called with s->lock held on a storage that is not shared. Memory to give back after the
  * locks go is left in *old. `own_memfd`: a slab storage gets a memfd of its own instead of a
- * range of its slab's (to be sealed read-only alone). */
-static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
+ * range of its slab's (to be sealed read-only alone). `fenced`: memory shared in place only
+ * under the write fence (-EOPNOTSUPP where it cannot be set up). */
+static int share_locked(lshm_storage *s, int own_memfd, int fenced, old_memory *old) {
     void *data = atomic_load_explicit(&s->data, memory_order_relaxed);
     int fd = -1;
     void *mapped = NULL;
     int rc;
     /* Memory shared in place: no other thread's write may land in a page the remap drops. */
     lshm__fence fence = {NULL, 0, -1};
-    if (owns_whole_pages(s) && (rc = lshm__os_fence_begin(data, s->capacity, &fence)) != 0)
+    if (owns_whole_pages(s) &&
+        (rc = lshm__os_fence_begin(data, s->capacity, fenced, &fence)) != 0)
         return rc;
 
     if (s->origin == LSHM__ORIGIN_SLAB && !own_memfd) {
@@ -578,7 +580,7 @@ static int share_locked(lshm_storage *s, int own_memfd, old_memory *old) {
     return 0;
 }
 
-static int share(lshm_storage *s, int own_memfd) {
+static int share(lshm_storage *s, int own_memfd, int fenced) {
     if (s == NULL)
         return LSHM_FAIL(-EINVAL, "NULL storage");
     if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) != 0)
@@ -590,7 +592,7 @@ static int share(lshm_storage *s, int own_memfd) {
     /* Another thread may have shared it while we waited for the lock. */
     if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) == 0) {
         atomic_fetch_add_explicit(&active_shares, 1, memory_order_relaxed);
-        rc = share_locked(s, own_memfd, &old);
+        rc = share_locked(s, own_memfd, fenced, &old);
         atomic_fetch_sub_explicit(&active_shares, 1, memory_order_relaxed);
     }
     pthread_mutex_unlock(&s->lock);
@@ -600,7 +602,11 @@ static int share(lshm_storage *s, int own_memfd) {
 }
 
 int lshm_storage_share(lshm_storage *s) {
-    return share(s, 0);
+    return share(s, 0, 0);
+}
+
+int lshm_storage_share_fenced(lshm_storage *s) {
+    return share(s, 0, 1);
 }
 
 int lshm_storage_seal_readonly(lshm_storage *s) {
@@ -636,6 +642,6 @@ int lshm_storage_seal_readonly(lshm_storage *s) {
 int lshm_storage_share_readonly(lshm_storage *s) {
     if (s == NULL)
         return LSHM_FAIL(-EINVAL, "NULL storage");
-    int rc = share(s, 1);
+    int rc = share(s, 1, 0);
     return rc != 0 ? rc : lshm_storage_seal_readonly(s);
 }

@@ -84,6 +84,10 @@ typedef struct share_run {
     int error;
 } share_run;
 
+/* How the tests share: lshm_storage_share, or lshm_storage_share_fenced (which must behave the
+ * same wherever the fence can be set up). */
+static int (*share_call)(lshm_storage *) = lshm_storage_share;
+
 /* Share s while a writer runs over its first n bytes (zero before); the writer stops once the
  * share returned and it made 3 passes. */
 static share_run share_while_writing(lshm_storage *s, size_t n, int kernel) {
@@ -97,7 +101,7 @@ static share_run share_while_writing(lshm_storage *s, size_t n, int kernel) {
     while (!atomic_load(&w.started))
         ;
     usleep(1000); /* the writer is inside its passes */
-    share_run r = {lshm_storage_share(s), 0, 0, 0};
+    share_run r = {share_call(s), 0, 0, 0};
     atomic_store(&w.stop, 1);
     ASSERT_OK(pthread_join(t, NULL));
     if (kernel)
@@ -286,6 +290,81 @@ static void test_fence_that_cannot_be_set_up(void) {
     ASSERT_EQ(fd_count(), fds);
 }
 
+static void *nothing(void *arg) {
+    return arg;
+}
+
+/* The number of lines of /proc/self/maps. */
+static int map_count(void) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    ASSERT(f != NULL);
+    int lines = 0;
+    for (int c; (c = fgetc(f)) != EOF;)
+        lines += c == '\n';
+    fclose(f);
+    return lines;
+}
+
+/* lshm_storage_share_fenced never shares unfenced: wherever the fence cannot be set up (the
+ * fence off, memory it cannot protect, memory another userfaultfd watches) it fails with
+ * -EOPNOTSUPP and changes nothing (same pages, bytes, flags, fds, mappings); -ENOMEM stays
+ * -ENOMEM; with the fence it shares on every path and loses no concurrent write; a storage
+ * shared already is 0 without a fence. */
+static void test_fenced_share_never_goes_unfenced(void) {
+    pthread_t t; /* (a second thread: a process without one needs no fence, see below) */
+    ASSERT_OK(pthread_create(&t, NULL, nothing, NULL));
+    ASSERT_OK(pthread_join(t, NULL));
+    int fds = fd_count();
+    const size_t sizes[] = {page, 512 << 10, 3 << 19, 64 << 20}; /* slab, pages, chunks, huge */
+    const int refusals[] = {0, -EINVAL, -EBUSY, -ENOMEM};        /* 0: the fence off */
+    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+        for (size_t j = 0; j < sizeof refusals / sizeof refusals[0]; j++) {
+            lshm_pool_trim();
+            lshm_storage *s;
+            ASSERT_OK(lshm_storage_create(sizes[k], NULL, 0, &s));
+            unsigned char *data = lshm_storage_data(s);
+            memset(data, 7, sizes[k]);
+            int maps = map_count();
+            unsigned long fences = lshm__fences_set;
+            if (refusals[j] == 0)
+                atomic_store(&lshm__fence_off, 1);
+            atomic_store(&lshm__fence_fails, refusals[j]);
+            int rc = lshm_storage_share_fenced(s);
+            atomic_store(&lshm__fence_fails, 0);
+            atomic_store(&lshm__fence_off, 0);
+            if (refusals[j] == -ENOMEM) {
+                ASSERT_ERR(rc, -ENOMEM);
+            } else {
+                ASSERT_ERR(rc, -EOPNOTSUPP);
+                ASSERT(strstr(lshm_last_error(), "no write fence") != NULL);
+            }
+            ASSERT_UINT_EQ(lshm__fences_set, fences);
+            ASSERT_PTR_EQ(lshm_storage_data(s), data);
+            ASSERT_EQ(lshm_storage_flags(s), 0);
+            ASSERT_EQ(fd_count(), fds);
+            ASSERT_EQ(map_count(), maps);
+            ASSERT_EQ(data[0], 7);
+            ASSERT_EQ(data[sizes[k] - 1], 7);
+            data[0] = 1; /* private and writable */
+            lshm_storage_release(s);
+        }
+        /* where the fence can be set up: as lshm_storage_share, nothing lost */
+        share_call = lshm_storage_share_fenced;
+        check_no_loss(sizes[k], 1, 0, -1);
+        share_call = lshm_storage_share;
+    }
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
+    ASSERT_OK(lshm_storage_share(s));
+    atomic_store(&lshm__fence_off, 1);
+    ASSERT_OK(lshm_storage_share_fenced(s)); /* shared already: nothing to copy */
+    atomic_store(&lshm__fence_off, 0);
+    lshm_storage_release(s);
+    ASSERT_ERR(lshm_storage_share_fenced(NULL), -EINVAL);
+    lshm_pool_trim();
+    ASSERT_EQ(fd_count(), fds);
+}
+
 /* Run fn in a forked child (after `unprivileged`: as nobody, without CAP_SYS_PTRACE) and
  * expect it to exit 0; the child starts with `extra` more fds than the parent. */
 static void in_child(void (*fn)(void), int unprivileged, int extra) {
@@ -364,6 +443,8 @@ static void test_child_without_fork_handlers_leaves_the_parent_alone(void) {
     ASSERT(pid >= 0);
     if (pid == 0) {
         unsigned long fences = lshm__fences_set;
+        if (lshm_storage_share_fenced(s) != -EOPNOTSUPP) /* (it may not use the parent's) */
+            _exit(4);
         int rc = lshm_storage_share(s);
         _exit(rc != 0 ? 1 : lshm__fences_set != fences ? 2 : 0);
     }
@@ -531,10 +612,6 @@ static void test_fork_while_a_fenced_share_is_written(void) {
     }
 }
 
-static void *nothing(void *arg) {
-    return arg;
-}
-
 /* A process that never started a second thread (this program run again as `single`) has
  * nobody to fence against: no fence until it starts one. */
 static void child_single_then_threaded(void) {
@@ -544,9 +621,17 @@ static void child_single_then_threaded(void) {
     ASSERT_OK(lshm_storage_share(s));
     lshm_storage_release(s);
     ASSERT_UINT_EQ(lshm__fences_set, fences);
+    atomic_store(&lshm__fence_off, 1); /* no fence possible, and none needed: not refused */
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
+    ASSERT_OK(lshm_storage_share_fenced(s));
+    lshm_storage_release(s);
     pthread_t t;
     ASSERT_OK(pthread_create(&t, NULL, nothing, NULL));
     ASSERT_OK(pthread_join(t, NULL));
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
+    ASSERT_ERR(lshm_storage_share_fenced(s), -EOPNOTSUPP); /* a second thread: refused now */
+    lshm_storage_release(s);
+    atomic_store(&lshm__fence_off, 0);
     ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
     ASSERT_OK(lshm_storage_share(s));
     lshm_storage_release(s);
@@ -578,6 +663,7 @@ int main(int argc, char **argv) {
     RUN_TEST(test_unfenced_share_loses_writes);
     RUN_TEST(test_failed_shares_lose_nothing);
     RUN_TEST(test_fence_that_cannot_be_set_up);
+    RUN_TEST(test_fenced_share_never_goes_unfenced);
     RUN_TEST(test_protection_that_fails_lets_its_writers_go);
     RUN_TEST(test_child_without_fork_handlers_leaves_the_parent_alone);
     RUN_TEST(test_userfaultfd_closed_by_the_program);
