@@ -153,8 +153,9 @@ def _rebuild_tensor(data, dtype: str, size: tuple, stride: tuple, offset: int,
 def _tensor_reduction(tensor: Any):
     """The reduction that sends ``tensor`` (a plain CPU tensor or Parameter over pyshm memory)
     by reference, or None: not pyshm memory, a non-leaf tensor that needs its graph, or
-    memory not shared yet pickled on a thread of multiprocessing's own (a Queue's feeder: no
-    implicit share there, see pyshm.reduction). Memory shared read-only raises
+    memory not shared yet pickled on a thread of multiprocessing's own (a Queue's feeder)
+    where it cannot be shared under the write fence (see pyshm.reduction). Memory shared
+    read-only raises
     ``PicklingError`` (a tensor has no read-only flag)."""
     torch = _torch()
     kind = type(tensor)
@@ -162,7 +163,8 @@ def _tensor_reduction(tensor: Any):
     if kind is not torch.Tensor and not parameter:
         return None
     data = None if tensor.requires_grad and not tensor.is_leaf else _tensor_bytes(tensor)
-    if data is None or (not is_shared(data) and reduction.pickled_off_the_callers_thread()):
+    if data is None or (not is_shared(data) and reduction.pickled_off_the_callers_thread()
+                        and not reduction.share_if_fenced(data)):
         return None
     reduced = reduction.reduce_ndarray(data)
     if reduced[1][1].readonly:  # (the ticket: what every receiver would get)
@@ -206,12 +208,14 @@ def _install_torch() -> None:
 
 
 def _pyshm_array(a: Any) -> bool:
-    """A pyshm array to send by reference: shared already, or pickled on the caller's own
-    thread (where it is shared in place); one not shared yet on a thread of the pool's own
-    goes joblib's way, as before (no implicit share there, see pyshm.reduction)."""
+    """A pyshm array to send by reference: shared already, pickled on the caller's own
+    thread (where it is shared in place), or shared now under the write fence on a thread of
+    the pool's own; one that cannot be (no fence here) goes joblib's way, as before (see
+    pyshm.reduction)."""
     if type(a) is not np.ndarray or a.size == 0 or reduction.owner_of(a) is None:
         return False
-    return is_shared(a) or not reduction.pickled_off_the_callers_thread()
+    return (is_shared(a) or not reduction.pickled_off_the_callers_thread()
+            or reduction.share_if_fenced(a))
 
 
 def _install_joblib() -> None:

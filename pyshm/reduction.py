@@ -39,10 +39,12 @@ so they need no fd at all. One round trip per message: the
 first fetch of a message also brings the fds of its other memfds.
 
 Implicit shares: an unshared array is shared in place when it is pickled on the caller's own
-thread; multiprocessing's own pickling threads (a ``Queue``'s feeder, a ``Pool``'s task
-handler, and so ``ProcessPoolExecutor``) are refused with :class:`pickle.PicklingError`,
-because the caller may still be writing to it there and an in-place share copies the bytes
-before it maps them back (a write in between would be undone).
+thread. On multiprocessing's own pickling threads (a ``Queue``'s feeder, a ``Pool``'s task
+handler, and so ``ProcessPoolExecutor``) the caller may still be writing to it, and an in-place
+share copies the bytes before it maps them back: there it is shared only under libshm's write
+fence (``lshm_storage_share_fenced``: a concurrent write waits and lands in the shared pages),
+and where this process has no fence (``LSHM_FENCE=0``, no userfaultfd write protection) it is
+refused with :class:`pickle.PicklingError`, changing nothing.
 
 Liveness: each message holds the memory it names until its receiver has it (fetched, or
 acknowledged), for at most ``KEEPALIVE_SECONDS``; a multiprocessing child waits at exit for
@@ -285,16 +287,46 @@ def _share_for_sending(handle: _ffi.StorageHandle) -> None:
     if lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
         return  # another thread did it meanwhile
     if _channel.on_thread_of(_ASYNC_PICKLERS):
-        raise pickle.PicklingError(
-            "pyshm: this array is not shared yet, and multiprocessing is pickling it on a "
-            "thread of its own (a Queue's feeder, a Pool's task handler) while your code "
-            "may still be writing to it: sharing it in place now could undo those writes. "
-            "Share it before sending it: pyshm.share_memory_(array), or create it with "
-            "shared=True"
-        )
+        share_in_place(handle, "pickling for another process", pickle.PicklingError,
+                       _share_fenced_or_refuse)
+        return
     # in place, same address, atomic on failure (idempotent: a concurrent share copies once);
     # memory that cannot be shared in place is refused here, in the sender
     share_in_place(handle, "pickling for another process", pickle.PicklingError)
+
+
+def _share_fenced_or_refuse(handle: _ffi.StorageHandle) -> None:
+    """lshm_storage_share_fenced: multiprocessing pickles on a thread of its own while the
+    caller's code goes on, maybe writing to the array; where no fence can keep those writes,
+    PicklingError (nothing changed)."""
+    rc = lib.lshm_storage_share_fenced(handle)
+    if rc == -errno.EOPNOTSUPP:
+        raise pickle.PicklingError(
+            "pyshm: this array is not shared yet, and multiprocessing is pickling it on a "
+            "thread of its own (a Queue's feeder, a Pool's task handler) while your code "
+            "may still be writing to it; this process cannot write-protect it during a share "
+            "(LSHM_FENCE=0, or no userfaultfd write protection here), so sharing it in place "
+            "now could undo those writes. Share it before sending it: "
+            "pyshm.share_memory_(array), or create it with shared=True")
+    _ffi.raise_for(rc, "lshm_storage_share_fenced")
+
+
+def share_if_fenced(a: Any) -> bool:
+    """For an engine pickling pyshm memory on a thread of its own (torch's and joblib's
+    reducers): True if `a`'s storage is shared, already or now in place under libshm's write
+    fence (no write of the caller's threads lost); False where it cannot be (no fence in this
+    process, memory that cannot be shared in place, a failed share: nothing changed), and the
+    engine then goes its own way, as without pyshm."""
+    owner = owner_of(a)
+    if owner is None:
+        return False
+    if owner.facts is not None:  # memory received: shared
+        return bool(owner.facts[0] & _ffi.STORAGE_SHARED)
+    try:
+        _share_for_sending(owner.handle)
+    except (pickle.PicklingError, OSError, MemoryError):
+        return False
+    return True
 
 
 def _ticket(holder: Any, flags: int, data: int, nbytes: int, key: tuple,
@@ -882,7 +914,8 @@ def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
 
 def pickled_off_the_callers_thread() -> bool:
     """Whether this pickling runs on one of multiprocessing's own threads (a Queue's feeder,
-    a Pool's task handler: also loky's and joblib's), where no implicit share is made."""
+    a Pool's task handler: also loky's and joblib's), where an implicit share is made only
+    under the write fence (:func:`share_if_fenced`)."""
     return _channel.on_thread_of(_ASYNC_PICKLERS)
 
 

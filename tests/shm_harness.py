@@ -14,7 +14,11 @@ from __future__ import annotations
 import gc
 import os
 import select
+import json
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 import traceback
 import zlib
@@ -179,6 +183,18 @@ def start_with_pipe(ctx, target, *args):
     child.start()
     child_end.close()
     return parent_end, child
+
+
+def run_without_the_fence(code: str, timeout: float = 180) -> tuple:
+    """Run `code` (Python source, dedented; its last line of output one JSON value) in a fresh
+    interpreter with LSHM_FENCE=0, where libshm opens no userfaultfd and so sets up no write
+    fence; returns (that value, the child's stderr). Fails if the child fails."""
+    env = dict(os.environ, LSHM_FENCE="0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
 
 
 # ---- byte patterns -----------------------------------------------------------------------------

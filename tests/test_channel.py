@@ -29,7 +29,7 @@ import pyshm
 from pyshm import _channel, reduction
 from pyshm._memory import owner_of as _owner_of
 
-from shm_harness import start_with_pipe, wait_or_kill
+from shm_harness import run_without_the_fence, start_with_pipe, wait_or_kill
 
 METHODS = ["fork", "spawn", "forkserver"]
 TRIALS = int(os.environ.get("PYSHM_EXIT_TRIALS", "100"))
@@ -688,20 +688,77 @@ def test_a_pool_does_not_wedge_on_any_failure_to_rebuild(method):
 # ---- 3. no write undone by an implicit share ------------------------------------------------------
 
 
-def test_queue_put_of_an_unshared_array_never_undoes_writes(capfd):
+def test_queue_put_of_an_unshared_array_is_shared_under_the_fence_losing_no_write(capfd):
+    # Queue.put pickles on the queue's feeder thread while the caller goes on writing: the
+    # feeder shares the array in place under libshm's write fence, and every write is kept
     ctx = mp.get_context("fork")
-    for trial in range(20):
-        queue = ctx.Queue()
-        a = pyshm.zeros(1 << 20, np.int64)  # 8 MiB, private
-        queue.put(a)
-        for _ in range(5):
-            np.add(a, 1, out=a)  # writes right after put() returned
-        queue.close()
-        queue.join_thread()  # the feeder has pickled it (or refused) by now
-        assert (a == 5).all(), trial  # every write is there
-        assert not pyshm.is_shared(a)  # refused in the feeder: nothing changed
-    err = capfd.readouterr().err
-    assert err.count("pyshm.share_memory_(array)") >= 20
+    queue = ctx.Queue()
+    parent_end, child = start_with_pipe(ctx, _sum_after_go, queue)
+    try:
+        for trial in range(20):
+            a = pyshm.zeros(1 << 20, np.int64)  # 8 MiB, private
+            address = a.ctypes.data
+            queue.put(a)
+            for _ in range(5):
+                np.add(a, 1, out=a)  # writes right after put() returned, while it is shared
+            parent_end.send("go")
+            assert parent_end.recv() == 5 * (1 << 20), trial  # the receiver has our memory
+            assert (a == 5).all(), trial  # every write is there
+            assert pyshm.is_shared(a) and a.ctypes.data == address  # in place
+        queue.put(None)
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():  # (a failed assertion: no child left waiting on the queue)
+            child.kill()
+            child.join()
+    assert "share_memory_" not in capfd.readouterr().err  # nothing refused
+
+
+UNFENCED_SENDS = """
+    import concurrent.futures as cf, json, multiprocessing as mp, pickle
+    import numpy as np, pyshm
+
+    def ident(x):
+        return x
+
+    def refused(send):
+        try:
+            send()
+        except pickle.PicklingError as exc:
+            return str(exc)
+        return "sent"
+
+    ctx = mp.get_context("fork")
+    a = pyshm.zeros(1000, np.int64)
+    a[:] = 7
+    address = a.ctypes.data
+    queue = ctx.Queue()
+    queue.put(a)  # the feeder prints the refusal and drops the item
+    queue.close()
+    queue.join_thread()
+    out = {"after_queue": pyshm.is_shared(a)}
+    with ctx.Pool(1) as pool:
+        out["pool"] = refused(lambda: pool.apply(ident, (a,)))
+        with cf.ProcessPoolExecutor(1, mp_context=ctx) as ex:
+            out["executor"] = refused(lambda: ex.submit(ident, a).result(timeout=60))
+        out["unchanged"] = (not pyshm.is_shared(a) and a.ctypes.data == address
+                            and bool((a == 7).all()))
+        pyshm.share_memory_(a)  # shared first: sent by reference, as always
+        out["after_share"] = pool.apply(ident, (a,)).ctypes.data == address
+    print(json.dumps(out))
+"""
+
+
+def test_without_the_fence_an_unshared_array_is_refused_on_multiprocessings_threads():
+    # LSHM_FENCE=0 (or a kernel without userfaultfd write protection): no fence, so no share
+    # on a thread of multiprocessing's own; refused with a PicklingError, nothing changed
+    out, err = run_without_the_fence(UNFENCED_SENDS)
+    assert out["after_queue"] is False and out["unchanged"] is True
+    for where in ("pool", "executor"):
+        assert "pyshm.share_memory_(array)" in out[where] and "LSHM_FENCE=0" in out[where]
+    assert "pyshm.share_memory_(array)" in err  # the Queue feeder's print of it
+    assert out["after_share"] is True
 
 
 def test_queue_put_of_a_shared_array_loses_no_write():
@@ -735,13 +792,15 @@ def ident(x):
     return x
 
 
-def test_executor_submit_of_an_unshared_array_is_refused_at_result():
+def test_executor_submit_of_an_unshared_array_is_shared_in_place():
+    # ProcessPoolExecutor pickles on its pool's task-handler thread: shared there under the
+    # fence, and the result comes back as the array itself
     a = pyshm.zeros(1000, np.int64)
+    address = a.ctypes.data
     with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as ex:
-        future = ex.submit(ident, a)
-        with pytest.raises(pickle.PicklingError, match=r"share_memory_"):
-            future.result(timeout=60)
-    assert not pyshm.is_shared(a)
+        back = ex.submit(ident, a).result(timeout=60)
+    assert pyshm.is_shared(a) and a.ctypes.data == address
+    assert back.ctypes.data == address
 
 
 # ---- 4. memory comes back as itself ------------------------------------------------------------

@@ -10,6 +10,7 @@ go the engine's own way unchanged.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import multiprocessing as mp
 import os
 import gc
@@ -26,6 +27,7 @@ import pytest
 
 import pyshm
 from pyshm import _channel, engines
+from shm_harness import run_without_the_fence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -417,33 +419,99 @@ def test_a_tensor_inside_a_big_arena_tensor_with_many_smaller_ones_is_found():
     del smalls
 
 
-def put_back(queue_in, queue_out):
-    queue_out.put(float(queue_in.get().sum()))
+def add_one_back(queue_in, queue_out):
+    tensor = queue_in.get()
+    tensor += 1
+    queue_out.put(float(tensor.sum()))
 
 
-def test_unshared_pyshm_memory_on_a_queue_feeder_thread_goes_torchs_way():
+def test_unshared_pyshm_memory_on_a_queue_feeder_thread_is_shared_under_the_fence():
+    # torch's Queue pickles on its feeder thread: the tensor's pyshm memory is shared in place
+    # there under libshm's write fence, and the child writes our pages
     torch = torch_or_skip()
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("fork")
     to_child, to_parent = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=put_back, args=(to_child, to_parent))
+    child = ctx.Process(target=add_one_back, args=(to_child, to_parent))
     child.start()
-    array = pyshm.zeros(1 << 16, np.float32)  # not shared: no implicit share on the feeder
+    array = pyshm.zeros(1 << 16, np.float32)  # not shared yet
     array[:] = 2
+    address = array.ctypes.data
     to_child.put(torch.from_numpy(array))
-    assert to_parent.get(timeout=60) == 2 * (1 << 16)  # delivered (torch copied it), no hang
+    assert to_parent.get(timeout=60) == 3 * (1 << 16)
     child.join(60)
-    assert child.exitcode == 0 and not pyshm.is_shared(array)
+    assert child.exitcode == 0
+    assert pyshm.is_shared(array) and array.ctypes.data == address and (array == 3).all()
 
 
-def test_unshared_pyshm_arrays_through_joblib_go_joblibs_way():
+def test_unshared_pyshm_arrays_through_joblib_are_shared_under_the_fence():
+    # joblib pickles on threads of its pools (loky's queue feeder, multiprocessing's task
+    # handler): shared in place there under the fence, the workers write our pages
     joblib = engine_or_skip("joblib")
     for backend in ("loky", "multiprocessing"):
-        arrays = [pyshm.zeros(10), pyshm.zeros(1 << 18)]
+        arrays = [pyshm.zeros(10), pyshm.zeros(1 << 18)]  # joblib: by value; memmapped
+        addresses = [a.ctypes.data for a in arrays]
         with joblib.parallel_config(backend=backend, n_jobs=2):
-            sums = joblib.Parallel()(joblib.delayed(np.sum)(a + 1) for a in arrays)
-        assert sums == [10.0, float(1 << 18)]
+            back = joblib.Parallel()(joblib.delayed(add_one_array)(a) for a in arrays)
+        assert all(pyshm.is_shared(a) and (a == 1).all() for a in arrays), backend
+        assert [a.ctypes.data for a in arrays] == addresses
+        assert [b.ctypes.data for b in back] == addresses
+
+
+UNFENCED_ENGINES = """
+    import json, multiprocessing as mp
+    import numpy as np, pyshm
+
+    def add_one_back(queue_in, queue_out):
+        tensor = queue_in.get()
+        tensor += 1
+        queue_out.put(float(tensor.sum()))
+
+    def first_plus_one(a):
+        return float(a[0]) + 1
+
+    out = {}
+    try:
+        import torch
+        import torch.multiprocessing as tmp
+    except ImportError:
+        torch = None
+    if torch is not None:
+        ctx = tmp.get_context("fork")
+        to_child, to_parent = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=add_one_back, args=(to_child, to_parent))
+        child.start()
+        a = pyshm.zeros(1 << 16, np.float32)
+        a[:] = 2
+        to_child.put(torch.from_numpy(a))
+        out["torch"] = [to_parent.get(timeout=60), pyshm.is_shared(a), float(a.max())]
+        child.join(60)
+    try:
+        import joblib
+    except ImportError:
+        joblib = None
+    if joblib is not None:
+        for backend in ("loky", "multiprocessing"):
+            arrays = [pyshm.zeros(10), pyshm.zeros(1 << 18)]
+            with joblib.parallel_config(backend=backend, n_jobs=2):
+                sums = joblib.Parallel()(joblib.delayed(first_plus_one)(a) for a in arrays)
+            out[backend] = [sums, [pyshm.is_shared(a) for a in arrays]]
+    print(json.dumps(out))
+"""
+
+
+def test_without_the_fence_unshared_pyshm_memory_goes_the_engines_way():
+    # LSHM_FENCE=0: no fence, so no share on an engine's own thread; torch and joblib copy it
+    # their way, as without pyshm (no error, no hang)
+    if importlib.util.find_spec("torch") is None and importlib.util.find_spec("joblib") is None:
+        pytest.skip("neither torch nor joblib is installed")
+    out, _ = run_without_the_fence(UNFENCED_ENGINES, timeout=300)
+    if "torch" in out:
+        assert out["torch"] == [3.0 * (1 << 16), False, 2.0]  # the child added 1 to a copy
+    for backend in ("loky", "multiprocessing"):
+        if backend in out:
+            assert out[backend] == [[1.0, 1.0], [False, False]]
 
 
 def test_plain_torch_tensors_never_look_for_pyshm_memory():

@@ -203,17 +203,15 @@ def test_unshared_array_is_shared_in_place_on_send(pool):
     assert result.ctypes.data == view.ctypes.data
 
 
-def test_unshared_array_on_a_pool_is_refused_and_unchanged(pool):
-    # A Pool pickles tasks on its task-handler thread while the caller goes on: an in-place
-    # share there could undo the caller's writes, so it is refused, at .get(), changing nothing.
+def test_unshared_array_on_a_pool_is_shared_in_place_under_the_fence(pool):
+    # A Pool pickles tasks on its task-handler thread while the caller goes on: the array is
+    # shared in place there under libshm's write fence (without one it is refused:
+    # test_channel's test_without_the_fence_...), and the worker writes our pages.
     a = pyshm.empty(1000, np.float32)
     a[:] = 1.5
     address = a.ctypes.data
-    with pytest.raises(pickle.PicklingError, match="pyshm.share_memory_"):
-        pool.apply(add_one, (a,))
-    assert not pyshm.is_shared(a) and a.ctypes.data == address and (a == 1.5).all()
-    pyshm.share_memory_(a)
-    assert pool.apply(add_one, (a,)).ctypes.data == address and (a == 2.5).all()
+    assert pool.apply(add_one, (a,)).ctypes.data == address
+    assert pyshm.is_shared(a) and a.ctypes.data == address and (a == 2.5).all()
 
 
 def test_same_memfd_is_mapped_once_in_the_receiver(pool):
