@@ -12,9 +12,9 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import select
-import json
 import signal
 import subprocess
 import sys
@@ -185,6 +185,21 @@ def start_with_pipe(ctx, target, *args):
     return parent_end, child
 
 
+def userfaultfds() -> dict:
+    """This process's userfaultfds: {fd: close-on-exec}."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[userfaultfd]":
+                continue
+            with open(f"/proc/self/fdinfo/{name}") as info:
+                flags = int(info.read().split("flags:")[1].split()[0], 8)
+        except (OSError, IndexError):
+            continue  # (the listing's own fd)
+        found[int(name)] = bool(flags & os.O_CLOEXEC)
+    return found
+
+
 def run_without_the_fence(code: str, timeout: float = 180) -> tuple:
     """Run `code` (Python source, dedented; its last line of output one JSON value) in a fresh
     interpreter with LSHM_FENCE=0, where libshm opens no userfaultfd and so sets up no write
@@ -192,7 +207,7 @@ def run_without_the_fence(code: str, timeout: float = 180) -> tuple:
     env = dict(os.environ, LSHM_FENCE="0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          check=False, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1]), done.stderr
 

@@ -10,6 +10,7 @@ from multiprocessing.pool import ThreadPool
 
 import numpy as np
 import pytest
+from shm_harness import userfaultfds
 
 import pyshm
 
@@ -127,27 +128,12 @@ def test_a_writer_holding_the_gil_while_it_waits_for_the_share_loses_nothing():
     assert not a[1:4096 // 8].any()
 
 
-def _userfaultfds():
-    """This process's userfaultfds: {fd: close-on-exec}."""
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[userfaultfd]":
-                continue
-            with open(f"/proc/self/fdinfo/{name}") as info:
-                flags = int(info.read().split("flags:")[1].split()[0], 8)
-        except (OSError, IndexError):
-            continue  # (the listing's own fd)
-        found[int(name)] = bool(flags & os.O_CLOEXEC)
-    return found
-
-
 _FENCE_CHILD = """
 import json, os, subprocess, sys, threading
 import numpy as np
 import pyshm
 sys.path.insert(0, {tests!r})
-from test_threads import _userfaultfds
+from shm_harness import userfaultfds
 a = pyshm.zeros(1 << 20, np.int64)
 t = threading.Thread(target=lambda: np.add(a, 1, out=a))
 t.start()
@@ -155,7 +141,7 @@ pyshm.share_memory_(a)
 t.join()
 exec_child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.listdir('/proc/self/fd')))"],
                             close_fds=False, capture_output=True, text=True).stdout
-print(json.dumps([_userfaultfds(), pyshm.is_shared(a), int(a.min()), exec_child.count(",") + 1]))
+print(json.dumps([userfaultfds(), pyshm.is_shared(a), int(a.min()), exec_child.count(",") + 1]))
 """
 
 
@@ -179,4 +165,4 @@ def test_one_close_on_exec_userfaultfd_per_process_none_with_LSHM_FENCE_0(fence)
 
 
 def test_this_process_has_exactly_one_userfaultfd():
-    assert list(_userfaultfds().values()) == [True]
+    assert list(userfaultfds().values()) == [True]
