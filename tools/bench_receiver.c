@@ -14,7 +14,10 @@
  *   whole      one pwrite of the whole array (pages new to the memfd), then one mmap over it;
  *   mapped     mmap the memfd, memcpy into it (torch's share_memory_: the sender maps every
  *              page as it writes it).
- * Prints min and median milliseconds of the share and of the child's read per method.
+ * Prints min and median milliseconds of the share and of the child's read per method, and (run
+ * as root, where /proc/self/pagemap shows page frame numbers) how many of the memfd's pages
+ * lie next to the previous page in physical memory: the reader's kernel walks the pages'
+ * struct page in file order as it maps them, and pages out of order miss the cache there.
  * With the word `huge`, the memfd is filled in huge pages instead (mapped at a 2 MiB
  * boundary, a byte per 2 MiB, MADV_COLLAPSE, memcpy: the huge ceiling of the bench) and the
  * child, mapping at a 2 MiB boundary too, times its first read and then a second one, every
@@ -27,6 +30,7 @@
 #define _GNU_SOURCE
 #endif
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -130,8 +134,33 @@ static double share_huge(size_t bytes, int *fd_out) {
     return seconds;
 }
 
+/* Of the pages of [m, m + bytes) (mapped), the fraction whose physical page is next to the
+ * previous page's (right after or right before it), from /proc/self/pagemap; -1 where it
+ * shows no page frame numbers (they read as 0 without CAP_SYS_ADMIN). As it maps them, the
+ * reader's kernel reads each page's struct page in file order (fault-around): pages next to
+ * each other in physical memory have their struct pages next to each other too. */
+static double physically_in_order(const volatile char *m, size_t bytes) {
+    size_t pages = bytes / PAGE, in_order = 0, nonzero = 0;
+    uint64_t *entries = malloc(pages * sizeof(uint64_t));
+    int pagemap = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+    off_t at = (off_t)((uintptr_t)m / PAGE * sizeof(uint64_t));
+    size_t want = pages * sizeof(uint64_t);
+    int ok = entries != NULL && pagemap >= 0 && pread(pagemap, entries, want, at) == (ssize_t)want;
+    for (size_t p = 0; ok && p < pages; p++) {
+        uint64_t pfn = entries[p] & (((uint64_t)1 << 55) - 1);
+        nonzero += pfn != 0;
+        uint64_t before = p > 0 ? entries[p - 1] & (((uint64_t)1 << 55) - 1) : 0;
+        in_order += p > 0 && pfn != 0 && (pfn == before + 1 || pfn + 1 == before);
+    }
+    if (pagemap >= 0)
+        close(pagemap);
+    free(entries);
+    return ok && nonzero == pages && pages > 1 ? (double)in_order / (double)(pages - 1) : -1;
+}
+
 /* A forked child maps the memfd (at a 2 MiB boundary if `aligned`) and reads a byte per page,
- * `reads` times; times[i]: the seconds the i-th read took (the first with the mmap). */
+ * `reads` times; times[i]: the seconds the i-th read took (the first with the mmap), then
+ * times[reads]: physically_in_order of its pages (after the reads, untimed). */
 #define MAX_READS 2
 
 static void child_reads_times(int fd, size_t bytes, int aligned, int reads, double *times) {
@@ -145,7 +174,7 @@ static void child_reads_times(int fd, size_t bytes, int aligned, int reads, doub
         die("fork");
     if (pid == 0) {
         close(pipe_fds[0]);
-        double seconds[MAX_READS], start = now();
+        double seconds[MAX_READS + 1], start = now();
         const volatile char *m =
             aligned ? map_aligned(fd, bytes, PROT_READ) : mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
         if (m == MAP_FAILED)
@@ -157,11 +186,12 @@ static void child_reads_times(int fd, size_t bytes, int aligned, int reads, doub
             seconds[r] = end - start;
             start = end;
         }
-        size_t n = (size_t)reads * sizeof(double);
+        seconds[reads] = physically_in_order(m, bytes);
+        size_t n = (size_t)(reads + 1) * sizeof(double);
         _exit(write(pipe_fds[1], seconds, n) == (ssize_t)n ? 0 : 1);
     }
     close(pipe_fds[1]); /* (so that a child that dies before writing gives EOF, not a hang) */
-    size_t want = (size_t)reads * sizeof(double), got = 0;
+    size_t want = (size_t)(reads + 1) * sizeof(double), got = 0;
     while (got < want) {
         ssize_t n = read(pipe_fds[0], (char *)times + got, want - got);
         if (n < 0 && errno == EINTR)
@@ -183,7 +213,7 @@ static int huge_rounds(size_t bytes, int rounds) {
     static double copies[MAX_ROUNDS], first[MAX_ROUNDS], second[MAX_ROUNDS];
     for (int r = 0; r < rounds; r++) {
         int fd;
-        double times[2];
+        double times[MAX_READS + 1];
         copies[r] = share_huge(bytes, &fd);
         child_reads_times(fd, bytes, 1, 2, times);
         first[r] = times[0];
@@ -200,11 +230,13 @@ static int huge_rounds(size_t bytes, int rounds) {
     return 0;
 }
 
-/* A forked child maps the memfd and reads a byte per page; returns the seconds it took. */
-static double child_reads(int fd, size_t bytes) {
-    double seconds;
-    child_reads_times(fd, bytes, 0, 1, &seconds);
-    return seconds;
+/* A forked child maps the memfd and reads a byte per page; returns the seconds it took, and
+ * in *in_order physically_in_order of its pages. */
+static double child_reads(int fd, size_t bytes, double *in_order) {
+    double times[2];
+    child_reads_times(fd, bytes, 0, 1, times);
+    *in_order = times[1];
+    return times[0];
 }
 
 int main(int argc, char **argv) {
@@ -220,23 +252,31 @@ int main(int argc, char **argv) {
     if (huge)
         return huge_rounds(bytes, rounds);
     static double shares[METHODS][MAX_ROUNDS], reads[METHODS][MAX_ROUNDS];
+    static double in_order[METHODS][MAX_ROUNDS];
     for (int r = 0; r < rounds; r++)
         for (int method = 0; method < METHODS; method++) {
             int fd;
             char *mem;
             shares[method][r] = share(method, bytes, &fd, &mem);
-            reads[method][r] = child_reads(fd, bytes);
+            reads[method][r] = child_reads(fd, bytes, &in_order[method][r]);
             munmap(mem, bytes);
             close(fd);
         }
     printf("%zu MiB, %d rounds: share ms (min, median), a forked reader's first read ms "
-           "(min, median)\n", mib, rounds);
+           "(min, median), %% of the memfd's pages next to the previous one in physical "
+           "memory (median; root only)\n", mib, rounds);
     for (int method = 0; method < METHODS; method++) {
         qsort(shares[method], (size_t)rounds, sizeof(double), by_value);
         qsort(reads[method], (size_t)rounds, sizeof(double), by_value);
-        printf("%-10s share %8.1f %8.1f   read %7.1f %7.1f\n", names[method],
+        qsort(in_order[method], (size_t)rounds, sizeof(double), by_value);
+        double order = in_order[method][rounds / 2];
+        printf("%-10s share %8.1f %8.1f   read %7.1f %7.1f   in order ", names[method],
                shares[method][0] * 1e3, shares[method][rounds / 2] * 1e3,
                reads[method][0] * 1e3, reads[method][rounds / 2] * 1e3);
+        if (order < 0)
+            printf("n/a\n");
+        else
+            printf("%5.1f%%\n", order * 100);
     }
     return 0;
 }
