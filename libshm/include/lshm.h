@@ -332,8 +332,9 @@ LSHM_API int lshm_storage_share(lshm_storage *s);
  * with -EOPNOTSUPP and nothing changes; lshm_storage_share would share it unfenced. For a
  * share made while other threads may be writing the bytes and that must lose none of their
  * writes (pyshm uses it when multiprocessing pickles an array on a thread of its own). A
- * process with one thread needs no fence and is not refused; nor is an already shared
- * storage (0, nothing copied). The limits of the fence are lshm_storage_share's: writes into
+ * process that never started a second thread (glibc's __libc_single_threaded; without it
+ * every process counts as threaded) needs no fence and is not refused; nor is an already
+ * shared storage (0, nothing copied). The reason for a refusal is in lshm_last_error(). The limits of the fence are lshm_storage_share's: writes into
  * pages the kernel pinned before the call are not covered, kernel writes fail with EFAULT where
  * only a user-mode-only userfaultfd is allowed, storages whose memory moves are shared as
  * lshm_storage_share shares them (refused with -EBUSY while other references exist).

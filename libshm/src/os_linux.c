@@ -583,8 +583,13 @@ _Atomic unsigned long lshm__fences_set;   /* fences set up (tests read it) */
 
 void lshm__os_fence_open(void) {
 #ifdef LSHM_HAVE_UFFD
-    const char *env = getenv("LSHM_FENCE");
-    if (env != NULL && strcmp(env, "0") == 0)
+    /* LSHM_FENCE is read once, at load time: later opens (a fork's child, a reopen) follow */
+    static int disabled = -1;
+    if (disabled < 0) {
+        const char *env = getenv("LSHM_FENCE");
+        disabled = env != NULL && strcmp(env, "0") == 0;
+    }
+    if (disabled)
         return;
     int flags = O_CLOEXEC | O_NONBLOCK;
     int fd = (int)syscall(SYS_userfaultfd, flags);
@@ -677,7 +682,8 @@ static int fence_refused(int fd, struct uffdio_range *range, int rc, int registe
 }
 #endif
 
-int lshm__os_fence_begin(void *addr, size_t len, int required, lshm__fence *f) {
+/* lshm__os_fence_begin; `reopened`: the userfaultfd was opened again for this call already. */
+static int fence_begin(void *addr, size_t len, int required, lshm__fence *f, int reopened) {
     f->base = addr;
     f->len = 0;
     if (len == 0)
@@ -702,9 +708,13 @@ int lshm__os_fence_begin(void *addr, size_t len, int required, lshm__fence *f) {
     if (rc == 0)
         rc = fence_ioctl(fd, UFFDIO_REGISTER, &reg);
     if ((rc == -EBADF || rc == -ENOTTY) && !fence_is_ours(fd)) {
-        fence_reopen(fd);
-        return atomic_load(&fence_fd) != fd ? lshm__os_fence_begin(addr, len, required, f)
-                                            : unfenced(required, "its userfaultfd was closed");
+        /* (the new one often gets the same number: closed, it is the lowest free one) */
+        if (!reopened) {
+            fence_reopen(fd);
+            if (atomic_load(&fence_fd) >= 0)
+                return fence_begin(addr, len, required, f, 1);
+        }
+        return unfenced(required, "its userfaultfd was closed, and no other could be opened");
     }
     struct uffdio_range range = {(uintptr_t)addr, len};
     if (rc != 0) /* (the mappings REGISTER got to stay registered) */
@@ -722,8 +732,13 @@ int lshm__os_fence_begin(void *addr, size_t len, int required, lshm__fence *f) {
     atomic_fetch_add_explicit(&lshm__fences_set, 1, memory_order_relaxed);
     return 0;
 #else
+    (void)reopened;
     return unfenced(required, "built without userfaultfd");
 #endif
+}
+
+int lshm__os_fence_begin(void *addr, size_t len, int required, lshm__fence *f) {
+    return fence_begin(addr, len, required, f, 0);
 }
 
 void lshm__os_fence_wake(const lshm__fence *f, void *addr, size_t len) {

@@ -507,6 +507,20 @@ static void test_userfaultfd_closed_by_the_program(void) {
     close(ufd);
     close(p[0]);
     close(p[1]);
+    /* closed, not reused: the new one takes the same number (the lowest free); the next
+     * share is fenced, lshm_storage_share_fenced too (not refused) */
+    ufd = userfaultfd_number();
+    ASSERT_GE(ufd, 0);
+    close(ufd);
+    fences = lshm__fences_set;
+    share_call = lshm_storage_share_fenced;
+    check_no_loss(512 << 10, 1, 0, LSHM__ORIGIN_PAGES);
+    ASSERT_GE(userfaultfd_number(), 0);
+    close(userfaultfd_number());
+    check_no_loss(3 << 19, 1, 0, LSHM__ORIGIN_PAGES);
+    share_call = lshm_storage_share;
+    ASSERT_UINT_EQ(lshm__fences_set, fences + 2);
+    ASSERT_GE(userfaultfd_number(), 0);
 }
 
 /* VmFlags of the mapping that starts at p contain "uw" (registered for write-protect)? */
