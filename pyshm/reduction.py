@@ -301,29 +301,32 @@ def _share_fenced_or_refuse(handle: _ffi.StorageHandle) -> None:
     PicklingError (nothing changed)."""
     rc = lib.lshm_storage_share_fenced(handle)
     if rc == -errno.EOPNOTSUPP:
+        why = lib.lshm_last_error().decode("utf-8", "replace")
         raise pickle.PicklingError(
             "pyshm: this array is not shared yet, and multiprocessing is pickling it on a "
             "thread of its own (a Queue's feeder, a Pool's task handler) while your code "
             "may still be writing to it; this process cannot write-protect it during a share "
-            "(LSHM_FENCE=0, or no userfaultfd write protection here), so sharing it in place "
-            "now could undo those writes. Share it before sending it: "
-            "pyshm.share_memory_(array), or create it with shared=True")
+            f"(libshm: {why}), so sharing it in place now could undo those writes. Share it "
+            "before sending it: pyshm.share_memory_(array), or create it with shared=True")
     _ffi.raise_for(rc, "lshm_storage_share_fenced")
 
 
 def share_if_fenced(a: Any) -> bool:
     """For an engine pickling pyshm memory on a thread of its own (torch's and joblib's
-    reducers): True if `a`'s storage is shared, already or now in place under libshm's write
-    fence (no write of the caller's threads lost); False where it cannot be (no fence in this
-    process, memory that cannot be shared in place, a failed share: nothing changed), and the
-    engine then goes its own way, as without pyshm."""
+    reducers, Dask's event loop): True if `a`'s storage is shared, already or now in place
+    under libshm's write fence (no write of the other threads lost), whatever thread this is;
+    False where it cannot be (no fence in this process, memory that cannot be shared in place,
+    a failed share: nothing changed), and the engine then goes its own way, as without pyshm."""
     owner = owner_of(a)
     if owner is None:
         return False
     if owner.facts is not None:  # memory received: shared
         return bool(owner.facts[0] & _ffi.STORAGE_SHARED)
+    if lib.lshm_storage_flags(owner.handle) & _ffi.STORAGE_SHARED:
+        return True
     try:
-        _share_for_sending(owner.handle)
+        share_in_place(owner.handle, "pickling for another process", pickle.PicklingError,
+                       _share_fenced_or_refuse)
     except (pickle.PicklingError, OSError, MemoryError):
         return False
     return True

@@ -30,7 +30,7 @@ import pyshm
 from pyshm import _channel, _ffi, reduction
 from pyshm._memory import owner_of as _owner_of
 
-from shm_harness import start_with_pipe
+from shm_harness import needs_fence, start_with_pipe
 
 METHODS = ["fork", "spawn", "forkserver"]
 
@@ -207,6 +207,7 @@ def test_unshared_array_on_a_pool_is_shared_in_place_under_the_fence(pool):
     # A Pool pickles tasks on its task-handler thread while the caller goes on: the array is
     # shared in place there under libshm's write fence (without one it is refused:
     # test_channel's test_without_the_fence_...), and the worker writes our pages.
+    needs_fence()
     a = pyshm.empty(1000, np.float32)
     a[:] = 1.5
     address = a.ctypes.data
