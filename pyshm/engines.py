@@ -403,16 +403,14 @@ def _install_distributed() -> None:
         return
 
     def serialize_ndarray(x, context=None):
-        # by reference: pyshm memory, shared (an array not shared yet is shared here, on
-        # distributed's event loop, only under the write fence: the caller's threads may be
-        # writing it), to a process on this machine; else (another machine, disk, no
-        # recipient, no fence) by value.
+        # by reference: shared pyshm memory (no implicit share on distributed's threads), to
+        # a process on this machine; else (another machine, disk, no recipient) by value.
         # The reference is a pickle, under distributed's own "pickle" header, so that any
         # receiver (pyshm imported there or not) rebuilds it with its stock deserializer.
         # Its secrets go in frames of their own: a receiver that fails to load the pickle
         # (pyshm not importable there) logs the pickle's first frame, and only that.
         if type(x) is np.ndarray and x.size > 0 and reduction.owner_of(x) is not None and \
-                _recipient_here(context) and reduction.share_if_fenced(x):
+                is_shared(x) and _recipient_here(context):
             frames: list = [None]
             frames[0] = pickle.dumps(reduction.Ref(x), protocol=5,
                                      buffer_callback=lambda b: frames.append(b.raw()))

@@ -313,7 +313,7 @@ def _share_fenced_or_refuse(handle: _ffi.StorageHandle) -> None:
 
 def share_if_fenced(a: Any) -> bool:
     """For an engine pickling pyshm memory on a thread of its own (torch's and joblib's
-    reducers, Dask's event loop): True if `a`'s storage is shared, already or now in place
+    reducers): True if `a`'s storage is shared, already or now in place
     under libshm's write fence (no write of the other threads lost), whatever thread this is;
     False where it cannot be (no fence in this process, memory that cannot be shared in place,
     a failed share: nothing changed), and the engine then goes its own way, as without pyshm."""

@@ -213,7 +213,10 @@ def run_without_the_fence(code: str, timeout: float = 180) -> tuple:
     try:
         out, err = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:  # (the group is gone already)
+            pass
         child.communicate()
         raise
     assert child.returncode == 0, err
