@@ -661,9 +661,8 @@ static int unfenced(int required, const char *why) {
 #ifdef LSHM_HAVE_UFFD
 /* The fence could not be set up over `range` (rc): undo what the ioctls did, and say so where
  * that is an error (ENOMEM); anything else leaves the share unfenced (or refuses it:
- * `required`, see unfenced). `registered`: REGISTER
- * worked (WRITEPROTECT failed), or failed part-way (ENOMEM: every mapping of the range was
- * ours or nobody's). Any other REGISTER failure (EBUSY: another userfaultfd watches it) made
+ * `required`, see unfenced). `registered`: REGISTER worked (WRITEPROTECT failed), or failed
+ * part-way (ENOMEM: every mapping of the range was ours or nobody's). Any other REGISTER failure (EBUSY: another userfaultfd watches it) made
  * nothing of ours to undo, and the watcher's registration is not ours to touch. A writer may
  * already wait on pages a partial UFFDIO_WRITEPROTECT protected: unregistering wakes nobody,
  * so wake too. */

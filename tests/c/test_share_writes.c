@@ -316,7 +316,8 @@ static void test_fenced_share_never_goes_unfenced(void) {
     ASSERT_OK(pthread_join(t, NULL));
     int fds = fd_count();
     const size_t sizes[] = {page, 512 << 10, 3 << 19, 64 << 20}; /* slab, pages, chunks, huge */
-    const int refusals[] = {0, -EINVAL, -EBUSY, -ENOMEM};        /* 0: the fence off */
+    /* 0: the fence off; 1: WRITEPROTECT fails (-EINVAL) after REGISTER worked */
+    const int refusals[] = {0, -EINVAL, -EBUSY, -ENOMEM, 1};
     for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
         for (size_t j = 0; j < sizeof refusals / sizeof refusals[0]; j++) {
             lshm_pool_trim();
@@ -328,9 +329,13 @@ static void test_fenced_share_never_goes_unfenced(void) {
             unsigned long fences = lshm__fences_set;
             if (refusals[j] == 0)
                 atomic_store(&lshm__fence_off, 1);
-            atomic_store(&lshm__fence_fails, refusals[j]);
+            else if (refusals[j] == 1)
+                atomic_store(&lshm__fence_wp_fails, -EINVAL);
+            else
+                atomic_store(&lshm__fence_fails, refusals[j]);
             int rc = lshm_storage_share_fenced(s);
             atomic_store(&lshm__fence_fails, 0);
+            atomic_store(&lshm__fence_wp_fails, 0);
             atomic_store(&lshm__fence_off, 0);
             if (refusals[j] == -ENOMEM) {
                 ASSERT_ERR(rc, -ENOMEM);
@@ -541,8 +546,9 @@ static int registered_wp(const void *p) {
     return found;
 }
 
-/* Memory the program's own userfaultfd watches: the share goes unfenced, and a share that
- * fails leaves the program's registration in place (UNREGISTER would remove anybody's). */
+/* Memory the program's own userfaultfd watches: the share goes unfenced (the fenced share
+ * refuses it), and a share that fails leaves the program's registration in place (UNREGISTER
+ * would remove anybody's). */
 static void test_memory_another_userfaultfd_watches(void) {
     int mine = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
     ASSERT_GE(mine, 0);
@@ -559,6 +565,12 @@ static void test_memory_another_userfaultfd_watches(void) {
         ASSERT_OK(ioctl(mine, UFFDIO_REGISTER, &reg));
         ASSERT(registered_wp(data));
         unsigned long fences = lshm__fences_set;
+        if (nth == 1) { /* the fenced share refuses it, and leaves the registration alone */
+            ASSERT_ERR(lshm_storage_share_fenced(s), -EOPNOTSUPP);
+            ASSERT(strstr(lshm_last_error(), "another userfaultfd") != NULL);
+            ASSERT_EQ(lshm_storage_flags(s), 0);
+            ASSERT(registered_wp(data));
+        }
         lshm__fault_arm(nth, -ENOSPC);
         int rc = lshm_storage_share(s);
         int hit = lshm__fault_points_hit();
