@@ -150,6 +150,15 @@ def _rebuild_tensor(data, dtype: str, size: tuple, stride: tuple, offset: int,
     return tensor
 
 
+def _sendable(data: np.ndarray) -> bool:
+    """Whether pyshm memory goes by reference from this pickling: shared already, pickled on
+    the caller's own thread (where it is shared in place), or shared now under the write fence
+    on a thread of the engine's own; where it cannot be (no fence here) the engine goes its own
+    way, as without pyshm (see pyshm.reduction)."""
+    return (is_shared(data) or not reduction.pickled_off_the_callers_thread()
+            or reduction.share_if_fenced(data))
+
+
 def _tensor_reduction(tensor: Any):
     """The reduction that sends ``tensor`` (a plain CPU tensor or Parameter over pyshm memory)
     by reference, or None: not pyshm memory, a non-leaf tensor that needs its graph, or
@@ -163,8 +172,7 @@ def _tensor_reduction(tensor: Any):
     if kind is not torch.Tensor and not parameter:
         return None
     data = None if tensor.requires_grad and not tensor.is_leaf else _tensor_bytes(tensor)
-    if data is None or (not is_shared(data) and reduction.pickled_off_the_callers_thread()
-                        and not reduction.share_if_fenced(data)):
+    if data is None or not _sendable(data):
         return None
     reduced = reduction.reduce_ndarray(data)
     if reduced[1][1].readonly:  # (the ticket: what every receiver would get)
@@ -208,14 +216,10 @@ def _install_torch() -> None:
 
 
 def _pyshm_array(a: Any) -> bool:
-    """A pyshm array to send by reference: shared already, pickled on the caller's own
-    thread (where it is shared in place), or shared now under the write fence on a thread of
-    the pool's own; one that cannot be (no fence here) goes joblib's way, as before (see
-    pyshm.reduction)."""
+    """A pyshm array to send by reference (see _sendable); others go joblib's way."""
     if type(a) is not np.ndarray or a.size == 0 or reduction.owner_of(a) is None:
         return False
-    return (is_shared(a) or not reduction.pickled_off_the_callers_thread()
-            or reduction.share_if_fenced(a))
+    return _sendable(a)
 
 
 def _install_joblib() -> None:

@@ -286,19 +286,17 @@ def _share_for_sending(handle: _ffi.StorageHandle) -> None:
     """Share an unshared storage in place because it is being pickled (implicit share)."""
     if lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
         return  # another thread did it meanwhile
-    if _channel.on_thread_of(_ASYNC_PICKLERS):
-        share_in_place(handle, "pickling for another process", pickle.PicklingError,
-                       _share_fenced_or_refuse)
-        return
     # in place, same address, atomic on failure (idempotent: a concurrent share copies once);
-    # memory that cannot be shared in place is refused here, in the sender
-    share_in_place(handle, "pickling for another process", pickle.PicklingError)
+    # memory that cannot be shared in place is refused here, in the sender; on a thread of
+    # multiprocessing's own only under the write fence
+    fenced = _share_fenced_or_refuse if _channel.on_thread_of(_ASYNC_PICKLERS) else None
+    share_in_place(handle, "pickling for another process", pickle.PicklingError, fenced)
 
 
 def _share_fenced_or_refuse(handle: _ffi.StorageHandle) -> None:
-    """lshm_storage_share_fenced: multiprocessing pickles on a thread of its own while the
-    caller's code goes on, maybe writing to the array; where no fence can keep those writes,
-    PicklingError (nothing changed)."""
+    """lshm_storage_share_fenced: multiprocessing (or an engine) pickles on a thread of its
+    own while the caller's code goes on, maybe writing to the array; where no fence can keep
+    those writes, PicklingError (nothing changed)."""
     rc = lib.lshm_storage_share_fenced(handle)
     if rc == -errno.EOPNOTSUPP:
         why = lib.lshm_last_error().decode("utf-8", "replace")
@@ -312,18 +310,15 @@ def _share_fenced_or_refuse(handle: _ffi.StorageHandle) -> None:
 
 
 def share_if_fenced(a: Any) -> bool:
-    """For an engine pickling pyshm memory on a thread of its own (torch's and joblib's
-    reducers): True if `a`'s storage is shared, already or now in place
-    under libshm's write fence (no write of the other threads lost), whatever thread this is;
-    False where it cannot be (no fence in this process, memory that cannot be shared in place,
-    a failed share: nothing changed), and the engine then goes its own way, as without pyshm."""
+    """For an engine pickling pyshm memory not shared yet on a thread of its own (torch's and
+    joblib's reducers): True once `a`'s storage is shared in place under libshm's write fence
+    (no write of the other threads lost), whatever thread this is; False where it cannot be
+    (no fence in this process, memory that cannot be shared in place, a failed share: nothing
+    changed), and the engine then goes its own way, as without pyshm. Memory received is
+    shared already (True)."""
     owner = owner_of(a)
-    if owner is None:
-        return False
-    if owner.facts is not None:  # memory received: shared
-        return bool(owner.facts[0] & _ffi.STORAGE_SHARED)
-    if lib.lshm_storage_flags(owner.handle) & _ffi.STORAGE_SHARED:
-        return True
+    if owner is None or owner.facts is not None:
+        return owner is not None
     try:
         share_in_place(owner.handle, "pickling for another process", pickle.PicklingError,
                        _share_fenced_or_refuse)

@@ -717,6 +717,30 @@ def test_queue_put_of_an_unshared_array_is_shared_under_the_fence_losing_no_writ
     assert "share_memory_" not in capfd.readouterr().err  # nothing refused
 
 
+def _put_unshared_and_exit(queue):
+    a = pyshm.zeros(1 << 20, np.int64)  # not shared: the feeder shares it as the process ends
+    a[:] = 9
+    queue.put(a)  # and return at once: the feeder is joined at exit, its receiver served
+
+
+def test_queue_put_of_an_unshared_array_by_a_sender_that_exits_at_once():
+    needs_fence()
+    ctx = mp.get_context("fork")
+    for _ in range(5):
+        queue = ctx.Queue()
+        sender = ctx.Process(target=_put_unshared_and_exit, args=(queue,))
+        sender.start()
+        try:
+            a = queue.get(timeout=60)
+            assert a.shape == (1 << 20,) and (a == 9).all()
+            sender.join(60)
+            assert sender.exitcode == 0
+        finally:
+            if sender.is_alive():
+                sender.kill()
+                sender.join()
+
+
 UNFENCED_SENDS = """
     import concurrent.futures as cf, json, multiprocessing as mp, pickle
     import numpy as np, pyshm
