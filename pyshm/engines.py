@@ -261,36 +261,41 @@ def _local_host(host: str) -> bool:
         return False  # (names are not resolved: they may name another machine)
     if address.is_loopback:
         return True
-    own = _own_addresses()
-    return str(address) in own
+    return str(address) in _own_addresses() or str(address) in _own_addresses(fresh=True)
 
 
+# (time read, addresses): read again when an address is not among them and they are older
+# than _PEER_SECONDS, so that an interface that comes up later (a VPN, a container network, a
+# DHCP lease) is this machine's too
 _OWN_ADDRESSES: list = []
 
 
-def _own_addresses() -> set:
-    """The IP addresses of this network namespace's interfaces (read once: /proc/net)."""
-    if not _OWN_ADDRESSES:
-        own = set()
-        try:  # IPv4: the local routes' table lists every address of ours
-            with open("/proc/net/fib_trie") as table:
-                lines = table.read().splitlines()
-            for at, line in enumerate(lines):
-                if "/32 host LOCAL" in line and at > 0:
-                    own.add(lines[at - 1].split()[-1])
-        except OSError:
-            pass
-        try:  # IPv6
-            import ipaddress
+def _own_addresses(fresh: bool = False) -> set:
+    """The IP addresses of this network namespace's interfaces (/proc/net), as last read, or
+    as read now if ``fresh`` and that reading is older than _PEER_SECONDS."""
+    now = time.monotonic()
+    if _OWN_ADDRESSES and not (fresh and now - _OWN_ADDRESSES[0][0] >= _PEER_SECONDS):
+        return _OWN_ADDRESSES[0][1]
+    own = set()
+    try:  # IPv4: the local routes' table lists every address of ours
+        with open("/proc/net/fib_trie") as table:
+            lines = table.read().splitlines()
+        for at, line in enumerate(lines):
+            if "/32 host LOCAL" in line and at > 0:
+                own.add(lines[at - 1].split()[-1])
+    except OSError:
+        pass
+    try:  # IPv6
+        import ipaddress
 
-            with open("/proc/net/if_inet6") as table:
-                for line in table:
-                    raw = line.split()[0]
-                    own.add(str(ipaddress.ip_address(int(raw, 16))))
-        except (OSError, ValueError):
-            pass
-        _OWN_ADDRESSES.append(own)
-    return _OWN_ADDRESSES[0]
+        with open("/proc/net/if_inet6") as table:
+            for line in table:
+                raw = line.split()[0]
+                own.add(str(ipaddress.ip_address(int(raw, 16))))
+    except (OSError, ValueError):
+        pass
+    _OWN_ADDRESSES[:] = [(now, own)]
+    return own
 
 
 def _schedulers() -> set:
@@ -382,6 +387,16 @@ def _recipient_here(context: Any) -> bool:
     message stops). No recipient (spilling to disk, a cache) means no."""
     recipient = context.get("recipient") if isinstance(context, dict) else None
     if isinstance(recipient, dict):  # (distributed gives the comm's peer info)
+        # The peer's handshake names the pickle protocol it takes. A reference is a pickle of
+        # protocol 5 (its secrets are out-of-band buffers), and a scheduler asks for 4 on
+        # every comm it makes or accepts ("common denominator", Scheduler.__init__ and
+        # Scheduler.start_unsafe): so this also tells the scheduler's own connection to a
+        # worker, from an ephemeral port that _schedulers cannot know, over which it fetches
+        # results for a client (Scheduler.gather) and relays them unopened, maybe to another
+        # machine. Without the key (not a comm's handshake): no.
+        protocol = recipient.get("pickle-protocol")
+        if not isinstance(protocol, int) or protocol < 5:
+            return False
         recipient = recipient.get("address")
     if not isinstance(recipient, str) or "://" not in recipient:
         return False

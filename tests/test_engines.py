@@ -1092,16 +1092,25 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
     ours = socket.socket()  # (a process of ours listens there: ourselves)
     ours.bind(("127.0.0.1", 0))
     ours.listen()
-    here = {"recipient": {"address": f"tcp://127.0.0.1:{ours.getsockname()[1]}"}}
+    # (the peer info a comm gives: its handshake, with the protocol it asked for, and its
+    # address)
+    peer = f"tcp://127.0.0.1:{ours.getsockname()[1]}"
+    here = {"recipient": {"address": peer, "pickle-protocol": 5}}
     cases = [(here, True),
-             ({"recipient": {"address": "tcp://127.0.0.1:1"}}, False),  # (nobody there)
-             ({"recipient": {"address": "tcp://203.0.113.7:8786"}}, False),
-             ({"recipient": {"address": "tcp://node7.example:8786"}}, False),
+             ({"recipient": {"address": "tcp://127.0.0.1:1", "pickle-protocol": 5}},
+              False),  # (nobody there)
+             ({"recipient": {"address": "tcp://203.0.113.7:8786", "pickle-protocol": 5}}, False),
+             ({"recipient": {"address": "tcp://node7.example:8786", "pickle-protocol": 5}},
+              False),
+             # a scheduler's own comm (it asks for protocol 4 and relays what it fetches)
+             ({"recipient": {"address": peer, "pickle-protocol": 4}}, False),
+             ({"recipient": {"address": peer}}, False),  # (no handshake: not a comm's)
              (None, False)]  # (spilling to disk: no recipient)
     other = None
     if os.geteuid() == 0:  # a worker of another user here: it would be refused the memory
         other = listening_as(65534)
-        cases.append(({"recipient": {"address": f"tcp://127.0.0.1:{other[0]}"}}, False))
+        cases.append(({"recipient": {"address": f"tcp://127.0.0.1:{other[0]}",
+                                     "pickle-protocol": 5}}, False))
     try:
         check_dask_serialize(array, here, cases)
     finally:
@@ -1139,7 +1148,8 @@ def test_dask_reference_that_a_worker_cannot_load_leaves_no_secret_in_its_log():
     ours.listen()
     try:
         header, frames = serialize(array, serializers=("dask",), context={
-            "recipient": {"address": f"tcp://127.0.0.1:{ours.getsockname()[1]}"}})
+            "recipient": {"address": f"tcp://127.0.0.1:{ours.getsockname()[1]}",
+                          "pickle-protocol": 5}})
     finally:
         ours.close()
     frames = [bytes(frame) for frame in frames]
@@ -1214,6 +1224,36 @@ def free_pair_subnet() -> str:
         if not any(ipaddress.ip_network(subnet).overlaps(other) for other in taken):
             return subnet
     pytest.fail(f"every subnet of {PAIR_SUBNETS} is in use here: {taken}")
+
+
+def test_dask_an_address_that_comes_up_later_is_this_machine():
+    # pyshm reads this machine's addresses once and remembers them; one that comes up later (a
+    # VPN, a container network, a DHCP lease) must count as ours too, within a second, or
+    # workers listening there get copies. (An address that goes away may stay remembered: no
+    # socket of ours is bound there any more, so _peer_uids finds nobody.)
+    import shutil
+
+    from pyshm import engines
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to add an address")
+    address = free_pair_subnet().rsplit(".", 1)[0] + ".1"
+    assert not engines._local_host(address)  # (and the addresses are remembered now)
+    name = f"pyshmd{os.getpid()}"
+    done = subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", f"{name}p"],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"no veth pair here: {done.stderr}")
+    try:
+        for command in (["ip", "addr", "add", f"{address}/24", "dev", name],
+                        ["ip", "link", "set", name, "up"]):
+            subprocess.run(command, capture_output=True, text=True, check=True)
+        deadline = time.monotonic() + 5 * engines._PEER_SECONDS
+        while not engines._local_host(address):
+            assert time.monotonic() < deadline, f"{address} never counted as this machine's"
+            time.sleep(0.05)
+    finally:
+        subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
 
 
 REACH_FROM_THERE = """
@@ -1325,6 +1365,65 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait(30)
+
+
+CLIENT_ELSEWHERE = """
+    import sys
+    import numpy as np
+    import distributed
+
+    def made_shared(value):  # (on the worker: shared pyshm memory of the worker's own)
+        import pyshm
+        array = pyshm.zeros(1 << 18, np.float32, shared=True)
+        array[:] = value
+        return array
+
+    def worker_read(array):
+        return float(array.sum())
+
+    # through the scheduler, as a client does by default: the scheduler fetches each result
+    # from the worker and relays it
+    with distributed.Client(sys.argv[1], direct_to_workers=False, timeout=60) as client:
+        for value in (5.0, 6.0):
+            back = client.submit(made_shared, value, pure=False).result(timeout=60)
+            assert type(back) is np.ndarray and float(back.sum()) == value * (1 << 18), back
+        # data a client here scattered to the worker by reference, then published
+        scattered = client.get_dataset("shared")
+        assert float(scattered.result(timeout=60).sum()) == 7.0 * (1 << 18)
+        assert client.submit(worker_read, scattered).result(timeout=60) == 7.0 * (1 << 18)
+    print("every result arrived")
+"""
+
+
+def test_dask_results_relayed_by_the_scheduler_arrive_by_value(other_network_namespace):
+    # A scheduler here, its worker here, a client on another machine (a network namespace of
+    # its own, which cannot reach our abstract sockets): the scheduler fetches results from
+    # the worker over a connection of its own and relays them unopened. Before the worker
+    # told that connection apart, shared pyshm memory went over it by reference, which the
+    # client elsewhere could not load (DeliveryError).
+    distributed = engine_or_skip("distributed")
+    pair = other_network_namespace
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                  host=pair.here, dashboard_address=None) as cluster, \
+            distributed.Client(cluster, direct_to_workers=True) as client:
+        array = pyshm.zeros(1 << 18, np.float32, shared=True)
+        array[:] = 7
+        future = client.scatter(array, hash=False, direct=True)
+        assert client.submit(fill_and_say, future, 7.0, pure=False).result() == \
+            (7.0 * (1 << 18), True)  # (the worker has our memory by reference)
+        client.publish_dataset(shared=future)
+        done = subprocess.run(
+            ["ip", "netns", "exec", pair.name, sys.executable, "-c",
+             textwrap.dedent(CLIENT_ELSEWHERE), cluster.scheduler_address],
+            capture_output=True, text=True, timeout=240, cwd=HERE, check=False)
+        assert done.returncode == 0 and "every result arrived" in done.stdout, \
+            done.stdout[-3000:] + done.stderr[-5000:]
+        # and a client here, through the scheduler: by value too (the scheduler relays to
+        # whoever asks); straight from the worker: our own memory
+        with distributed.Client(cluster, direct_to_workers=False) as through:
+            relayed = through.get_dataset("shared").result()
+            assert (relayed == 7).all() and relayed.ctypes.data != array.ctypes.data
+        assert future.result().ctypes.data == array.ctypes.data
 
 
 # ---- Ray ------------------------------------------------------------------------------------
