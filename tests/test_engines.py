@@ -1786,6 +1786,77 @@ def test_ray_cloudpickle_of_pyshm_memory_loads_after_its_sender_exited():
     assert (weights == expected).all()
 
 
+def _load_ray_pickle_as_another_user(payload: bytes, write_end: int) -> None:
+    """In a forked child that became another user (as a Ray worker of a cluster another user
+    started on this machine would be): load Ray's pickle, report what came, write to it."""
+    import json
+
+    import ray
+
+    outcome, before, after = None, [], []
+    try:
+        os.setgid(65534)
+        os.setuid(65534)
+        before = sorted(os.listdir("/proc/self/fd"))
+        start = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loaded = ray.cloudpickle.loads(payload)
+        seconds = time.monotonic() - start
+        # (through numpy: torch's own operations can hang in a forked child, on the OpenMP
+        # threads of its parent)
+        array, tensor = loaded["array"], loaded["tensor"].numpy()
+        outcome = [float(array.sum()), float(tensor.sum()), pyshm.is_shared(array), seconds]
+        array[:] = 9  # (a copy of its own: the sender must not see this)
+        tensor[:] = 9
+        del loaded, array, tensor
+        gc.collect()
+        after = sorted(os.listdir("/proc/self/fd"))
+    except BaseException as exc:  # (reported to the test, which fails with it)
+        outcome = repr(exc)
+    finally:
+        os.write(write_end, json.dumps([outcome, before, after]).encode())
+        os._exit(0)
+
+
+def test_ray_worker_of_another_user_gets_rays_copy():
+    # A Ray worker of a cluster another user runs on this machine reads the object: the
+    # sender's channel refuses it the memory (another uid), and it gets Ray's copy, at once,
+    # with no error, no warning and no fd left open; its writes stay its own.
+    ray = engine_or_skip("ray")
+    torch = engine_or_skip("torch")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    import json
+
+    from pyshm import engines
+
+    assert "ray" in engines.install()
+    array = pyshm.zeros(1 << 16, np.float32, shared=True)
+    array[:] = 2
+    tensor = torch.from_numpy(pyshm.zeros(1 << 16, np.float32, shared=True))
+    tensor.fill_(3)
+    payload = ray.cloudpickle.dumps({"array": array, "tensor": tensor})
+    same_user = ray.cloudpickle.loads(payload)  # (this user: the memory itself)
+    assert same_user["array"].ctypes.data == array.ctypes.data
+    assert same_user["tensor"].data_ptr() == tensor.data_ptr()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _load_ray_pickle_as_another_user(payload, write_end)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        outcome, before, after = json.loads(pipe.read())
+    assert os.waitpid(pid, 0)[1] == 0
+    assert isinstance(outcome, list), outcome
+    total, tensor_total, shared, seconds = outcome
+    assert total == 2 * (1 << 16) and tensor_total == 3 * (1 << 16) and not shared
+    assert seconds < 5, seconds  # (refused at once, not after a timeout)
+    assert after == before
+    assert (array == 2).all() and bool((tensor == 3).all())  # (its writes went to its copy)
+
+
 USERS_OWN_SERIALIZER = """
     import numpy as np
     import ray
