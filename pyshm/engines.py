@@ -24,9 +24,13 @@ What each hook does, and the engine's extension point it uses:
 * **dask.distributed** serializes numpy arrays with the serializer it registers for them in
   its ``dask_serialize`` registry (scatter, results, transfers between workers); the hook
   registers a wrapper there: shared pyshm memory sent straight to a process of this user on
-  this machine goes as a pickled reference (under distributed's own "pickle" header, so any
-  receiver rebuilds it), everything else (another machine, a scheduler, disk) by value as
-  before.
+  this machine that says it loads references goes as a pickled reference (under
+  distributed's own "pickle" header, so any receiver rebuilds it), everything else (another
+  machine, a scheduler, disk, a process without pyshm) by value as before. A process says
+  so with a key that pyshm adds to the handshake of its every connection
+  (``Comm.handshake_info``, whose dict a peer's serializers get as ``context["recipient"]``),
+  and pyshm's entry in Dask's ``dask.sizeof`` entry points (pyshm/_pyshm_dask.py) imports
+  pyshm early in every process of distributed of an environment that has it.
   Task arguments (``submit(f, a)``, ``map``) are pickled into the task, which goes through
   the scheduler, where no reference is safe, so ``Client.submit`` and ``Client.map`` are
   wrapped to scatter each pyshm array and each ``pyshm.ref`` among them (other arrays go
@@ -397,6 +401,11 @@ def _recipient_here(context: Any) -> bool:
         protocol = recipient.get("pickle-protocol")
         if not isinstance(protocol, int) or protocol < 5:
             return False
+        # And it says whether the peer loads references (_announce_references): a worker
+        # from an environment without pyshm would fail to, and Dask would then wait forever
+        # for the data (dask/distributed#7060).
+        if recipient.get(_ANNOUNCED) != _REFERENCE_FORMAT:
+            return False
         recipient = recipient.get("address")
     if not isinstance(recipient, str) or "://" not in recipient:
         return False
@@ -411,12 +420,38 @@ def _recipient_here(context: Any) -> bool:
     return _peer_uids(host, int(port)) == {os.geteuid()}
 
 
+# The handshake key by which a process of distributed says it loads pyshm references, and the
+# format of those it loads (the "pyshm" key of a reference's header too)
+_ANNOUNCED = "pyshm"
+_REFERENCE_FORMAT = 1
+
+
+def _announce_references() -> None:
+    """Add to the handshake that every comm of this process sends its peer (the information a
+    peer's serializers get as ``context["recipient"]``) that this process loads references.
+    pyshm is imported in every Dask process of an environment that has it (its "dask.sizeof"
+    entry point, pyshm/_pyshm_dask.py), so a process without it says nothing and gets the
+    bytes."""
+    from distributed.comm.core import Comm
+
+    info = Comm.handshake_info
+    if getattr(info, "_pyshm_wraps", None) is not None:
+        return
+
+    def handshake_info(self):
+        return {**info(self), _ANNOUNCED: _REFERENCE_FORMAT}
+
+    handshake_info._pyshm_wraps = info
+    Comm.handshake_info = handshake_info
+
+
 def _install_distributed() -> None:
     from distributed.protocol import numpy as dask_numpy  # (registers its own first)
     from distributed.protocol.serialize import dask_serialize
 
     original = dask_numpy.serialize_numpy_ndarray
     if getattr(dask_serialize.dispatch(np.ndarray), "_pyshm_wraps", None) is not None:
+        _announce_references()
         _install_distributed_arguments()
         _installed.add("distributed")
         return
@@ -433,10 +468,11 @@ def _install_distributed() -> None:
             frames: list = [None]
             frames[0] = pickle.dumps(reduction.Ref(x), protocol=5,
                                      buffer_callback=lambda b: frames.append(b.raw()))
-            return {"pickle": True, "pyshm": 1}, frames
+            return {"pickle": True, _ANNOUNCED: _REFERENCE_FORMAT}, frames
         return original(x, context=context)
 
     serialize_ndarray._pyshm_wraps = original
+    _announce_references()
     dask_serialize.register(np.ndarray)(serialize_ndarray)
     _install_distributed_arguments()
     _installed.add("distributed")
@@ -970,9 +1006,12 @@ def _install_ray_tensors() -> None:
 # ---- installing after an engine's own import --------------------------------------------------
 
 # the module whose import completes each engine's reducers
-# (torch.multiprocessing's own import registers torch's reducers, at its end)
+# (torch.multiprocessing's own import registers torch's reducers, at its end); for
+# distributed, distributed.client too: pyshm's entry point (pyshm/_pyshm_dask.py) imports
+# pyshm from within distributed's own import (distributed -> dask -> dask.sizeof), when
+# "distributed" is under way already
 _WATCHED = {"torch.multiprocessing": "torch", "joblib._memmapping_reducer": "joblib",
-            "distributed": "distributed", "ray": "ray"}
+            "distributed": "distributed", "distributed.client": "distributed", "ray": "ray"}
 
 
 class _Loader(importlib.abc.Loader):

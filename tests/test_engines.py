@@ -1092,25 +1092,30 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
     ours = socket.socket()  # (a process of ours listens there: ourselves)
     ours.bind(("127.0.0.1", 0))
     ours.listen()
-    # (the peer info a comm gives: its handshake, with the protocol it asked for, and its
-    # address)
+    # (the peer info a comm gives: its handshake, with the protocol it asked for and whether
+    # it loads references, and its address)
     peer = f"tcp://127.0.0.1:{ours.getsockname()[1]}"
-    here = {"recipient": {"address": peer, "pickle-protocol": 5}}
+    facts = {"pickle-protocol": 5, "pyshm": 1}
+
+    def to(address: str, **handshake) -> dict:
+        return {"recipient": {"address": address, **handshake}}
+
+    here = to(peer, **facts)
     cases = [(here, True),
-             ({"recipient": {"address": "tcp://127.0.0.1:1", "pickle-protocol": 5}},
-              False),  # (nobody there)
-             ({"recipient": {"address": "tcp://203.0.113.7:8786", "pickle-protocol": 5}}, False),
-             ({"recipient": {"address": "tcp://node7.example:8786", "pickle-protocol": 5}},
-              False),
+             (to("tcp://127.0.0.1:1", **facts), False),  # (nobody there)
+             (to("tcp://203.0.113.7:8786", **facts), False),
+             (to("tcp://node7.example:8786", **facts), False),
              # a scheduler's own comm (it asks for protocol 4 and relays what it fetches)
-             ({"recipient": {"address": peer, "pickle-protocol": 4}}, False),
-             ({"recipient": {"address": peer}}, False),  # (no handshake: not a comm's)
+             (to(peer, **{**facts, "pickle-protocol": 4}), False),
+             (to(peer), False),  # (no handshake: not a comm's)
+             # a process that does not say it loads references (no pyshm there)
+             (to(peer, **{"pickle-protocol": 5}), False),
+             (to(peer, **{**facts, "pyshm": 2}), False),
              (None, False)]  # (spilling to disk: no recipient)
     other = None
     if os.geteuid() == 0:  # a worker of another user here: it would be refused the memory
         other = listening_as(65534)
-        cases.append(({"recipient": {"address": f"tcp://127.0.0.1:{other[0]}",
-                                     "pickle-protocol": 5}}, False))
+        cases.append((to(f"tcp://127.0.0.1:{other[0]}", **facts), False))
     try:
         check_dask_serialize(array, here, cases)
     finally:
@@ -1149,7 +1154,7 @@ def test_dask_reference_that_a_worker_cannot_load_leaves_no_secret_in_its_log():
     try:
         header, frames = serialize(array, serializers=("dask",), context={
             "recipient": {"address": f"tcp://127.0.0.1:{ours.getsockname()[1]}",
-                          "pickle-protocol": 5}})
+                          "pickle-protocol": 5, "pyshm": 1}})
     finally:
         ours.close()
     frames = [bytes(frame) for frame in frames]
@@ -1361,6 +1366,93 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
         finally:
             worker.terminate()
             try:  # (a worker closing gracefully may wait on its scheduler: never left running)
+                worker.wait(10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait(30)
+
+
+DASK_PROCESS = """
+    import sys, types
+    import distributed
+    from distributed.comm.core import Comm
+    pyshm = sys.modules.get("pyshm")
+    said = Comm.handshake_info(types.SimpleNamespace(same_host=True))
+    print(pyshm is not None and "distributed" in pyshm.engines.installed(), said.get("pyshm"))
+"""
+
+
+def test_dask_processes_import_pyshm_through_its_entry_point():
+    # pyshm's "dask.sizeof" entry point: a process of distributed imports pyshm before its
+    # first connection (so its handshake says it loads references); a process of dask alone
+    # does not; a pyshm that cannot be imported costs distributed a logged error, not its import
+    engine_or_skip("distributed")
+    assert run_python(DASK_PROCESS).split() == [b"True", b"1"]
+    assert run_python("""
+        import sys
+        import dask.array
+        print("pyshm" in sys.modules)
+    """).split() == [b"False"]
+    broken = subprocess.run([sys.executable, "-c", textwrap.dedent(DASK_PROCESS)],
+                            capture_output=True, text=True, timeout=120, cwd=HERE,
+                            env=dict(os.environ, PYSHM_LIBRARY="/nonexistent/liblshm.so"))
+    assert broken.returncode == 0, broken.stderr
+    assert broken.stdout.split() == ["False", "None"], broken.stdout
+    assert "Failed to register sizeof entry point pyshm" in broken.stderr, broken.stderr
+    assert "could not load /nonexistent/liblshm.so" in broken.stderr, broken.stderr
+
+
+BARE_WORKER = """
+    import importlib.metadata as metadata, sys
+    # an environment without pyshm: neither the package nor its entry point
+    sys.modules["pyshm"] = None
+    every = metadata.entry_points
+    metadata.entry_points = lambda **select: metadata.EntryPoints(
+        point for point in every(**select) if not point.value.startswith("pyshm"))
+    from distributed.cli.dask_worker import main
+    sys.argv[1:] = [sys.argv[1], "--nthreads", "1", "--no-dashboard", "--no-nanny",
+                    "--name", "bare"]
+    main()
+"""
+
+
+def test_dask_worker_without_pyshm_gets_the_bytes(tmp_path):
+    # A worker of this user on this machine, from an environment without pyshm, cannot load a
+    # reference: it must get the bytes, whether a client scatters to it or another worker
+    # holds the memory a task there needs (before, that transfer failed to load and Dask
+    # waited forever: dask/distributed#7060)
+    distributed = engine_or_skip("distributed")
+    said = str(tmp_path / "worker.log")
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, open(said, "wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(BARE_WORKER), cluster.scheduler_address],
+            stdout=log, stderr=subprocess.STDOUT, cwd=HERE)
+        try:
+            with distributed.Client(cluster, direct_to_workers=True) as client:
+                try:
+                    client.wait_for_workers(2, timeout=60)
+                except TimeoutError as error:
+                    pytest.fail(f"{error!r}; the worker (exit code {worker.poll()}) wrote:\n"
+                                f"{tail_of(said)}")
+                workers = client.scheduler_info(n_workers=-1)["workers"]
+                bare = next(at for at, facts in workers.items() if facts["name"] == "bare")
+                ours = next(at for at in workers if at != bare)
+                array = pyshm.zeros(1 << 18, np.float32, shared=True)
+                array[:] = 1
+                # (np.sum: what runs there cannot come from this module, which imports pyshm)
+                there = client.scatter(array, hash=False, direct=True, workers=[bare])
+                assert client.submit(np.sum, there, workers=[bare]).result(timeout=60) == \
+                    1 << 18
+                held = client.scatter(array, hash=False, direct=True, workers=[ours])
+                assert client.submit(fill_and_say, held, 2.0, workers=[ours],
+                                     pure=False).result(timeout=60) == (2.0 * (1 << 18), True)
+                needed = client.submit(np.sum, held, workers=[bare], allow_other_workers=False,
+                                       pure=False)
+                assert needed.result(timeout=60) == 2 * (1 << 18), tail_of(said)
+        finally:
+            worker.terminate()
+            try:
                 worker.wait(10)
             except subprocess.TimeoutExpired:
                 worker.kill()
