@@ -265,21 +265,22 @@ def _local_host(host: str) -> bool:
         return False  # (names are not resolved: they may name another machine)
     if address.is_loopback:
         return True
-    return str(address) in _own_addresses() or str(address) in _own_addresses(fresh=True)
+    return str(address) in _own_addresses()
 
 
-# (time read, addresses): read again when an address is not among them and they are older
-# than _PEER_SECONDS, so that an interface that comes up later (a VPN, a container network, a
-# DHCP lease) is this machine's too
+# (time read, addresses): read again once older than _PEER_SECONDS, so that an interface that
+# comes up later (a VPN, a container network, a DHCP lease) is this machine's too, and an
+# address that left (maybe to another machine) is not
 _OWN_ADDRESSES: list = []
 
 
-def _own_addresses(fresh: bool = False) -> set:
-    """The IP addresses of this network namespace's interfaces (/proc/net), as last read, or
-    as read now if ``fresh`` and that reading is older than _PEER_SECONDS."""
+def _own_addresses() -> set:
+    """The IP addresses of this network namespace's interfaces (/proc/net), as read at most
+    _PEER_SECONDS ago."""
     now = time.monotonic()
-    if _OWN_ADDRESSES and not (fresh and now - _OWN_ADDRESSES[0][0] >= _PEER_SECONDS):
-        return _OWN_ADDRESSES[0][1]
+    known = _OWN_ADDRESSES[0] if _OWN_ADDRESSES else None
+    if known is not None and now - known[0] < _PEER_SECONDS:
+        return known[1]
     own = set()
     try:  # IPv4: the local routes' table lists every address of ours
         with open("/proc/net/fib_trie") as table:
@@ -404,7 +405,10 @@ def _recipient_here(context: Any) -> bool:
         # And it says whether the peer loads references (_announce_references): a worker
         # from an environment without pyshm would fail to, and Dask would then wait forever
         # for the data (dask/distributed#7060).
-        if recipient.get(_ANNOUNCED) != _REFERENCE_FORMAT:
+        # And on which machine it runs: a TCP forwarder of this user (ssh -L, socat, kubectl
+        # port-forward) makes a process elsewhere look like one of ours here.
+        if recipient.get(_ANNOUNCED) != _REFERENCE_FORMAT or \
+                recipient.get(_MACHINE_KEY) != _machine():
             return False
         recipient = recipient.get("address")
     if not isinstance(recipient, str) or "://" not in recipient:
@@ -424,14 +428,35 @@ def _recipient_here(context: Any) -> bool:
 # format of those it loads (the "pyshm" key of a reference's header too)
 _ANNOUNCED = "pyshm"
 _REFERENCE_FORMAT = 1
+# ... and the key by which it says where it runs: this boot of this machine, this network
+# namespace (whose abstract sockets the channel uses)
+_MACHINE_KEY = "pyshm-machine"
+_MACHINES: list = []
+
+
+def _machine() -> Optional[str]:
+    """This boot of this machine and this network namespace, as a string (None if /proc
+    cannot tell: then no peer is taken for this machine's)."""
+    if not _MACHINES:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as boot:
+                machine: Optional[str] = \
+                    f"{boot.read().strip()}/{os.stat('/proc/self/ns/net').st_ino}"
+        except OSError:
+            machine = None
+        _MACHINES.append(machine)
+    return _MACHINES[0]
 
 
 def _announce_references() -> None:
     """Add to the handshake that every comm of this process sends its peer (the information a
-    peer's serializers get as ``context["recipient"]``) that this process loads references.
-    pyshm is imported in every Dask process of an environment that has it (its "dask.sizeof"
-    entry point, pyshm/_pyshm_dask.py), so a process without it says nothing and gets the
-    bytes."""
+    peer's serializers get as ``context["recipient"]``) that this process loads references,
+    and on which machine it runs (_machine). pyshm is imported in every Dask process of an
+    environment that has it (its "dask.sizeof" entry point, pyshm/_pyshm_dask.py), so a
+    process without it says nothing and gets the bytes. The saying is the handshake's, once
+    per connection: a connection made before this (pyshm imported late, where the entry point
+    is not installed) carries none, and Dask keeps connections, so its peer gets copies over
+    it."""
     from distributed.comm.core import Comm
 
     info = Comm.handshake_info
@@ -439,7 +464,11 @@ def _announce_references() -> None:
         return
 
     def handshake_info(self):
-        return {**info(self), _ANNOUNCED: _REFERENCE_FORMAT}
+        facts = info(self)
+        machine = _machine()
+        if machine is not None:
+            facts.update({_ANNOUNCED: _REFERENCE_FORMAT, _MACHINE_KEY: machine})
+        return facts
 
     handshake_info._pyshm_wraps = info
     Comm.handshake_info = handshake_info

@@ -1095,7 +1095,9 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
     # (the peer info a comm gives: its handshake, with the protocol it asked for and whether
     # it loads references, and its address)
     peer = f"tcp://127.0.0.1:{ours.getsockname()[1]}"
-    facts = {"pickle-protocol": 5, "pyshm": 1}
+    from pyshm import engines
+
+    facts = {"pickle-protocol": 5, "pyshm": 1, "pyshm-machine": engines._machine()}
 
     def to(address: str, **handshake) -> dict:
         return {"recipient": {"address": address, **handshake}}
@@ -1111,6 +1113,9 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
              # a process that does not say it loads references (no pyshm there)
              (to(peer, **{"pickle-protocol": 5}), False),
              (to(peer, **{**facts, "pyshm": 2}), False),
+             # another machine's process behind a TCP forwarder of ours (ssh -L, socat)
+             (to(peer, **{**facts, "pyshm-machine": "0f1e2d3c/4026531840"}), False),
+             (to(peer, **{k: v for k, v in facts.items() if k != "pyshm-machine"}), False),
              (None, False)]  # (spilling to disk: no recipient)
     other = None
     if os.geteuid() == 0:  # a worker of another user here: it would be refused the memory
@@ -1154,7 +1159,8 @@ def test_dask_reference_that_a_worker_cannot_load_leaves_no_secret_in_its_log():
     try:
         header, frames = serialize(array, serializers=("dask",), context={
             "recipient": {"address": f"tcp://127.0.0.1:{ours.getsockname()[1]}",
-                          "pickle-protocol": 5, "pyshm": 1}})
+                          "pickle-protocol": 5, "pyshm": 1,
+                          "pyshm-machine": pyshm.engines._machine()}})
     finally:
         ours.close()
     frames = [bytes(frame) for frame in frames]
@@ -1232,10 +1238,10 @@ def free_pair_subnet() -> str:
 
 
 def test_dask_an_address_that_comes_up_later_is_this_machine():
-    # pyshm reads this machine's addresses once and remembers them; one that comes up later (a
-    # VPN, a container network, a DHCP lease) must count as ours too, within a second, or
-    # workers listening there get copies. (An address that goes away may stay remembered: no
-    # socket of ours is bound there any more, so _peer_uids finds nobody.)
+    # pyshm remembers this machine's addresses for a second; one that comes up later (a VPN,
+    # a container network, a DHCP lease) must count as ours too, or workers listening there
+    # get copies, and one that leaves must not (another machine may take it; a worker of ours
+    # listening on 0.0.0.0 at the same port would pass the check of the socket's owner)
     import shutil
 
     from pyshm import engines
@@ -1259,6 +1265,11 @@ def test_dask_an_address_that_comes_up_later_is_this_machine():
             time.sleep(0.05)
     finally:
         subprocess.run(["ip", "link", "del", name], capture_output=True, check=False)
+    # and once it left (it may be another machine's now): not ours, within a second
+    deadline = time.monotonic() + 5 * engines._PEER_SECONDS
+    while engines._local_host(address):
+        assert time.monotonic() < deadline, f"{address} still counted as this machine's"
+        time.sleep(0.05)
 
 
 REACH_FROM_THERE = """
@@ -1318,6 +1329,17 @@ def other_network_namespace():
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+def stop(worker: subprocess.Popen) -> None:
+    """End a worker started by a test (a worker closing gracefully may wait on its scheduler:
+    it is never left running)."""
+    worker.terminate()
+    try:
+        worker.wait(10)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait(30)
+
+
 def tail_of(path: str, size: int = 4000) -> str:
     """The last ``size`` characters of a log file (a worker's stderr), for a failure message."""
     try:
@@ -1364,21 +1386,17 @@ def test_dask_worker_that_cannot_reach_this_process_gets_the_bytes(other_network
                     back = client.submit(fill_array, array, 4.0, pure=False).result()
                     assert float(back.sum()) == 4 * (1 << 18) and (array == 1).all()
         finally:
-            worker.terminate()
-            try:  # (a worker closing gracefully may wait on its scheduler: never left running)
-                worker.wait(10)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait(30)
+            stop(worker)
 
 
 DASK_PROCESS = """
     import sys, types
-    import distributed
+    {first}
     from distributed.comm.core import Comm
     pyshm = sys.modules.get("pyshm")
     said = Comm.handshake_info(types.SimpleNamespace(same_host=True))
-    print(pyshm is not None and "distributed" in pyshm.engines.installed(), said.get("pyshm"))
+    print(pyshm is not None and "distributed" in pyshm.engines.installed(), said.get("pyshm"),
+          pyshm is not None and said.get("pyshm-machine") == pyshm.engines._machine())
 """
 
 
@@ -1387,19 +1405,29 @@ def test_dask_processes_import_pyshm_through_its_entry_point():
     # first connection (so its handshake says it loads references); a process of dask alone
     # does not; a pyshm that cannot be imported costs distributed a logged error, not its import
     engine_or_skip("distributed")
-    assert run_python(DASK_PROCESS).split() == [b"True", b"1"]
+    for first in ("import distributed",  # (dask's entry points run inside this import)
+                  "import dask; import distributed",  # (... before it: a watch, then)
+                  "from dask.distributed import Client",  # (so does the dask worker command)
+                  "import dask.__main__; import distributed.cli.dask_worker"):
+        assert run_python(DASK_PROCESS.format(first=first)).split() == \
+            [b"True", b"1", b"True"], first
     assert run_python("""
         import sys
         import dask.array
         print("pyshm" in sys.modules)
     """).split() == [b"False"]
-    broken = subprocess.run([sys.executable, "-c", textwrap.dedent(DASK_PROCESS)],
-                            capture_output=True, text=True, timeout=120, cwd=HERE,
-                            env=dict(os.environ, PYSHM_LIBRARY="/nonexistent/liblshm.so"))
-    assert broken.returncode == 0, broken.stderr
-    assert broken.stdout.split() == ["False", "None"], broken.stdout
-    assert "Failed to register sizeof entry point pyshm" in broken.stderr, broken.stderr
-    assert "could not load /nonexistent/liblshm.so" in broken.stderr, broken.stderr
+    for first, says in (("import distributed", "Failed to register sizeof entry point pyshm"),
+                        ("import dask; import distributed",
+                         "pyshm could not be imported for distributed")):
+        broken = subprocess.run(
+            [sys.executable, "-W", "always::ImportWarning", "-c",
+             textwrap.dedent(DASK_PROCESS.format(first=first))],
+            capture_output=True, text=True, timeout=120, cwd=HERE,
+            env=dict(os.environ, PYSHM_LIBRARY="/nonexistent/liblshm.so"))
+        assert broken.returncode == 0, broken.stderr
+        assert broken.stdout.split() == ["False", "None", "False"], broken.stdout
+        assert says in broken.stderr, broken.stderr
+        assert "could not load /nonexistent/liblshm.so" in broken.stderr, broken.stderr
 
 
 BARE_WORKER = """
@@ -1420,24 +1448,35 @@ def test_dask_worker_without_pyshm_gets_the_bytes(tmp_path):
     # A worker of this user on this machine, from an environment without pyshm, cannot load a
     # reference: it must get the bytes, whether a client scatters to it or another worker
     # holds the memory a task there needs (before, that transfer failed to load and Dask
-    # waited forever: dask/distributed#7060)
+    # waited forever: dask/distributed#7060). A worker of the `dask worker` command (which
+    # imports dask before distributed; a nanny spawns it) gets our memory.
     distributed = engine_or_skip("distributed")
     said = str(tmp_path / "worker.log")
-    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+    # (the command's script itself, as users run it: the worker its nanny spawns runs the
+    # script again, so it too imports dask before distributed; `python -m dask` would not)
+    command = os.path.join(os.path.dirname(sys.executable), "dask")
+    if not os.path.exists(command):
+        (pytest.fail if IN_CI else pytest.skip)(f"no dask command beside {sys.executable}")
+    # (the workers import this module for fill_and_say: PYTHONSAFEPATH keeps cwd off)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    with distributed.LocalCluster(n_workers=0, processes=True,
                                   dashboard_address=None) as cluster, open(said, "wb") as log:
-        worker = subprocess.Popen(
+        workers = [subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(BARE_WORKER), cluster.scheduler_address],
-            stdout=log, stderr=subprocess.STDOUT, cwd=HERE)
+            stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env), subprocess.Popen(
+            [command, "worker", cluster.scheduler_address, "--nthreads", "1",
+             "--no-dashboard", "--name", "ours"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env)]
         try:
             with distributed.Client(cluster, direct_to_workers=True) as client:
                 try:
                     client.wait_for_workers(2, timeout=60)
                 except TimeoutError as error:
-                    pytest.fail(f"{error!r}; the worker (exit code {worker.poll()}) wrote:\n"
-                                f"{tail_of(said)}")
-                workers = client.scheduler_info(n_workers=-1)["workers"]
-                bare = next(at for at, facts in workers.items() if facts["name"] == "bare")
-                ours = next(at for at in workers if at != bare)
+                    pytest.fail(f"{error!r}; the workers wrote:\n{tail_of(said)}")
+                names = {facts["name"]: at for at, facts in
+                         client.scheduler_info(n_workers=-1)["workers"].items()}
+                bare, ours = names["bare"], names["ours"]
                 array = pyshm.zeros(1 << 18, np.float32, shared=True)
                 array[:] = 1
                 # (np.sum: what runs there cannot come from this module, which imports pyshm)
@@ -1447,16 +1486,13 @@ def test_dask_worker_without_pyshm_gets_the_bytes(tmp_path):
                 held = client.scatter(array, hash=False, direct=True, workers=[ours])
                 assert client.submit(fill_and_say, held, 2.0, workers=[ours],
                                      pure=False).result(timeout=60) == (2.0 * (1 << 18), True)
+                assert (array == 2).all()  # (the worker of the command wrote our memory)
                 needed = client.submit(np.sum, held, workers=[bare], allow_other_workers=False,
                                        pure=False)
                 assert needed.result(timeout=60) == 2 * (1 << 18), tail_of(said)
         finally:
-            worker.terminate()
-            try:
-                worker.wait(10)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait(30)
+            for worker in workers:
+                stop(worker)
 
 
 CLIENT_ELSEWHERE = """
