@@ -11,8 +11,8 @@ says nothing and is sent the bytes.
 ``distributed`` imports dask first, so in a process that imports ``distributed`` first the
 entry runs while ``distributed`` is being imported, and pyshm is imported there. A process
 that imports dask first (the ``dask worker`` command, ``from dask.distributed import ...``,
-a spawned worker re-running such a script) gets a watch instead: pyshm is imported when
-``distributed`` is. A process of dask without distributed (dask.array on its threads, say)
+a spawned worker re-running such a script) gets a watch instead: pyshm is imported just
+before ``distributed`` runs. A process of dask without distributed (dask.array on its threads, say)
 never imports pyshm for it: pyshm would cost it numpy and pyshm's own imports (about 60 ms
 here) for nothing; beside distributed, which imports numpy itself, pyshm's import costs
 about 15 ms.
@@ -21,7 +21,7 @@ This module is installed at the top level, beside the package and outside it, so
 loading the entry point runs no code of pyshm's: Dask lets an error in loading an entry point
 through (``import dask`` would fail), but catches and logs an error in calling it. So a pyshm
 that cannot be imported (its library missing, a wrong ``PYSHM_LIBRARY``) costs a logged error
-("Failed to register sizeof entry point pyshm") or, after the watch, an ``ImportWarning``,
+("Failed to register sizeof entry point pyshm") or, after the watch, a ``RuntimeWarning``,
 never Dask itself. It registers no sizeof.
 """
 
@@ -30,11 +30,14 @@ import threading
 
 
 class _WatchDistributed:
-    """A finder on ``sys.meta_path`` that finds nothing: asked for ``distributed`` the first
-    time, it imports pyshm (whose own watch then installs the hook for distributed once that
-    has run); the finders after it find ``distributed``. It stays on ``sys.meta_path``, inert
-    after that: leaving the list while the import system walks it would skip the finder
-    after it."""
+    """A finder on ``sys.meta_path`` that finds ``distributed`` the first time it is asked
+    for it, through the finders after it, with a loader that imports pyshm before it runs
+    ``distributed`` (pyshm's own watch then installs the hook for distributed once that has
+    run). Nothing is imported in ``find_spec`` itself: the import system calls finders under
+    its global lock, and an import there would wait, under that lock, on a module that another
+    thread is importing (which waits for that lock). It stays on ``sys.meta_path``, inert
+    after that: leaving the list while the import system walks it would skip the finder after
+    it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -46,9 +49,39 @@ class _WatchDistributed:
         with self.lock:
             if self.done:
                 return None
-            self.done = True
-        _import_pyshm()
+            self.done = True  # (before asking the others: one may ask this finder back)
+        for finder in list(sys.meta_path):
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PyshmFirst(spec.loader)
+                return spec
         return None
+
+
+class _PyshmFirst:
+    """The loader of ``distributed``, which imports pyshm first (maybe waiting for another
+    thread's import of it to end) and asks it for its hooks again after (a thread that
+    imported pyshm meanwhile may have looked for distributed's modules half-run); everything
+    else (resource readers, is_package, get_code...) is the real loader's."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        _import_pyshm()
+        self.loader.exec_module(module)
+        engines = getattr(sys.modules.get("pyshm"), "engines", None)
+        if engines is not None:
+            engines.install()
 
 
 def _import_pyshm() -> None:
@@ -57,8 +90,9 @@ def _import_pyshm() -> None:
     except Exception as error:  # (distributed goes on without pyshm's hooks)
         import warnings
 
-        warnings.warn(f"pyshm could not be imported for distributed: {error!r}",
-                      ImportWarning, stacklevel=2)
+        warnings.warn(f"pyshm could not be imported for distributed, whose processes will "
+                      f"send each other copies of pyshm arrays: {error!r}", RuntimeWarning,
+                      stacklevel=2)
 
 
 def register(sizeof: object) -> None:

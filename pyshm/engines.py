@@ -431,21 +431,20 @@ _REFERENCE_FORMAT = 1
 # ... and the key by which it says where it runs: this boot of this machine, this network
 # namespace (whose abstract sockets the channel uses)
 _MACHINE_KEY = "pyshm-machine"
-_MACHINES: list = []
+_BOOT: list = []
 
 
 def _machine() -> Optional[str]:
-    """This boot of this machine and this network namespace, as a string (None if /proc
-    cannot tell: then no peer is taken for this machine's)."""
-    if not _MACHINES:
-        try:
+    """This boot of this machine and this process's network namespace (read each time: a
+    process may move to another, unshare(CLONE_NEWNET)), as a string; None if /proc cannot
+    tell (then no peer is taken for this machine's)."""
+    try:
+        if not _BOOT:
             with open("/proc/sys/kernel/random/boot_id") as boot:
-                machine: Optional[str] = \
-                    f"{boot.read().strip()}/{os.stat('/proc/self/ns/net').st_ino}"
-        except OSError:
-            machine = None
-        _MACHINES.append(machine)
-    return _MACHINES[0]
+                _BOOT.append(boot.read().strip())
+        return f"{_BOOT[0]}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return None
 
 
 def _announce_references() -> None:

@@ -1420,14 +1420,41 @@ def test_dask_processes_import_pyshm_through_its_entry_point():
                         ("import dask; import distributed",
                          "pyshm could not be imported for distributed")):
         broken = subprocess.run(
-            [sys.executable, "-W", "always::ImportWarning", "-c",
-             textwrap.dedent(DASK_PROCESS.format(first=first))],
+            [sys.executable, "-c", textwrap.dedent(DASK_PROCESS.format(first=first))],
             capture_output=True, text=True, timeout=120, cwd=HERE,
             env=dict(os.environ, PYSHM_LIBRARY="/nonexistent/liblshm.so"))
         assert broken.returncode == 0, broken.stderr
         assert broken.stdout.split() == ["False", "None", "False"], broken.stdout
         assert says in broken.stderr, broken.stderr
         assert "could not load /nonexistent/liblshm.so" in broken.stderr, broken.stderr
+
+
+DASK_THEN_THREADS = """
+    import sys, threading, time
+    import dask
+    # one thread imports numpy (or pyshm), another distributed, the first already under way
+    first = threading.Thread(target=__import__, args=(sys.argv[2],))
+    second = threading.Thread(target=__import__, args=("distributed",))
+    first.start()
+    time.sleep(float(sys.argv[1]))
+    second.start()
+    first.join()
+    second.join()
+    print("pyshm" in sys.modules and "distributed" in sys.modules["pyshm"].engines.installed())
+"""
+
+
+def test_dask_entry_point_imports_nothing_under_the_import_lock():
+    # the watch of pyshm's entry point (dask imported before distributed) must not import
+    # pyshm from a finder, under the import system's global lock: a thread importing numpy
+    # meanwhile would wait for that lock, and the import of pyshm for numpy, forever
+    engine_or_skip("distributed")
+    for module in ("numpy", "pyshm"):
+        for delay in ("0.002", "0.005", "0.01", "0.02"):
+            done = subprocess.run([sys.executable, "-c", textwrap.dedent(DASK_THEN_THREADS),
+                                   delay, module], capture_output=True, timeout=30, cwd=HERE)
+            assert done.returncode == 0, done.stderr.decode()
+            assert done.stdout.split() == [b"True"], (module, delay)
 
 
 BARE_WORKER = """
