@@ -29,15 +29,52 @@ import sys
 import threading
 
 
+class WrappedLoader:
+    """A module's real loader, which also runs ``before`` and ``after`` (given the module)
+    around the module's code; everything else (resource readers, is_package, get_code...) is
+    the real loader's. (pyshm.engines wraps the engines' loaders with it too.)"""
+
+    def __init__(self, loader, before=None, after=None) -> None:
+        self.loader, self.before, self.after = loader, before, after
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        if self.before is not None:
+            self.before(module)
+        self.loader.exec_module(module)
+        if self.after is not None:
+            self.after(module)
+
+
+def spec_from_the_others(asker, name, path, target, wrap):
+    """The spec that the finders on ``sys.meta_path`` other than ``asker`` give for
+    ``name``, its loader wrapped by ``wrap``; None if none finds it."""
+    for finder in list(sys.meta_path):
+        if finder is asker or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec(name, path, target)
+        if spec is not None:
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = wrap(spec.loader)
+            return spec
+    return None
+
+
 class _WatchDistributed:
     """A finder on ``sys.meta_path`` that finds ``distributed`` the first time it is asked
     for it, through the finders after it, with a loader that imports pyshm before it runs
-    ``distributed`` (pyshm's own watch then installs the hook for distributed once that has
-    run). Nothing is imported in ``find_spec`` itself: the import system calls finders under
-    its global lock, and an import there would wait, under that lock, on a module that another
-    thread is importing (which waits for that lock). It stays on ``sys.meta_path``, inert
-    after that: leaving the list while the import system walks it would skip the finder after
-    it."""
+    ``distributed`` (maybe waiting for another thread's import of pyshm to end) and asks
+    pyshm for its hooks again after (a thread that imported pyshm meanwhile may have looked
+    at distributed's modules half-run). Nothing is imported in ``find_spec`` itself: the
+    import system calls finders under its global lock, and an import there would wait, under
+    that lock, on a module that another thread is importing (which waits for that lock). It
+    stays on ``sys.meta_path``, inert after that: leaving the list while the import system
+    walks it would skip the finder after it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -50,38 +87,14 @@ class _WatchDistributed:
             if self.done:
                 return None
             self.done = True  # (before asking the others: one may ask this finder back)
-        for finder in list(sys.meta_path):
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PyshmFirst(spec.loader)
-                return spec
-        return None
+        return spec_from_the_others(self, name, path, target, lambda loader: WrappedLoader(
+            loader, before=lambda module: _import_pyshm(), after=_hooks_again))
 
 
-class _PyshmFirst:
-    """The loader of ``distributed``, which imports pyshm first (maybe waiting for another
-    thread's import of it to end) and asks it for its hooks again after (a thread that
-    imported pyshm meanwhile may have looked for distributed's modules half-run); everything
-    else (resource readers, is_package, get_code...) is the real loader's."""
-
-    def __init__(self, loader) -> None:
-        self.loader = loader
-
-    def __getattr__(self, name: str):
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        _import_pyshm()
-        self.loader.exec_module(module)
-        engines = getattr(sys.modules.get("pyshm"), "engines", None)
-        if engines is not None:
-            engines.install()
+def _hooks_again(module) -> None:
+    engines = getattr(sys.modules.get("pyshm"), "engines", None)
+    if engines is not None:
+        engines.install()
 
 
 def _import_pyshm() -> None:

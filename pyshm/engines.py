@@ -63,7 +63,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import reduction
+from . import _pyshm_dask, reduction
 from .arrays import is_shared
 
 __all__ = ["install", "installed"]
@@ -1042,24 +1042,6 @@ _WATCHED = {"torch.multiprocessing": "torch", "joblib._memmapping_reducer": "job
             "distributed": "distributed", "distributed.client": "distributed", "ray": "ray"}
 
 
-class _Loader(importlib.abc.Loader):
-    """The real loader, which also installs the hooks once the module has run; everything
-    else (resource readers, get_data, is_package...) is the real loader's."""
-
-    def __init__(self, loader) -> None:
-        self.loader = loader
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _after_import(module.__name__)
-
-
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for a watched module it returns the spec the other finders give,
     with a loader that installs the hook once the module has run."""
@@ -1070,24 +1052,18 @@ class _Finder(importlib.abc.MetaPathFinder):
             return None
         _asking.now = True  # (a finder like this one further on must not ask us back)
         try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(name, path, target)
-                if spec is not None:
-                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                        spec.loader = _Loader(spec.loader)
-                    return spec
+            return _pyshm_dask.spec_from_the_others(
+                self, name, path, target,
+                lambda loader: _pyshm_dask.WrappedLoader(loader, after=_after_import))
         finally:
             _asking.now = False
-        return None
 
 
 _asking = threading.local()
 _finder = _Finder()
 
 
-def _after_import(name: str) -> None:
+def _after_import(module: Any) -> None:
     install()
     if all(engine in _installed for engine in _WATCHED.values()) and _finder in sys.meta_path:
         sys.meta_path.remove(_finder)
