@@ -75,11 +75,14 @@ def test_bench_engines_case():
     engines = ("joblib", "dask", "dask submit") + (
         ("ray",) if importlib.util.find_spec("ray") else ())
     assert set(rows) == {(engine, method) for engine in engines
-                         for method in ("own", "pyshm")}
+                         for method in ("own", "pyshm")} | {
+        (engine, "once") for engine in ("dask", "ray") if engine in engines}
     assert all(row["error"] is None and len(row["seconds"]) == 2 for row in rows.values())
     assert "own" in rows["joblib", "pyshm"]["ratios"]
     targets = {target["name"]: target for target in result["targets"]}
     assert targets["joblib: 64 MiB round trip, pyshm time / the engine's own"]["value"] > 0
+    once = "dask: 64 MiB round trip, pyshm time / the engine's own, array sent once"
+    assert targets[once]["value"] > 0 and "once" in rows["dask", "pyshm"]["ratios"]
     assert targets["torch: 64 MiB round trip"]["text"] == "not run (--no-torch)"
     assert "vs own way" in report
 

@@ -446,7 +446,7 @@ def _huge_off_cases(config: dict, use_torch: bool, progress=None) -> list:
 # Results
 # ---------------------------------------------------------------------------------------------
 
-BASELINES = ("torch", "shm", "ceiling", "ceiling_huge", "memcpy", "own")
+BASELINES = ("torch", "shm", "ceiling", "ceiling_huge", "memcpy", "own", "once")
 
 
 def _case_result(workload: Workload, rows: list) -> dict:
@@ -596,7 +596,7 @@ def format_report(result: dict) -> str:
     bases = [base for base in BASELINES if base in present]
     base_titles = {"torch": "vs torch", "shm": "vs SharedMem", "ceiling": "vs ceiling",
                    "ceiling_huge": "vs huge ceil", "memcpy": "vs memcpy",
-                   "own": "vs own way"}
+                   "own": "vs own way", "once": "vs sent once"}
     for case in result["cases"]:
         unit = ("us" if case["per_share"] else
                 "ms" if case["case"].startswith(("receiver", "engines")) else "s")
