@@ -66,29 +66,34 @@ def spec_from_the_others(asker, name, path, target, wrap):
 
 
 class _WatchDistributed:
-    """A finder on ``sys.meta_path`` that finds ``distributed`` the first time it is asked
-    for it, through the finders after it, with a loader that imports pyshm before it runs
-    ``distributed`` (maybe waiting for another thread's import of pyshm to end) and asks
-    pyshm for its hooks again after (a thread that imported pyshm meanwhile may have looked
-    at distributed's modules half-run). Nothing is imported in ``find_spec`` itself: the
-    import system calls finders under its global lock, and an import there would wait, under
-    that lock, on a module that another thread is importing (which waits for that lock). It
-    stays on ``sys.meta_path``, inert after that: leaving the list while the import system
-    walks it would skip the finder after it."""
+    """A finder on ``sys.meta_path`` that finds ``distributed``, until it has run, through the
+    finders after it, with a loader that imports pyshm before it runs ``distributed`` (maybe
+    waiting for another thread's import of pyshm to end) and asks pyshm for its hooks again
+    after (a thread that imported pyshm meanwhile may have looked at distributed's modules
+    half-run). A ``find_spec`` alone (``importlib.util.find_spec("distributed")``, a library
+    asking whether distributed is there) does not end the watch. Nothing is imported in
+    ``find_spec`` itself: the import system calls finders under its global lock, and an
+    import there would wait, under that lock, on a module that another thread is importing
+    (which waits for that lock). It stays on ``sys.meta_path``, inert after that: leaving the
+    list while the import system walks it would skip the finder after it."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self.done = False
+        self.asking = threading.local()
 
     def find_spec(self, name, path=None, target=None):
-        if name != "distributed" or self.done:
+        if name != "distributed" or self.done or getattr(self.asking, "now", False):
             return None
-        with self.lock:
-            if self.done:
-                return None
-            self.done = True  # (before asking the others: one may ask this finder back)
-        return spec_from_the_others(self, name, path, target, lambda loader: WrappedLoader(
-            loader, before=lambda module: _import_pyshm(), after=_hooks_again))
+        self.asking.now = True  # (a finder after this one may ask this one back)
+        try:
+            return spec_from_the_others(self, name, path, target, lambda loader: WrappedLoader(
+                loader, before=self.before, after=_hooks_again))
+        finally:
+            self.asking.now = False
+
+    def before(self, module) -> None:
+        self.done = True
+        _import_pyshm()
 
 
 def _hooks_again(module) -> None:

@@ -927,7 +927,8 @@ class Ref:
     makes one; the constructor checks the same)."""
 
     __slots__ = ("__weakref__", "array")
-    live: ClassVar[weakref.WeakSet] = weakref.WeakSet()  # (every Ref alive: engines looks for them then)
+    # (every Ref alive: engines looks for them then)
+    live: ClassVar[weakref.WeakSet] = weakref.WeakSet()
 
     def __init__(self, array: Any) -> None:
         if not isinstance(array, np.ndarray):
