@@ -40,9 +40,6 @@ class WrappedLoader:
     def __getattr__(self, name: str):
         return getattr(self.loader, name)
 
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
     def exec_module(self, module) -> None:
         if self.before is not None:
             self.before(module)
@@ -51,18 +48,31 @@ class WrappedLoader:
             self.after(module)
 
 
+_asking = threading.local()  # (.askers: the finders asking the others now, on this thread)
+
+
 def spec_from_the_others(asker, name, path, target, wrap):
     """The spec that the finders on ``sys.meta_path`` other than ``asker`` give for
-    ``name``, its loader wrapped by ``wrap``; None if none finds it."""
-    for finder in list(sys.meta_path):
-        if finder is asker or not hasattr(finder, "find_spec"):
-            continue
-        spec = finder.find_spec(name, path, target)
-        if spec is not None:
-            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = wrap(spec.loader)
-            return spec
-    return None
+    ``name``, its loader wrapped by ``wrap``; None if none finds it, or if ``asker`` is asking
+    already on this thread (a finder after it, one like it, asked it back)."""
+    askers = getattr(_asking, "askers", None)
+    if askers is None:
+        askers = _asking.askers = set()
+    if id(asker) in askers:
+        return None
+    askers.add(id(asker))
+    try:
+        for finder in list(sys.meta_path):
+            if finder is asker or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = wrap(spec.loader)
+                return spec
+        return None
+    finally:
+        askers.discard(id(asker))
 
 
 class _WatchDistributed:
@@ -79,17 +89,12 @@ class _WatchDistributed:
 
     def __init__(self) -> None:
         self.done = False
-        self.asking = threading.local()
 
     def find_spec(self, name, path=None, target=None):
-        if name != "distributed" or self.done or getattr(self.asking, "now", False):
+        if name != "distributed" or self.done:
             return None
-        self.asking.now = True  # (a finder after this one may ask this one back)
-        try:
-            return spec_from_the_others(self, name, path, target, lambda loader: WrappedLoader(
-                loader, before=self.before, after=_hooks_again))
-        finally:
-            self.asking.now = False
+        return spec_from_the_others(self, name, path, target, lambda loader: WrappedLoader(
+            loader, before=self.before, after=_hooks_again))
 
     def before(self, module) -> None:
         self.done = True
@@ -117,5 +122,6 @@ def register(sizeof: object) -> None:
     """Import pyshm in a process of distributed, now or when it imports ``distributed``."""
     if "distributed" in sys.modules:
         import pyshm  # noqa: F401  (an error: Dask logs it)
+    # (by name: pyshm._pyshm_dask's class is another than this top-level copy's)
     elif not any(type(finder).__name__ == "_WatchDistributed" for finder in sys.meta_path):
         sys.meta_path.insert(0, _WatchDistributed())

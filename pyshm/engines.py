@@ -55,7 +55,6 @@ import importlib.abc
 import os
 import pickle
 import sys
-import threading
 import time
 import warnings
 from multiprocessing.reduction import ForkingPickler
@@ -1047,19 +1046,13 @@ class _Finder(importlib.abc.MetaPathFinder):
     with a loader that installs the hook once the module has run."""
 
     def find_spec(self, name, path, target=None):
-        if name not in _WATCHED or _WATCHED[name] in _installed or \
-                getattr(_asking, "now", False):
+        if name not in _WATCHED or _WATCHED[name] in _installed:
             return None
-        _asking.now = True  # (a finder like this one further on must not ask us back)
-        try:
-            return _pyshm_dask.spec_from_the_others(
-                self, name, path, target,
-                lambda loader: _pyshm_dask.WrappedLoader(loader, after=_after_import))
-        finally:
-            _asking.now = False
+        return _pyshm_dask.spec_from_the_others(
+            self, name, path, target,
+            lambda loader: _pyshm_dask.WrappedLoader(loader, after=_after_import))
 
 
-_asking = threading.local()
 _finder = _Finder()
 
 

@@ -591,13 +591,13 @@ def format_report(result: dict) -> str:
                  "from min times (median times in brackets); < 1 means this row is faster; "
                  f"quiet = runs during which other processes kept < {QUIET_LOAD} CPU busy "
                  f"(- for runs under {LOAD_WINDOW} s, too short to tell)")
-    present = {row["method"] for case in result["cases"] for row in case["rows"]
-               if row["seconds"]}
-    bases = [base for base in BASELINES if base in present]
     base_titles = {"torch": "vs torch", "shm": "vs SharedMem", "ceiling": "vs ceiling",
                    "ceiling_huge": "vs huge ceil", "memcpy": "vs memcpy",
                    "own": "vs own way", "once": "vs sent once"}
     for case in result["cases"]:
+        # (the columns of the baselines this case measured)
+        present = {row["method"] for row in case["rows"] if row["seconds"]}
+        bases = [base for base in BASELINES if base in present]
         unit = ("us" if case["per_share"] else
                 "ms" if case["case"].startswith(("receiver", "engines")) else "s")
         width = max([22] + [len(row["label"]) + 1 for row in case["rows"]])
