@@ -27,7 +27,7 @@ import pytest
 
 import pyshm
 from pyshm import _channel, engines
-from shm_harness import needs_fence, run_without_the_fence
+from shm_harness import describe_fds, needs_fence, run_without_the_fence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -1272,6 +1272,40 @@ def test_dask_an_address_that_comes_up_later_is_this_machine():
         time.sleep(0.05)
 
 
+def test_dask_a_process_that_moved_to_another_network_namespace_says_so():
+    # _machine names the network namespace as it is now, not as it was when first asked: a
+    # forked child that moves to one of its own (unshare) cannot reach our abstract sockets,
+    # so its handshake must not pass for ours
+    import ctypes
+
+    from pyshm import engines
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to unshare a network namespace")
+    here = engines._machine()
+    assert here is not None and engines._machine() == here
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            said = engines._machine() if libc.unshare(0x40000000) == 0 else \
+                f"unshare failed: errno {ctypes.get_errno()}"  # (CLONE_NEWNET)
+        except BaseException as error:
+            said = repr(error)
+        finally:
+            os.write(write_end, str(said).encode())
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        there = pipe.read().decode()
+    assert os.waitpid(pid, 0)[1] == 0
+    if there.startswith("unshare failed"):
+        pytest.skip(there)
+    # the same boot, another namespace
+    assert there.split("/")[0] == here.split("/")[0] and there != here, (here, there)
+
+
 REACH_FROM_THERE = """
 import socket, sys, time
 deadline = time.monotonic() + 20
@@ -1944,23 +1978,6 @@ def test_ray_cloudpickle_of_pyshm_memory_loads_after_its_sender_exited():
     assert (weights == expected).all()
 
 
-def _open_fds() -> dict:
-    """This process's fds and what each is (the listing's own fds left out: the one opened
-    here, and the copy os.listdir reads, closed by the time it is looked at)."""
-    listing = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fds = {}
-        for fd in os.listdir(listing):
-            try:
-                if fd != str(listing):
-                    fds[fd] = os.readlink(fd, dir_fd=listing)
-            except FileNotFoundError:
-                pass
-        return fds
-    finally:
-        os.close(listing)
-
-
 def _load_ray_pickle_as_another_user(payload: bytes, write_end: int) -> None:
     """In a forked child that became another user (as a Ray worker of a cluster another user
     started on this machine would be): load Ray's pickle, report what came, write to it."""
@@ -1968,11 +1985,11 @@ def _load_ray_pickle_as_another_user(payload: bytes, write_end: int) -> None:
 
     import ray
 
-    outcome, before, after = None, {}, {}
+    outcome, before, after = None, [], []
     try:
         os.setgid(65534)
         os.setuid(65534)
-        before = _open_fds()
+        before = describe_fds()
         start = time.monotonic()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -1986,7 +2003,7 @@ def _load_ray_pickle_as_another_user(payload: bytes, write_end: int) -> None:
         tensor[:] = 9
         del loaded, array, tensor
         gc.collect()
-        after = _open_fds()
+        after = describe_fds()
     except BaseException as exc:  # (reported to the test, which fails with it)
         outcome = repr(exc)
     finally:
@@ -2031,8 +2048,8 @@ def test_ray_worker_of_another_user_gets_rays_copy():
     # no fd of the refused fetch left (a socket to the sender, a memfd); one run of the whole
     # file once saw another new fd in the child, whose kind went unrecorded: another engine's
     # (Ray's or torch's) after fork, not a socket or memfd of pyshm's, is reported, not failed
-    new = {fd: what for fd, what in after.items() if before.get(fd) != what}
-    assert not [what for what in new.values() if "socket:" in what or "memfd:" in what], new
+    new = sorted(set(after) - set(before))  # ("fd->what it is", the listing's own left out)
+    assert not [fd for fd in new if "socket:" in fd or "memfd:" in fd], new
     if new:
         warnings.warn(f"new fds in the child, not pyshm's: {new}")
     assert (array == 2).all() and bool((tensor == 3).all())  # (its writes went to its copy)
