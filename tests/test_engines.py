@@ -312,6 +312,7 @@ def test_torch_dataloader_workers_return_the_parents_memory(method):
 
 
 def test_torch_registered_when_imported_after_pyshm():
+    engine_or_skip("torch")  # (its child imports torch)
     out = run_python("""
         import sys
         import pyshm
