@@ -326,6 +326,11 @@ int lshm__os_fault_point(const char *site) {
     return 0;
 }
 
+/* What an ENOMEM from a call that may split a mapping can also mean: each split adds one to
+ * the process's mappings, which the kernel bounds (vm.max_map_count, 65,530 by default). */
+#define MAP_LIMIT_HINT " (out of memory, or this process is at its limit of mappings: " \
+                       "vm.max_map_count)"
+
 int lshm__os_map_fd(int fd, uint64_t offset, size_t len, int readonly, void *fixed, void **out) {
     LSHM_OS_FAULT("mmap_fd");
     int prot = readonly ? PROT_READ : PROT_READ | PROT_WRITE;
@@ -333,9 +338,10 @@ int lshm__os_map_fd(int fd, uint64_t offset, size_t len, int readonly, void *fix
     void *p = mmap(fixed, len, prot, flags, fd, (off_t)offset);
     if (p == MAP_FAILED) {
         int e = errno;
-        return LSHM_FAIL(-e, "mmap(fd %d, %zu bytes at offset %llu%s%s): %s", fd, len,
+        return LSHM_FAIL(-e, "mmap(fd %d, %zu bytes at offset %llu%s%s): %s%s", fd, len,
                          (unsigned long long)offset, readonly ? ", read-only" : "",
-                         fixed != NULL ? ", fixed" : "", strerror(e));
+                         fixed != NULL ? ", fixed" : "", strerror(e),
+                         e == ENOMEM ? MAP_LIMIT_HINT : "");
     }
     assert(fixed == NULL || p == fixed);
     *out = p;
@@ -366,8 +372,8 @@ int lshm__os_map_anon_fixed(void *addr, size_t len) {
                    -1, 0);
     if (p == MAP_FAILED) {
         int e = errno;
-        return LSHM_FAIL(-e, "mmap(anonymous, fixed at %p, %zu bytes): %s", addr, len,
-                         strerror(e));
+        return LSHM_FAIL(-e, "mmap(anonymous, fixed at %p, %zu bytes): %s%s", addr, len,
+                         strerror(e), e == ENOMEM ? MAP_LIMIT_HINT : "");
     }
     assert(p == addr);
     return 0;
@@ -675,9 +681,9 @@ static int fence_refused(int fd, struct uffdio_range *range, int rc, int registe
     if (rc != -ENOMEM) /* (-ENOMEM: splitting the mapping, vm.max_map_count) */
         return unfenced(required, rc == -EBUSY ? "another userfaultfd watches this memory"
                                                : "this memory cannot be write-protected");
-    return LSHM_FAIL(rc, "userfaultfd: write-protecting %llu bytes at %p: %s",
+    return LSHM_FAIL(rc, "userfaultfd: write-protecting %llu bytes at %p: %s%s",
                      (unsigned long long)range->len, (void *)(uintptr_t)range->start,
-                     strerror(-rc));
+                     strerror(-rc), MAP_LIMIT_HINT);
 }
 #endif
 

@@ -267,6 +267,7 @@ static void test_fence_that_cannot_be_set_up(void) {
         atomic_store(&lshm__fence_fails, 0);
         ASSERT_ERR(rc, -ENOMEM);
         ASSERT(strstr(lshm_last_error(), "userfaultfd") != NULL);
+        ASSERT(strstr(lshm_last_error(), "vm.max_map_count") != NULL);
         ASSERT_PTR_EQ(lshm_storage_data(s), data);
         ASSERT_EQ(lshm_storage_flags(s), 0);
         ASSERT_EQ(fd_count(), fds);
