@@ -26,8 +26,11 @@ Workers are started once per engine, before the rounds.
 
 For dask ("dask") and Ray, a third row ("once") is each engine's fastest way as #13 measured
 it: the array scattered (or ``ray.put``) before the timing, and the timed task reads one byte
-of it and returns that byte; nothing comes back and a write would stay in the worker's copy,
-so it is no round trip of the array, but the bar the issue sets.
+of it and returns that byte; nothing comes back and a write would stay in the worker's copy
+(dask) or raise (Ray's read-only store), so it is no round trip of the array, but the bar the
+issue sets. A fourth ("pyshm once") does the same with a pyshm array made with
+``shared=True``, but its task writes the byte, and the parent checks that the write is in its
+own memory: the array sent once, its changes back with no transfer.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ __all__ = ["run_case", "NBYTES"]
 
 NBYTES = 64 << 20
 MARK = 9
+ONCE = ("once", "pyshm once")  # the rows of an array sent before the timing
+ONCE_RUNS = 4  # runs of those per round: each costs a few ms, and they differ by less
 
 
 def touch_tensor(tensor):
@@ -66,13 +71,22 @@ def peek(array):
     return int(np.asarray(array)[-1])
 
 
+def poke(array):
+    """Writes the last byte of ``array`` in place, returns what it was."""
+    array = np.asarray(array)
+    before = int(array[-1])
+    array[-1] = MARK
+    return before
+
+
 def _array_methods(nbytes, run, own_label, send_once=None, once_label="") -> list:
     """An engine's methods for numpy arrays, given run(state, array) -> the timed call: a
     ``numpy.zeros`` array, and a pyshm array made with ``shared=True`` whose write by the
-    worker must be in the parent's own memory; and, given send_once(state, array) -> the
-    timed call, the engine's fastest own way, with the array sent before the timing (untimed)
-    and the worker reading one byte of it (no write: it would stay in the worker's copy), as
-    #13 measured it ("scatter once", "ray.put once")."""
+    worker must be in the parent's own memory; and, given send_once(state, array, write) ->
+    the timed call, the engine's fastest own way, with the array sent before the timing
+    (untimed) and the worker reading one byte of it (no write: it would stay in the worker's
+    copy), as #13 measured it ("scatter once", "ray.put once"), and the same way with a pyshm
+    array whose worker writes that byte (write=True), which must be in the parent's memory."""
     def own(state):
         array = np.zeros(nbytes, np.uint8)
         return run(state, array), lambda back: int(back[-1]) == MARK
@@ -85,11 +99,19 @@ def _array_methods(nbytes, run, own_label, send_once=None, once_label="") -> lis
         return run(state, array), check
 
     def once(state):
-        return send_once(state, np.zeros(nbytes, np.uint8)), lambda back: back == 0
+        return send_once(state, np.zeros(nbytes, np.uint8), False), lambda back: back == 0
+
+    def ours_once(state):
+        array = pyshm.zeros(nbytes, np.uint8, shared=True)
+
+        def check(back):
+            return back == 0 and int(array[-1]) == MARK
+        return send_once(state, array, True), check
 
     methods = [("own", own_label, own), ("pyshm", "pyshm", ours)]
     if send_once is not None:
-        methods.insert(1, ("once", once_label, once))
+        methods[1:1] = [("once", once_label, once)]
+        methods.append(("pyshm once", "pyshm (sent before, written)", ours_once))
     return methods
 
 
@@ -168,9 +190,9 @@ def _dask_engines(nbytes):
         return lambda: client.submit(touch_array, client.scatter(array, hash=False),
                                      pure=False).result()
 
-    def scatter_once(client, array):
+    def scatter_once(client, array, write):
         future = client.scatter(array, hash=False)
-        return lambda: client.submit(peek, future, pure=False).result()
+        return lambda: client.submit(poke if write else peek, future, pure=False).result()
 
     def argument(client, array):
         def call():
@@ -192,18 +214,21 @@ def _ray_engine(nbytes):
 
     def start():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        tasks = ray.remote(touch_array), ray.remote(peek)
+        tasks = ray.remote(touch_array), ray.remote(peek), ray.remote(poke)
         for task in tasks:
-            ray.get(task.remote(np.zeros(1, np.uint8)))
+            ray.get(task.remote(pyshm.zeros(1, np.uint8, shared=True)))
         return tasks
 
     def run(tasks, array):
         # (ray.put, then a task on it: Ray's zero-copy way, the object store read in place)
         return lambda: ray.get(tasks[0].remote(ray.put(array)))
 
-    def put_once(tasks, array):
+    def put_once(tasks, array, write):
+        # put, and read by a task, before the timing (as every task but the first on an
+        # object put once has it: a pyshm array's memory already fetched by the worker)
         put = ray.put(array)
-        return lambda: ray.get(tasks[1].remote(put))
+        ray.get(tasks[1].remote(put))
+        return lambda: ray.get(tasks[2 if write else 1].remote(put))
 
     return _Engine("ray", f"ray {ray.__version__}", start, lambda _: ray.shutdown(),
                    _array_methods(nbytes, run, "own (object store)", put_once,
@@ -266,6 +291,8 @@ def run_case(nbytes: int, repeats: int, use_torch: bool = True, progress=None) -
         def plan(round_index):
             for engine in engines:  # (each engine's methods alternate which goes first)
                 methods = engine.methods[round_index % 2:] + engine.methods[:round_index % 2]
+                # (the sent-once rows, a few ms against each other, ONCE_RUNS times a round)
+                methods += [m for m in methods if m[0] in ONCE] * (ONCE_RUNS - 1)
                 for key, _, make in methods:
                     yield ((engine.key, key), f"{engine.key} {key}",
                            lambda: _round_trip(make, engine.state), _milliseconds)
@@ -290,8 +317,10 @@ def run_case(nbytes: int, repeats: int, use_torch: bool = True, progress=None) -
                 "note": None,
                 "ratios": {},
             })
-    for row in rows:
+    for row in rows:  # (pyshm against the engine's own way; pyshm once against its once)
         for base in ("own", "once"):
+            if base == "own" and row["method"] == "pyshm once":
+                continue
             other = next((o for o in rows if o["engine"] == row["engine"]
                           and o["method"] == base and o["seconds"]), None)
             if other is not None and row["seconds"]:
@@ -301,7 +330,9 @@ def run_case(nbytes: int, repeats: int, use_torch: bool = True, progress=None) -
         "case": "engines",
         "title": f"One {nbytes >> 20} MiB array to a worker and back through each engine "
                  "(ms per round trip; own = the engine's own way; once = its fastest: the "
-                 "array sent before the timing, one byte read, nothing back)",
+                 "array sent before the timing, one byte read, nothing back; pyshm once: "
+                 "the same, the byte written and seen by the parent; the sent-once rows "
+                 f"{ONCE_RUNS} runs a round)",
         "shape": [nbytes],
         "count": 1,
         "bytes": nbytes,
@@ -313,29 +344,29 @@ def run_case(nbytes: int, repeats: int, use_torch: bool = True, progress=None) -
 
 def targets(case: dict) -> list:
     """Per engine: pyshm's round trip at most the engine's own way's, with writes visible;
-    and, where measured, at most the engine's fastest way's (#13: "dask scatter-once about
-    10 ms, ray.put once about 2.5 ms"), which sends the array before its timing and gets
-    nothing back."""
+    and, where measured, the array sent once with pyshm (the worker writes a byte, seen by
+    the parent) at most the engine's fastest way (#13: "dask scatter-once about 10 ms, ray.put
+    once about 2.5 ms"), which sends the array the same way before its timing and whose
+    worker only reads a byte."""
     out = []
     for row in case["rows"]:
-        if row["method"] != "pyshm":
+        if row["method"] == "pyshm":
+            base, title = "own", "the engine's own"
+        elif row["method"] == "pyshm once":
+            base, title = "once", "the engine's own, both sent once"
+        else:
             continue
-        bases = [("own", "the engine's own")]
-        if any(o["engine"] == row["engine"] and o["method"] == "once" for o in case["rows"]):
-            bases.append(("once", "the engine's own, array sent once"))
-        for base, title in bases:
-            target = {"name": f"{row['engine']}: 64 MiB round trip, pyshm time / {title}",
-                      "bar": "<= 1.00", "value": None, "median_value": None, "met": None,
-                      "text": "", "note": ""}
-            out.append(target)
-            ratio = row["ratios"].get(base)
-            if ratio is None:
-                target["text"] = "not measured" + (f": {row['error']}" if row["error"] else "")
-                continue
-            target.update(value=ratio["min"], median_value=ratio["median"],
-                          met=ratio["min"] <= 1.0, text=f"{ratio['min']:.3f}",
-                          note=f"median {ratio['median']:.3f}; pyshm's write seen by the "
-                               "parent")
+        target = {"name": f"{row['engine']}: 64 MiB round trip, pyshm time / {title}",
+                  "bar": "<= 1.00", "value": None, "median_value": None, "met": None,
+                  "text": "", "note": ""}
+        out.append(target)
+        ratio = row["ratios"].get(base)
+        if ratio is None:
+            target["text"] = "not measured" + (f": {row['error']}" if row["error"] else "")
+            continue
+        target.update(value=ratio["min"], median_value=ratio["median"],
+                      met=ratio["min"] <= 1.0, text=f"{ratio['min']:.3f}",
+                      note=f"median {ratio['median']:.3f}; pyshm's write seen by the parent")
     for engine, note in case.get("notes", {}).items():
         out.append({"name": f"{engine}: 64 MiB round trip", "bar": "<= 1.00", "value": None,
                     "median_value": None, "met": None, "text": note, "note": ""})
