@@ -45,7 +45,9 @@ What each hook does, and the engine's extension point it uses:
   memory goes as a reference *and* as Ray's own copy (Ray stores objects, reads them many
   times, later, anywhere in the cluster: only the reader knows whether the sender can still
   give the memory). A reader gets the sender's memory itself when it can (the sender runs and
-  holds it, on this machine, in this network namespace), else Ray's copy. Everything else is
+  holds it, on this machine, in this network namespace), else Ray's copy; a worker keeps
+  what it fetched for a moment, so that tasks in a row on one object fetch it once
+  (_RayLinger). Everything else is
   pickled exactly as without pyshm (Ray's own way, or a serializer registered before).
 """
 
@@ -55,6 +57,7 @@ import importlib.abc
 import os
 import pickle
 import sys
+import threading
 import time
 import warnings
 from multiprocessing.reduction import ForkingPickler
@@ -62,7 +65,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _pyshm_dask, reduction
+from . import _channel, _pyshm_dask, reduction
 from .arrays import is_shared
 
 __all__ = ["install", "installed"]
@@ -933,13 +936,86 @@ class _ByValue:
 _NOT_DELIVERED = (pickle.UnpicklingError, OSError, MemoryError)  # (DeliveryError among them)
 
 
+# Ray deserializes an object again for every task that names it (and every ray.get), and a
+# task's arguments die with the task: each of those would fetch the memory from its sender
+# again (a round trip to its fd server, about 0.5 ms, taken on the sender's GIL). So a
+# process keeps each array it fetched through Ray, and every one it rebuilt of the same
+# memory since, for _RAY_LINGER_SECONDS after that rebuild (the _RAY_LINGER_MAX latest): a
+# rebuild meanwhile maps nothing and fetches nothing (reduction._mapped_array). Memory both
+# sides dropped is then freed that much later.
+_RAY_LINGER_SECONDS = 0.5
+_RAY_LINGER_MAX = 32
+
+
+class _RayLinger:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.arrays: dict = {}  # (memfd key, sender) -> (array, deadline), oldest first
+        self.thread: Optional[threading.Thread] = None
+
+    def keep(self, token: Any, array: np.ndarray, fetched: bool) -> None:
+        """After a rebuild of `token`'s memory as `array` (`fetched`: from its sender)."""
+        if not isinstance(token, tuple) or len(token) < 2:
+            return
+        token = token[:2]  # (the memfd's key and its sender: no secret kept here)
+        try:
+            hash(token)
+        except TypeError:
+            return
+        with self.lock:
+            if not fetched and token not in self.arrays:
+                return  # (ours, or memory kept by something else here: nothing to save)
+            self.arrays.pop(token, None)
+            self.arrays[token] = (array, time.monotonic() + _RAY_LINGER_SECONDS)
+            while len(self.arrays) > _RAY_LINGER_MAX:
+                del self.arrays[next(iter(self.arrays))]
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._expire, name="pyshm-ray-linger",
+                                               daemon=True)
+                self.thread.start()
+
+    def _expire(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self.lock:
+                if self.thread is not me:
+                    return
+                now = time.monotonic()
+                expired = [token for token, (_, deadline) in self.arrays.items()
+                           if deadline <= now]
+                dropped = [self.arrays.pop(token) for token in expired]
+                if not self.arrays:
+                    self.thread = None
+                    return
+                wait = min(deadline for _, deadline in self.arrays.values()) - now
+            del dropped  # (outside the lock: the last reference may unmap)
+            time.sleep(max(wait, 0.01))
+
+    def after_fork_in_child(self) -> None:
+        self.lock = threading.Lock()
+        self.arrays = {}
+        self.thread = None
+
+
+_ray_linger = _RayLinger()
+os.register_at_fork(after_in_child=_ray_linger.after_fork_in_child)
+
+
+def _ray_rebuild(reference: tuple) -> Any:
+    before = _channel.fetch_count()
+    array = reduction.rebuild_ndarray(*reference)
+    if isinstance(array, np.ndarray):
+        _ray_linger.keep(reference[1], array, _channel.fetch_count() != before)
+    return array
+
+
 def _ray_array_back(reference: tuple, copy: Any) -> Any:
     """A pyshm array sent through Ray: the sender's memory itself while the sender can still
     give it (it runs, holds the memory, and this process can reach it: this machine, this
-    network namespace), else the copy Ray carried beside it (read-only from Ray's object
-    store, as Ray gives any array)."""
+    network namespace) or this process has it still (_RayLinger), else the copy Ray carried
+    beside it (read-only from Ray's object store, as Ray gives any array)."""
     try:
-        return reduction.rebuild_ndarray(*reference)
+        return _ray_rebuild(reference)
     except _NOT_DELIVERED:
         return copy
 
@@ -947,7 +1023,7 @@ def _ray_array_back(reference: tuple, copy: Any) -> Any:
 def _ray_tensor_back(reference: tuple, layout: tuple, copy: Any) -> Any:
     """The same for a tensor over pyshm memory: over the sender's memory, else Ray's copy."""
     try:
-        data = reduction.rebuild_ndarray(*reference)
+        data = _ray_rebuild(reference)
     except _NOT_DELIVERED:
         return copy
     return _rebuild_tensor(data, *layout)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import pyshm
-from pyshm import _channel, engines
+from pyshm import _channel, engines, reduction
 from shm_harness import describe_fds, needs_fence, run_without_the_fence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1677,6 +1677,46 @@ def test_ray_tasks_actors_and_put_carry_the_same_memory(ray_session):
     plain = np.zeros(1 << 18, np.float32)
     back, writeable, shared = ray.get(task.remote(plain, 6.0))
     assert not writeable and not shared and (plain == 0).all()
+
+
+LINGER_BYTES = reduction.SLAB_SIZE + 3 * 4096  # (no other test's size; above what
+# reduction._cache.recent keeps)
+
+
+def write_and_count(array, index):
+    array[index] = index + 1
+    return os.getpid(), _channel.fetch_count()
+
+
+def still_mapped(_):
+    gc.collect()
+    return os.getpid(), any(mapping.size == LINGER_BYTES
+                            for mapping in list(reduction._cache.mappings.values()))
+
+
+def test_ray_tasks_on_one_object_fetch_its_memory_once(ray_session):
+    # Ray rebuilds an object for every task that names it, and a task's arguments die with
+    # it: a worker keeps what it fetched for a moment (engines._RayLinger), so tasks in a
+    # row fetch the memory once per worker (not one round trip to this process each), all
+    # write it, and each worker unmaps it soon after its last task
+    ray = ray_session
+    array = pyshm.zeros(LINGER_BYTES, np.uint8, shared=True)
+    put = ray.put(array)
+    task = ray.remote(write_and_count)
+    counts = collections.defaultdict(set)
+    for i in range(8):
+        pid, count = ray.get(task.remote(put, i))
+        counts[pid].add(count)
+    assert array[:9].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 0]
+    assert all(len(seen) == 1 for seen in counts.values()), counts  # one fetch per worker
+    deadline = time.monotonic() + 10
+    mapped = {pid: True for pid in counts}
+    while any(mapped.values()) and time.monotonic() < deadline:
+        pid, still = ray.get(ray.remote(still_mapped).remote(None))
+        mapped[pid] = still
+        time.sleep(0.05)
+    assert not any(mapped.values()), mapped
+    del put, array
 
 
 def make_shared(value, pid_file):
