@@ -939,40 +939,56 @@ _NOT_DELIVERED = (pickle.UnpicklingError, OSError, MemoryError)  # (DeliveryErro
 # Ray deserializes an object again for every task that names it (and every ray.get), and a
 # task's arguments die with the task: each of those would fetch the memory from its sender
 # again (a round trip to its fd server, about 0.5 ms, taken on the sender's GIL). So a
-# process keeps each array it fetched through Ray, and every one it rebuilt of the same
-# memory since, for _RAY_LINGER_SECONDS after that rebuild (the _RAY_LINGER_MAX latest): a
-# rebuild meanwhile maps nothing and fetches nothing (reduction._mapped_array). Memory both
-# sides dropped is then freed that much later.
+# process keeps each array it rebuilt through Ray over memory received from another process
+# (a mapping of a memfd not its own) for _RAY_LINGER_SECONDS after its latest rebuild of that
+# memory (the _RAY_LINGER_MAX latest): a rebuild meanwhile maps nothing and fetches nothing
+# (reduction._mapped_array). Memory both sides dropped is then freed that much later.
 _RAY_LINGER_SECONDS = 0.5
 _RAY_LINGER_MAX = 32
+
+
+def _received_mapping(array: np.ndarray) -> Any:
+    """The mapping of memory received from another process that `array` lies in, or None."""
+    base = array
+    for _ in range(4):  # (an array, maybe a view or two, then its owner)
+        base = getattr(base, "base", None)
+        keep = getattr(base, "keep", None)
+        if isinstance(keep, reduction._Mapping):
+            return None if keep.ours else keep
+        if not isinstance(base, np.ndarray):
+            return None
+    return None
 
 
 class _RayLinger:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.arrays: dict = {}  # (memfd key, sender) -> (array, deadline), oldest first
+        self.arrays: dict = {}  # (memfd key, size) -> (array, deadline), oldest first
         self.thread: Optional[threading.Thread] = None
 
-    def keep(self, token: Any, array: np.ndarray, fetched: bool) -> None:
-        """After a rebuild of `token`'s memory as `array` (`fetched`: from its sender)."""
-        if not isinstance(token, tuple) or len(token) < 2:
+    def keep(self, array: np.ndarray) -> None:
+        """After a rebuild of `array` through Ray (never raises: a failure keeps nothing)."""
+        mapping = _received_mapping(array)
+        if mapping is None:
             return
-        token = token[:2]  # (the memfd's key and its sender: no secret kept here)
-        try:
-            hash(token)
-        except TypeError:
-            return
+        key = (mapping.key, mapping.size)
+        dropped = []
         with self.lock:
-            if not fetched and token not in self.arrays:
-                return  # (ours, or memory kept by something else here: nothing to save)
-            self.arrays.pop(token, None)
-            self.arrays[token] = (array, time.monotonic() + _RAY_LINGER_SECONDS)
+            dropped.append(self.arrays.pop(key, None))
+            self.arrays[key] = (array, time.monotonic() + _RAY_LINGER_SECONDS)
             while len(self.arrays) > _RAY_LINGER_MAX:
-                del self.arrays[next(iter(self.arrays))]
+                dropped.append(self.arrays.pop(next(iter(self.arrays))))
             if self.thread is None:
-                self.thread = threading.Thread(target=self._expire, name="pyshm-ray-linger",
-                                               daemon=True)
-                self.thread.start()
+                thread = threading.Thread(target=self._expire, name="pyshm-ray-linger",
+                                          daemon=True)
+                self.thread = thread
+                try:
+                    thread.start()
+                except RuntimeError:  # (no thread now: keep nothing, try again next time)
+                    self.thread = None
+                    dropped.extend(self.arrays.values())
+                    self.arrays.clear()
+        del dropped  # (outside the lock: a last reference unmaps)
 
     def _expire(self) -> None:
         me = threading.current_thread()
@@ -981,14 +997,13 @@ class _RayLinger:
                 if self.thread is not me:
                     return
                 now = time.monotonic()
-                expired = [token for token, (_, deadline) in self.arrays.items()
-                           if deadline <= now]
-                dropped = [self.arrays.pop(token) for token in expired]
+                expired = [key for key, (_, deadline) in self.arrays.items() if deadline <= now]
+                dropped = [self.arrays.pop(key) for key in expired]
                 if not self.arrays:
                     self.thread = None
                     return
                 wait = min(deadline for _, deadline in self.arrays.values()) - now
-            del dropped  # (outside the lock: the last reference may unmap)
+            del dropped  # (outside the lock: a last reference unmaps)
             time.sleep(max(wait, 0.01))
 
     def after_fork_in_child(self) -> None:
@@ -1001,29 +1016,35 @@ _ray_linger = _RayLinger()
 os.register_at_fork(after_in_child=_ray_linger.after_fork_in_child)
 
 
-def _ray_rebuild(reference: tuple) -> Any:
-    before = _channel.fetch_count()
+def _ray_rebuild(reference: tuple, machine: Any) -> Any:
+    """The array `reference` names, over its sender's memory; DeliveryError when its sender
+    runs on another machine (or network namespace) than this process: no memfd mapped here
+    can be the one it names, whatever its numbers."""
+    here = _machine()
+    if machine is not None and (here is None or machine != here):
+        raise reduction.DeliveryError("pyshm: memory of a process on another machine")
     array = reduction.rebuild_ndarray(*reference)
     if isinstance(array, np.ndarray):
-        _ray_linger.keep(reference[1], array, _channel.fetch_count() != before)
+        _ray_linger.keep(array)
     return array
 
 
-def _ray_array_back(reference: tuple, copy: Any) -> Any:
+def _ray_array_back(reference: tuple, copy: Any, machine: Any = None) -> Any:
     """A pyshm array sent through Ray: the sender's memory itself while the sender can still
     give it (it runs, holds the memory, and this process can reach it: this machine, this
     network namespace) or this process has it still (_RayLinger), else the copy Ray carried
-    beside it (read-only from Ray's object store, as Ray gives any array)."""
+    beside it (read-only from Ray's object store, as Ray gives any array). `machine`: the
+    sender's (_machine; None in a pickle of an earlier pyshm)."""
     try:
-        return _ray_rebuild(reference)
+        return _ray_rebuild(reference, machine)
     except _NOT_DELIVERED:
         return copy
 
 
-def _ray_tensor_back(reference: tuple, layout: tuple, copy: Any) -> Any:
+def _ray_tensor_back(reference: tuple, layout: tuple, copy: Any, machine: Any = None) -> Any:
     """The same for a tensor over pyshm memory: over the sender's memory, else Ray's copy."""
     try:
-        data = _ray_rebuild(reference)
+        data = _ray_rebuild(reference, machine)
     except _NOT_DELIVERED:
         return copy
     return _rebuild_tensor(data, *layout)
@@ -1038,7 +1059,7 @@ def _ray_array(previous):
         rebuild, reference = reduction.reduce_ndarray(a)
         if rebuild is not reduction.rebuild_ndarray:
             return (copy,)  # (what pyshm pickles by value itself: empty arrays)
-        return (_Reduced((_ray_array_back, (reference, copy))),)
+        return (_Reduced((_ray_array_back, (reference, copy, _machine()))),)
 
     serialize._pyshm = True
     return serialize
@@ -1056,7 +1077,7 @@ def _ray_tensor(previous):
         (rebuild, reference), layout = reduced[1][0].value, reduced[1][1:]
         if rebuild is not reduction.rebuild_ndarray:
             return (copy,)
-        return (_Reduced((_ray_tensor_back, (reference, layout, copy))),)
+        return (_Reduced((_ray_tensor_back, (reference, layout, copy, _machine()))),)
 
     serialize._pyshm = True
     return serialize
