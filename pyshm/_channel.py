@@ -85,6 +85,37 @@ _REQUEST_SECONDS = 5.0  # a connection must send its request by then
 _REPLY_TIMEOUT = 30.0
 _ADDRESS_PREFIX = b"\0pyshm-"
 
+
+def _read_boot_tag() -> bytes:
+    """b"b" and 12 hex digits of this boot's id (random per boot of any machine), or b"" if
+    /proc cannot tell. A server's address carries it (b"\0pyshm-<pid>-<tag>-<random>"), so
+    that a receiver can tell a token of another machine, or of an earlier boot of this one,
+    whose memfd numbers (device, inode) mean nothing here (from_another_boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as boot:
+            digits = boot.read().strip().replace(b"-", b"")[:12]
+    except OSError:
+        return b""
+    return b"b" + digits if len(digits) == 12 and digits.isalnum() else b""
+
+
+BOOT_TAG = _read_boot_tag()
+_boots_seen: dict = {}  # sender address -> from another boot (bounded: see from_another_boot)
+
+
+def from_another_boot(address: Any) -> bool:
+    """Whether a token's sender `address` says another boot than this process's (False when
+    either side cannot tell: an address of an earlier pyshm, or no boot id here)."""
+    seen = _boots_seen.get(address) if type(address) is bytes else False
+    if seen is None:
+        parts = address[len(_ADDRESS_PREFIX):].split(b"-")
+        seen = (bool(BOOT_TAG) and address.startswith(_ADDRESS_PREFIX) and len(parts) == 3
+                and parts[1][:1] == b"b" and parts[1] != BOOT_TAG)
+        if len(_boots_seen) >= 1024:
+            _boots_seen.clear()
+        _boots_seen[address] = seen
+    return seen
+
 # ---- wire format ---------------------------------------------------------------------------
 # request: _HEAD, the batch proof (id 0: none), `fetches` x _ITEM, `acks` x _PROOF
 # reply: one status byte per fetch (0 nothing, 1 fd), one flags byte (1: the batch is
@@ -538,7 +569,9 @@ class _Server:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.address = b"%s%d-%s" % (_ADDRESS_PREFIX, self.pid, secrets.token_hex(16).encode())
+        self.address = b"%s%d-%s%s" % (_ADDRESS_PREFIX, self.pid,
+                                         BOOT_TAG + b"-" if BOOT_TAG else b"",
+                                         secrets.token_hex(16).encode())
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.bind(self.address)

@@ -671,10 +671,24 @@ def rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np
         return stand_in
 
 
+def _not_from_another_boot(token: Any) -> None:
+    """DeliveryError for a token whose sender ran on another machine (or an earlier boot of
+    this one): its memfd's numbers may equal those of memory here, ours or received, which
+    must not stand in for it; it cannot be fetched either."""
+    try:
+        address = token[1]
+    except (TypeError, IndexError, KeyError):
+        return  # (not a token: _check_token says why)
+    if _channel.from_another_boot(address):
+        raise DeliveryError("pyshm: this memory is in a process of another machine (or of an "
+                            "earlier boot of this one): it cannot be reached from here")
+
+
 def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
     if not isinstance(dtype, np.dtype) or dtype.hasobject:
         # (pointers read from shared memory would crash the receiver)
         raise pickle.UnpicklingError(f"pyshm: no array of dtype {dtype!r} in shared memory")
+    _not_from_another_boot(token)
     array = _own_array_back(token, shape, dtype, strides, start, writeable)
     if array is not None:
         return array
@@ -728,6 +742,7 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
 
 def _rebuild_storage(batch, token) -> Storage:
     try:
+        _not_from_another_boot(token)
         mapping, handle, _ = _resolve(batch, _check_token(token))
     except Exception as exc:
         stand_in = _channel.stand_in(exc)

@@ -675,6 +675,49 @@ def test_hostile_layouts_in_a_receiver_that_has_the_memfd_mapped(pool):
     assert second == 2 and same and owner == "_ReceivedOwner"  # (the receiver's quick path)
 
 
+def another_boot(address):
+    """`address` as the same sender's would be on another boot (or machine)."""
+    pid, boot, rest = address[len(b"\0pyshm-"):].split(b"-")
+    assert boot == _channel.BOOT_TAG and boot.startswith(b"b")
+    return b"\0pyshm-%s-b%s-%s" % (pid, b"0" * 12 if boot[1:] != b"0" * 12 else b"1" * 12, rest)
+
+
+def rebuild_from_another_boot(args):
+    """In a receiver that has the memfd mapped: the token as another boot's sender would make
+    it, then as it came."""
+    array, token = args
+    key, address, *rest = token
+    try:
+        reduction.rebuild_ndarray(None, (key, another_boot(address), *rest), (100,),
+                                  np.dtype(np.uint8), (1,), 0, True)
+        out = "made"
+    except pyshm.DeliveryError as exc:
+        out = str(exc)
+    good = reduction.rebuild_ndarray(None, token, (100,), np.dtype(np.uint8), (1,), 0, True)
+    return out, good.ctypes.data == array.ctypes.data
+
+
+def test_a_token_of_another_boot_never_names_memory_here(pool):
+    # memfds are named by device and inode, which another machine's (or an earlier boot's)
+    # can equal, with the same sizes (the same program on every node): a token whose sender
+    # address says another boot is refused before any lookup, so it never becomes memory of
+    # ours, nor memory mapped here, whatever its numbers
+    a = pyshm.empty(100, np.uint8, shared=True)
+    a[:] = 5
+    func, args = _token(a)
+    key, address, *rest = args[1]
+    assert func(None, args[1], *args[2:]).ctypes.data == a.ctypes.data  # (as it came: ours)
+    with pytest.raises(pyshm.DeliveryError, match="another machine"):
+        func(None, (key, another_boot(address), *rest), *args[2:])
+    with pytest.raises(pyshm.DeliveryError, match="another machine"):
+        reduction._rebuild_storage(None, (key, another_boot(address), *rest))
+    token = tuple(args[1][:-1]) + (None,)
+    out, same = pool.apply(rebuild_from_another_boot, ((a, token),))
+    assert "another machine" in out and same
+    # an address of an earlier pyshm (no boot in it) is taken as before
+    assert not _channel.from_another_boot(b"\0pyshm-123-" + b"0" * 32)
+
+
 def test_hostile_payloads_raise(no_fd_leak, tmp_path):
     a = pyshm.empty(100, np.uint8, shared=True)
     func, args = _token(a)
