@@ -84,37 +84,44 @@ _MAX_FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253
 _REQUEST_SECONDS = 5.0  # a connection must send its request by then
 _REPLY_TIMEOUT = 30.0
 _ADDRESS_PREFIX = b"\0pyshm-"
+ADDRESS_PREFIX = _ADDRESS_PREFIX
+ADDRESS_MAX = 108  # (sun_path's size: no longer name can be bound)
+
+_reached: dict = {}  # fd server addresses this process reached (bounded: see reachable)
 
 
-def _read_boot_tag() -> bytes:
-    """b"b" and 12 hex digits of this boot's id (random per boot of any machine), or b"" if
-    /proc cannot tell. A server's address carries it (b"\0pyshm-<pid>-<tag>-<random>"), so
-    that a receiver can tell a token of another machine, or of an earlier boot of this one,
-    whose memfd numbers (device, inode) mean nothing here (from_another_boot)."""
+def note_reached(address: bytes) -> None:
+    """`address` answered a connection: a server of this machine and network namespace."""
+    if len(_reached) >= 4096:
+        _reached.clear()
+    _reached[address] = True
+
+
+def reachable(address: Any) -> bool:
+    """Whether `address` is an fd server this process can reach: its own, one it reached
+    before, or one that accepts a connection now (connect, then close at once). Memfds are
+    named by this kernel's numbers (device, inode), which a sender on another machine (or a
+    VM restored from the same snapshot) can share with memory here: only a token of a
+    sender reachable from here may stand for memory this process has (pyshm.reduction)."""
+    if type(address) is not bytes:
+        return False
+    if address in _reached:
+        return True
+    if not address.startswith(_ADDRESS_PREFIX) or len(address) > ADDRESS_MAX:
+        return False
+    server = state.server
+    if server is not None and address == server.address:
+        return True
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as boot:
-            digits = boot.read().strip().replace(b"-", b"")[:12]
+        sock.settimeout(_REPLY_TIMEOUT)
+        _connect(sock, address)
     except OSError:
-        return b""
-    return b"b" + digits if len(digits) == 12 and digits.isalnum() else b""
-
-
-BOOT_TAG = _read_boot_tag()
-_boots_seen: dict = {}  # sender address -> from another boot (bounded: see from_another_boot)
-
-
-def from_another_boot(address: Any) -> bool:
-    """Whether a token's sender `address` says another boot than this process's (False when
-    either side cannot tell: an address of an earlier pyshm, or no boot id here)."""
-    seen = _boots_seen.get(address) if type(address) is bytes else False
-    if seen is None:
-        parts = address[len(_ADDRESS_PREFIX):].split(b"-")
-        seen = (bool(BOOT_TAG) and address.startswith(_ADDRESS_PREFIX) and len(parts) == 3
-                and parts[1][:1] == b"b" and parts[1] != BOOT_TAG)
-        if len(_boots_seen) >= 1024:
-            _boots_seen.clear()
-        _boots_seen[address] = seen
-    return seen
+        return False
+    finally:
+        sock.close()
+    note_reached(address)
+    return True
 
 # ---- wire format ---------------------------------------------------------------------------
 # request: _HEAD, the batch proof (id 0: none), `fetches` x _ITEM, `acks` x _PROOF
@@ -255,6 +262,7 @@ class _State:
         self.lock = threading.RLock()
         # sender
         self.secrets: dict = {}  # key -> (writable secret, read-only secret, the key itself)
+        self.inherited: dict = {}  # key -> the parent's pair, in a forked child (secrets)
         self.live: dict = {}  # key -> weakref to the first live holder (dead ones: swept)
         self.ranges: dict = {}  # (key, size, offset, nbytes) -> weakref to its holder
         self.shared_keys: set = set()  # keys exported from several storages (slabs, arenas)
@@ -301,10 +309,21 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
         now = _monotonic()
         if now >= state.next_sweep:
             _sweep(now)
+        server = state.server
+        if server is None:
+            server = state.server = _Server()
+            for hook in _on_server_start:
+                hook()
         pair = state.secrets.get(key)
         if pair is None:
-            pair = state.secrets[key] = (secrets.token_bytes(SECRET_BYTES),
-                                         secrets.token_bytes(SECRET_BYTES), key)
+            parent = state.inherited.get(key)
+            if parent is not None:  # (memory the parent exported before our fork: see below)
+                pair = (forked_secret(parent[0], server.address),
+                        forked_secret(parent[1], server.address), key)
+            else:
+                pair = (secrets.token_bytes(SECRET_BYTES), secrets.token_bytes(SECRET_BYTES),
+                        key)
+            state.secrets[key] = pair
         live = state.live.get(key)
         first = live() if live is not None else None
         if first is None:
@@ -312,12 +331,30 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
         elif first is not holder:
             state.shared_keys.add(key)
         state.ranges[(key, size, offset, nbytes)] = ref
-        server = state.server
-        if server is None:
-            server = state.server = _Server()
-            for hook in _on_server_start:
-                hook()
         return server.address, pair[1 if readonly else 0], ref, pair[2]
+
+
+def forked_secret(parent_secret: bytes, address: bytes) -> bytes:
+    """The secret a forked child gives memory its parent had exported before the fork (the
+    parent's secret for it, through HMAC with the child's server address): the parent can
+    tell such a token of its own memory from a child even once the child is gone
+    (own_token), and nobody learns the parent's secret from it."""
+    return hmac.new(parent_secret, b"pyshm-fork:" + address, "sha256").digest()[:SECRET_BYTES]
+
+
+def own_token(key: tuple, address: bytes, secret: Any) -> bool:
+    """Whether a token (memfd `key`, sender `address`, `secret`) names memory this process
+    exported, with one of its secrets for it or a secret a child forked from it made of one
+    (forked_secret)."""
+    try:
+        pair = state.secrets.get(key)
+    except TypeError:  # (a malformed key: _check_token says so)
+        return False
+    secret = secret_bytes(secret)
+    if pair is None or secret is None:
+        return False
+    return any(hmac.compare_digest(candidate, secret) for own in pair[:2]
+               for candidate in (own, forked_secret(own, address)))
 
 
 def _secret_out(secret: bytes, out_of_band: bool) -> Any:
@@ -569,9 +606,7 @@ class _Server:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.address = b"%s%d-%s%s" % (_ADDRESS_PREFIX, self.pid,
-                                         BOOT_TAG + b"-" if BOOT_TAG else b"",
-                                         secrets.token_hex(16).encode())
+        self.address = b"%s%d-%s" % (_ADDRESS_PREFIX, self.pid, secrets.token_hex(16).encode())
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.bind(self.address)
@@ -792,6 +827,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
                 "receivers, one that is killed cannot"
             ) from None
         _check_peer_user(sock)
+        note_reached(address)
         if fetches:
             state.fetches += 1
         sock.sendall(build_request(proof, fetches, list(acks), max_extras))
@@ -911,6 +947,8 @@ def _after_fork_in_child() -> None:
             pass
     old.server = None
     old.lock = threading.RLock()
+    # (the parent's secrets, kept to derive ours for memory it had exported: forked_secret)
+    old.inherited = {**old.inherited, **old.secrets}
     old.secrets = {}
     old.live = {}
     old.ranges = {}

@@ -65,7 +65,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _channel, _pyshm_dask, reduction
+from . import _pyshm_dask, reduction
 from .arrays import is_shared
 
 __all__ = ["install", "installed"]
@@ -1016,35 +1016,28 @@ _ray_linger = _RayLinger()
 os.register_at_fork(after_in_child=_ray_linger.after_fork_in_child)
 
 
-def _ray_rebuild(reference: tuple, machine: Any) -> Any:
-    """The array `reference` names, over its sender's memory; DeliveryError when its sender
-    runs on another machine (or network namespace) than this process: no memfd mapped here
-    can be the one it names, whatever its numbers."""
-    here = _machine()
-    if machine is not None and (here is None or machine != here):
-        raise reduction.DeliveryError("pyshm: memory of a process on another machine")
+def _ray_rebuild(reference: tuple) -> Any:
     array = reduction.rebuild_ndarray(*reference)
     if isinstance(array, np.ndarray):
         _ray_linger.keep(array)
     return array
 
 
-def _ray_array_back(reference: tuple, copy: Any, machine: Any = None) -> Any:
+def _ray_array_back(reference: tuple, copy: Any) -> Any:
     """A pyshm array sent through Ray: the sender's memory itself while the sender can still
     give it (it runs, holds the memory, and this process can reach it: this machine, this
     network namespace) or this process has it still (_RayLinger), else the copy Ray carried
-    beside it (read-only from Ray's object store, as Ray gives any array). `machine`: the
-    sender's (_machine; None in a pickle of an earlier pyshm)."""
+    beside it (read-only from Ray's object store, as Ray gives any array)."""
     try:
-        return _ray_rebuild(reference, machine)
+        return _ray_rebuild(reference)
     except _NOT_DELIVERED:
         return copy
 
 
-def _ray_tensor_back(reference: tuple, layout: tuple, copy: Any, machine: Any = None) -> Any:
+def _ray_tensor_back(reference: tuple, layout: tuple, copy: Any) -> Any:
     """The same for a tensor over pyshm memory: over the sender's memory, else Ray's copy."""
     try:
-        data = _ray_rebuild(reference, machine)
+        data = _ray_rebuild(reference)
     except _NOT_DELIVERED:
         return copy
     return _rebuild_tensor(data, *layout)
@@ -1059,7 +1052,7 @@ def _ray_array(previous):
         rebuild, reference = reduction.reduce_ndarray(a)
         if rebuild is not reduction.rebuild_ndarray:
             return (copy,)  # (what pyshm pickles by value itself: empty arrays)
-        return (_Reduced((_ray_array_back, (reference, copy, _machine()))),)
+        return (_Reduced((_ray_array_back, (reference, copy))),)
 
     serialize._pyshm = True
     return serialize
@@ -1077,7 +1070,7 @@ def _ray_tensor(previous):
         (rebuild, reference), layout = reduced[1][0].value, reduced[1][1:]
         if rebuild is not reduction.rebuild_ndarray:
             return (copy,)
-        return (_Reduced((_ray_tensor_back, (reference, layout, copy, _machine()))),)
+        return (_Reduced((_ray_tensor_back, (reference, layout, copy))),)
 
     serialize._pyshm = True
     return serialize

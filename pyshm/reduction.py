@@ -671,24 +671,31 @@ def rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np
         return stand_in
 
 
-def _not_from_another_boot(token: Any) -> None:
-    """DeliveryError for a token whose sender ran on another machine (or an earlier boot of
-    this one): its memfd's numbers may equal those of memory here, ours or received, which
-    must not stand in for it; it cannot be fetched either."""
-    try:
-        address = token[1]
-    except (TypeError, IndexError, KeyError):
+def _check_reachable(token: Any) -> None:
+    """DeliveryError for a token whose sender this process cannot reach (another machine, a
+    VM restored from the same snapshot, another network namespace, or a sender gone): its
+    memfd's numbers may equal those of memory here, ours or received, which must not stand
+    in for it (_channel.reachable); it cannot be fetched either. But for memory of ours that
+    the token proves it names (one of our secrets for it, or one a child forked from us made
+    of one: a child that sent it back and exited at once)."""
+    if type(token) is not tuple or len(token) != 8:
         return  # (not a token: _check_token says why)
-    if _channel.from_another_boot(address):
-        raise DeliveryError("pyshm: this memory is in a process of another machine (or of an "
-                            "earlier boot of this one): it cannot be reached from here")
+    address = token[1]
+    if (type(address) is not bytes or not address.startswith(_channel.ADDRESS_PREFIX)
+            or len(address) > _channel.ADDRESS_MAX):
+        raise pickle.UnpicklingError("bad pyshm token: no sender's address")
+    if not _channel.reachable(address) and not _channel.own_token(token[0], address,
+                                                                   token[6]):
+        raise DeliveryError("pyshm: the process that sent this memory cannot be reached from "
+                            "here: it runs on another machine (or in another network "
+                            "namespace), or it has exited or was killed")
 
 
 def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
     if not isinstance(dtype, np.dtype) or dtype.hasobject:
         # (pointers read from shared memory would crash the receiver)
         raise pickle.UnpicklingError(f"pyshm: no array of dtype {dtype!r} in shared memory")
-    _not_from_another_boot(token)
+    _check_reachable(token)
     array = _own_array_back(token, shape, dtype, strides, start, writeable)
     if array is not None:
         return array
@@ -742,7 +749,7 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
 
 def _rebuild_storage(batch, token) -> Storage:
     try:
-        _not_from_another_boot(token)
+        _check_reachable(token)
         mapping, handle, _ = _resolve(batch, _check_token(token))
     except Exception as exc:
         stand_in = _channel.stand_in(exc)

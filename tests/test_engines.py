@@ -1720,22 +1720,26 @@ def test_ray_tasks_on_one_object_fetch_its_memory_once(ray_session):
     del put, array
 
 
-def test_ray_pickles_of_another_machine_load_as_rays_copy(monkeypatch):
-    # a Ray pickle of pyshm memory names the sender's machine: elsewhere (another boot, or
-    # network namespace) it loads as the copy beside it, even where a memfd of the same
-    # numbers is mapped (here: the very one), and the reference is not even tried
+def test_ray_pickles_of_a_sender_elsewhere_load_as_rays_copy():
+    # a Ray pickle of pyshm memory from a sender this process cannot reach (another node)
+    # loads as the copy beside it, even where a memfd of the same numbers is mapped (here:
+    # the very one), and nothing is fetched
     array = pyshm.zeros(1 << 16, np.uint8, shared=True)
     array[::7] = 3
-    serialize = engines._ray_array(None)
-    here = pickle.loads(pickle.dumps(serialize(array)[0], protocol=5))
-    assert here.ctypes.data == array.ctypes.data
-    monkeypatch.setattr(engines, "_machine", lambda: "another-boot/1")
-    elsewhere = pickle.dumps(serialize(array)[0], protocol=5)
-    monkeypatch.undo()
+    (reduced,) = engines._ray_array(None)(array)
+    back, _ = reduced.__reduce__()  # (what Ray's pickle calls, with the array's reference)
+    assert back is engines._ray_array_back
+    copy = array.copy()  # (Ray's, as it arrives)
+    _, args = reduction.reduce_ndarray(array)
+    _, (token,) = args[1].__reduce__()
+    key, address, size, offset, nbytes, readonly, _, solo = token
+    unreachable = address[:-8] + (b"0" * 8 if address[-8:] != b"0" * 8 else b"1" * 8)
+    assert back((None, token, *args[2:]), copy).ctypes.data == array.ctypes.data
     fetches = _channel.fetch_count()
-    copy = pickle.loads(elsewhere)
-    assert copy.ctypes.data != array.ctypes.data and (copy == array).all()
-    assert not pyshm.is_shared(copy) and _channel.fetch_count() == fetches
+    foreign = (key, unreachable, size, offset, nbytes, readonly, os.urandom(16), solo)
+    got = back((None, foreign, *args[2:]), copy)
+    assert got is copy
+    assert _channel.fetch_count() == fetches
 
 
 def make_shared(value, pid_file):

@@ -675,20 +675,20 @@ def test_hostile_layouts_in_a_receiver_that_has_the_memfd_mapped(pool):
     assert second == 2 and same and owner == "_ReceivedOwner"  # (the receiver's quick path)
 
 
-def another_boot(address):
-    """`address` as the same sender's would be on another boot (or machine)."""
-    pid, boot, rest = address[len(b"\0pyshm-"):].split(b"-")
-    assert boot == _channel.BOOT_TAG and boot.startswith(b"b")
-    return b"\0pyshm-%s-b%s-%s" % (pid, b"0" * 12 if boot[1:] != b"0" * 12 else b"1" * 12, rest)
+def elsewhere(address):
+    """`address` as a sender's elsewhere would be (another machine, or a VM restored from
+    the same snapshot): the same form, nobody here listening."""
+    return address[:-8] + (b"00000000" if address[-8:] != b"00000000" else b"11111111")
 
 
-def rebuild_from_another_boot(args):
-    """In a receiver that has the memfd mapped: the token as another boot's sender would make
+def rebuild_from_elsewhere(args):
+    """In a receiver that has the memfd mapped: the token as a sender elsewhere would make
     it, then as it came."""
     array, token = args
-    key, address, *rest = token
+    key, address, size, offset, nbytes, readonly, _, solo = token
     try:
-        reduction.rebuild_ndarray(None, (key, another_boot(address), *rest), (100,),
+        reduction.rebuild_ndarray(None, (key, elsewhere(address), size, offset, nbytes,
+                                         readonly, os.urandom(16), solo), (100,),
                                   np.dtype(np.uint8), (1,), 0, True)
         out = "made"
     except pyshm.DeliveryError as exc:
@@ -697,25 +697,30 @@ def rebuild_from_another_boot(args):
     return out, good.ctypes.data == array.ctypes.data
 
 
-def test_a_token_of_another_boot_never_names_memory_here(pool):
-    # memfds are named by device and inode, which another machine's (or an earlier boot's)
-    # can equal, with the same sizes (the same program on every node): a token whose sender
-    # address says another boot is refused before any lookup, so it never becomes memory of
-    # ours, nor memory mapped here, whatever its numbers
+def test_a_token_of_a_sender_elsewhere_never_names_memory_here(pool):
+    # memfds are named by this kernel's numbers (device, inode), which a sender on another
+    # machine (or a VM restored from the same snapshot) can share with memory here, with the
+    # same sizes (the same program on every node): a token whose sender cannot be reached
+    # from here is refused before any lookup, so it never becomes memory of ours, nor memory
+    # mapped here, whatever its numbers
     a = pyshm.empty(100, np.uint8, shared=True)
     a[:] = 5
     func, args = _token(a)
-    key, address, *rest = args[1]
+    key, address, size, offset, nbytes, readonly, secret, solo = args[1]
     assert func(None, args[1], *args[2:]).ctypes.data == a.ctypes.data  # (as it came: ours)
-    with pytest.raises(pyshm.DeliveryError, match="another machine"):
-        func(None, (key, another_boot(address), *rest), *args[2:])
-    with pytest.raises(pyshm.DeliveryError, match="another machine"):
-        reduction._rebuild_storage(None, (key, another_boot(address), *rest))
+    # (a sender elsewhere has secrets of its own; one with ours is ours, wherever it is)
+    foreign = (key, elsewhere(address), size, offset, nbytes, readonly, os.urandom(16), solo)
+    with pytest.raises(pyshm.DeliveryError, match="cannot be reached"):
+        func(None, foreign, *args[2:])
+    with pytest.raises(pyshm.DeliveryError, match="cannot be reached"):
+        reduction._rebuild_storage(None, foreign)
+    rest = [size, offset, nbytes, readonly, secret, solo]
+    for bad in (address.decode("latin-1"), address + b"-" * 200, b"\0other" + address[7:]):
+        with pytest.raises(pickle.UnpicklingError, match="no sender's address"):
+            func(None, (key, bad, *rest), *args[2:])
     token = tuple(args[1][:-1]) + (None,)
-    out, same = pool.apply(rebuild_from_another_boot, ((a, token),))
-    assert "another machine" in out and same
-    # an address of an earlier pyshm (no boot in it) is taken as before
-    assert not _channel.from_another_boot(b"\0pyshm-123-" + b"0" * 32)
+    out, same = pool.apply(rebuild_from_elsewhere, ((a, token),))
+    assert "cannot be reached" in out and same
 
 
 def test_hostile_payloads_raise(no_fd_leak, tmp_path):
@@ -780,6 +785,7 @@ def test_hostile_payloads_raise(no_fd_leak, tmp_path):
             with pytest.raises((ValueError, OSError, pickle.UnpicklingError)):
                 func(None, token, *args[2:])
             fake.close()
+            assert fake.served  # (the refusal is of the fd it handed out)
     finally:
         os.close(pipe_r)
         os.close(pipe_w)
@@ -795,11 +801,16 @@ class _FakeSender:
         self.thread = threading.Thread(target=self._serve, args=(fd,), daemon=True)
         self.thread.start()
 
+    served = False
+
     def _serve(self, fd):
-        conn, _ = self.sock.accept()
-        conn.recv(1024)
-        socket.send_fds(conn, [b"\x01\x00"], [fd])  # "here is your fd", no extras
-        conn.close()
+        while True:
+            conn, _ = self.sock.accept()
+            with conn:
+                if conn.recv(1024):  # (nothing: a receiver making sure a sender is there)
+                    socket.send_fds(conn, [b"\x01\x00"], [fd])  # "here is your fd"
+                    self.served = True
+                    return
 
     def close(self):
         self.thread.join(10)
