@@ -99,23 +99,27 @@ def note_reached(address: bytes) -> None:
 
 def reachable(address: Any) -> bool:
     """Whether `address` is an fd server this process can reach: its own, one it reached
-    before, or one that accepts a connection now (connect, then close at once). Memfds are
-    named by this kernel's numbers (device, inode), which a sender on another machine (or a
-    VM restored from the same snapshot) can share with memory here: only a token of a
-    sender reachable from here may stand for memory this process has (pyshm.reduction)."""
+    before, or one whose name is bound in this network namespace now (one non-blocking
+    connect, closed at once: a full backlog, EAGAIN, says so too). Memfds are named by this
+    kernel's numbers (device, inode), which a sender on another machine can share with
+    memory here: only a token of a sender reachable from here may stand for memory this
+    process has (pyshm.reduction). Never raises: no fd to make one, a sandbox refusing
+    sockets, say unreachable."""
     if type(address) is not bytes:
         return False
     if address in _reached:
         return True
     if not address.startswith(_ADDRESS_PREFIX) or len(address) > ADDRESS_MAX:
         return False
-    server = state.server
-    if server is not None and address == server.address:
-        return True
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
-        sock.settimeout(_REPLY_TIMEOUT)
-        _connect(sock, address)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        sock.setblocking(False)
+        sock.connect(address)
+    except BlockingIOError:
+        pass  # (its backlog is full: it is there)
     except OSError:
         return False
     finally:
@@ -347,13 +351,13 @@ def own_token(key: tuple, address: bytes, secret: Any) -> bool:
     exported, with one of its secrets for it or a secret a child forked from it made of one
     (forked_secret)."""
     try:
-        pair = state.secrets.get(key)
+        pairs = [pair for pair in (state.secrets.get(key), state.inherited.get(key)) if pair]
     except TypeError:  # (a malformed key: _check_token says so)
         return False
     secret = secret_bytes(secret)
-    if pair is None or secret is None:
+    if not pairs or secret is None:
         return False
-    return any(hmac.compare_digest(candidate, secret) for own in pair[:2]
+    return any(hmac.compare_digest(candidate, secret) for pair in pairs for own in pair[:2]
                for candidate in (own, forked_secret(own, address)))
 
 
@@ -616,6 +620,7 @@ class _Server:
             raise
         sock.settimeout(1.0)
         self.sock = sock
+        note_reached(self.address)
         self.answering = False  # between reading a request and sending its last fd (linger)
         self.sweep_failed = False  # (a bug: said once, see _run)
         self.thread = threading.Thread(target=self._run, name="pyshm-fd-server", daemon=True)
@@ -941,14 +946,17 @@ def _janitor() -> None:
 def _after_fork_in_child() -> None:
     old = state
     if old.server is not None:
+        note_reached(old.server.address)  # (the parent's server: on this kernel)
         try:
             old.server.sock.close()
         except OSError:
             pass
     old.server = None
     old.lock = threading.RLock()
-    # (the parent's secrets, kept to derive ours for memory it had exported: forked_secret)
-    old.inherited = {**old.inherited, **old.secrets}
+    # (the secrets of the parent (and its ancestors first) for memory exported before the
+    # fork: ours for it derive from them (forked_secret), so that they can tell our tokens
+    # of it from a stranger's)
+    old.inherited = {**old.secrets, **old.inherited}
     old.secrets = {}
     old.live = {}
     old.ranges = {}

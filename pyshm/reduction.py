@@ -996,7 +996,9 @@ def ref(array: Any) -> Ref:
     of it, or this handle), and, even after both were dropped, within ``KEEPALIVE_SECONDS`` of
     pickling if it was not unpickled by then. Otherwise, from another machine or network
     namespace, or after this process exited, unpickling raises :class:`DeliveryError`. A
-    process that has the memory mapped already needs nothing from this one. ``copy.copy`` of
+    process that has the memory mapped already fetches nothing from this one, but it must
+    have reached this process once (or reach it now): a token from a sender it cannot reach
+    never stands for memory it has (README). ``copy.copy`` of
     the handle names the same memory, ``copy.deepcopy`` a shared copy of it.
     """
     return array if isinstance(array, Ref) else Ref(array)

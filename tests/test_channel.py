@@ -858,25 +858,17 @@ def test_views_of_one_memfd_come_back_as_themselves():
     assert [b.ctypes.data for b in back] == [a.ctypes.data for a in arrays[::-1]]
 
 
-def test_a_token_made_before_a_fork_is_made_anew_in_the_child():
-    # a sender reuses an array's token while nothing changed; after fork() the child has a
-    # server, secrets and ranges of its own, so its tokens must name those, and what it sends
-    # back must still arrive as the parent's own arrays
-    small = pyshm.zeros(512, np.int64, shared=True)
-    big = pyshm.zeros(1 << 18, np.int64, shared=True)
-    ForkingPickler.dumps([small, big])  # tokens made (and kept) here
-    parent_address = _channel.own_address()
+def _from_a_forked_child(make, raw=False):
+    """Fork; the child sends make() (bytes; None: fail) through a pipe and exits at once (no
+    linger); returns what it sent once it exited with 0, unpickled unless `raw`."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             os.close(r)
-            payload = bytes(ForkingPickler.dumps([small, big]))
-            tokens = [args[1] for _, args in map(reduction.reduce_ndarray, (small, big))]
-            addresses = {t.fields[1] for t in tokens}
-            small[0], big[-1] = 7, 8
-            if addresses == {_channel.own_address()} and parent_address not in addresses:
+            payload = make()
+            if payload is not None:
                 os.write(w, len(payload).to_bytes(8, "little") + payload)
                 code = 0
         finally:
@@ -886,10 +878,52 @@ def test_a_token_made_before_a_fork_is_made_anew_in_the_child():
         data = f.read()
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-    back = pickle.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    data = data[8:8 + int.from_bytes(data[:8], "little")]
+    return data if raw else pickle.loads(data)
+
+
+def test_a_token_made_before_a_fork_is_made_anew_in_the_child():
+    # a sender reuses an array's token while nothing changed; after fork() the child has a
+    # server, secrets and ranges of its own, so its tokens must name those, and what it sends
+    # back must still arrive as the parent's own arrays
+    small = pyshm.zeros(512, np.int64, shared=True)
+    big = pyshm.zeros(1 << 18, np.int64, shared=True)
+    ForkingPickler.dumps([small, big])  # tokens made (and kept) here
+    parent_address = _channel.own_address()
+
+    def send_back():
+        payload = bytes(ForkingPickler.dumps([small, big]))
+        tokens = [args[1] for _, args in map(reduction.reduce_ndarray, (small, big))]
+        addresses = {t.fields[1] for t in tokens}
+        small[0], big[-1] = 7, 8
+        if addresses == {_channel.own_address()} and parent_address not in addresses:
+            return payload
+        return None
+
+    back = _from_a_forked_child(send_back)
     assert [b.ctypes.data for b in back] == [small.ctypes.data, big.ctypes.data]
     assert small[0] == 7 and big[-1] == 8
     assert pyshm.storage_of(back[0]) == pyshm.storage_of(small)
+
+
+def test_our_memory_sent_back_by_a_grandchild_that_exited_at_once_arrives():
+    # a child exports our memory too, forks, and its child sends it to us and exits at once
+    # (no linger): its token's secret derives from ours through the child's, so it proves
+    # the memory is ours although its sender cannot be reached any more
+    big = pyshm.zeros(1 << 18, np.int64, shared=True)
+    ForkingPickler.dumps(big)  # exported here
+
+    def grandchild():
+        payload = bytes(ForkingPickler.dumps(big))
+        big[-1] = 8
+        return payload
+
+    def child():
+        ForkingPickler.dumps(big)  # exported by the child too
+        return _from_a_forked_child(grandchild, raw=True)  # (passed on as it came)
+
+    back = _from_a_forked_child(child)
+    assert back.ctypes.data == big.ctypes.data and big[-1] == 8
 
 
 def test_a_dying_array_is_never_handed_out_by_the_channel():
