@@ -88,6 +88,7 @@ ADDRESS_PREFIX = _ADDRESS_PREFIX
 ADDRESS_MAX = 108  # (sun_path's size: no longer name can be bound)
 
 _reached: dict = {}  # fd server addresses this process reached (bounded: see reachable)
+reached = _reached  # (read by pyshm.reduction; only note_reached changes it)
 
 
 def note_reached(address: bytes) -> None:

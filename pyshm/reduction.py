@@ -681,6 +681,8 @@ def _check_reachable(token: Any) -> None:
     if type(token) is not tuple or len(token) != 8:
         return  # (not a token: _check_token says why)
     address = token[1]
+    if type(address) is bytes and address in _channel.reached:  # (the usual case, first)
+        return
     if (type(address) is not bytes or not address.startswith(_channel.ADDRESS_PREFIX)
             or len(address) > _channel.ADDRESS_MAX):
         raise pickle.UnpicklingError("bad pyshm token: no sender's address")
