@@ -84,11 +84,15 @@ _MAX_FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253
 _REQUEST_SECONDS = 5.0  # a connection must send its request by then
 _REPLY_TIMEOUT = 30.0
 _ADDRESS_PREFIX = b"\0pyshm-"
-ADDRESS_PREFIX = _ADDRESS_PREFIX
-ADDRESS_MAX = 108  # (sun_path's size: no longer name can be bound)
+_ADDRESS_MAX = 108  # (sun_path's size: no longer name can be bound)
 
 _reached: dict = {}  # fd server addresses this process reached (bounded: see reachable)
-reached = _reached  # (read by pyshm.reduction; only note_reached changes it)
+
+
+def is_address(address: Any) -> bool:
+    """Whether `address` has the form of an fd server's address."""
+    return (type(address) is bytes and address.startswith(_ADDRESS_PREFIX)
+            and len(address) <= _ADDRESS_MAX)
 
 
 def note_reached(address: bytes) -> None:
@@ -106,11 +110,9 @@ def reachable(address: Any) -> bool:
     memory here: only a token of a sender reachable from here may stand for memory this
     process has (pyshm.reduction). Never raises: no fd to make one, a sandbox refusing
     sockets, say unreachable."""
-    if type(address) is not bytes:
-        return False
-    if address in _reached:
+    if type(address) is bytes and address in _reached:  # (the usual case, first)
         return True
-    if not address.startswith(_ADDRESS_PREFIX) or len(address) > ADDRESS_MAX:
+    if not is_address(address):
         return False
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -818,7 +820,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
     Returns (fd or None for each of `fetches`, [(key, readonly, fd)] extras, released flag).
     The caller closes every fd. DeliveryError when the sender cannot be reached.
     """
-    if not isinstance(address, bytes) or not address.startswith(_ADDRESS_PREFIX):
+    if not is_address(address):
         raise pickle.UnpicklingError(f"bad pyshm sender address {address!r}")
     received: list = []
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)

@@ -949,15 +949,8 @@ _RAY_LINGER_MAX = 32
 
 def _received_mapping(array: np.ndarray) -> Any:
     """The mapping of memory received from another process that `array` lies in, or None."""
-    base = array
-    for _ in range(4):  # (an array, maybe a view or two, then its owner)
-        base = getattr(base, "base", None)
-        keep = getattr(base, "keep", None)
-        if isinstance(keep, reduction._Mapping):
-            return None if keep.ours else keep
-        if not isinstance(base, np.ndarray):
-            return None
-    return None
+    keep = getattr(reduction.owner_of(array), "keep", None)
+    return keep if isinstance(keep, reduction._Mapping) and not keep.ours else None
 
 
 class _RayLinger:

@@ -681,13 +681,11 @@ def _check_reachable(token: Any) -> None:
     if type(token) is not tuple or len(token) != 8:
         return  # (not a token: _check_token says why)
     address = token[1]
-    if type(address) is bytes and address in _channel.reached:  # (the usual case, first)
+    if _channel.reachable(address):  # (a sender reached before: a dict lookup)
         return
-    if (type(address) is not bytes or not address.startswith(_channel.ADDRESS_PREFIX)
-            or len(address) > _channel.ADDRESS_MAX):
+    if not _channel.is_address(address):
         raise pickle.UnpicklingError("bad pyshm token: no sender's address")
-    if not _channel.reachable(address) and not _channel.own_token(token[0], address,
-                                                                   token[6]):
+    if not _channel.own_token(token[0], address, token[6]):
         raise DeliveryError("pyshm: the process that sent this memory cannot be reached from "
                             "here: it runs on another machine (or in another network "
                             "namespace), or it has exited or was killed")
