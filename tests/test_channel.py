@@ -926,6 +926,42 @@ def test_our_memory_sent_back_by_a_grandchild_that_exited_at_once_arrives():
     assert back.ctypes.data == big.ctypes.data and big[-1] == 8
 
 
+def test_reachable_answers_at_once_and_never_raises(monkeypatch):
+    # a sender whose backlog is full (a hung server) is there: no wait for a slot; a name
+    # nobody binds is not; no socket to ask with (EMFILE, a sandbox) says unreachable, never
+    # an OSError out of unpickling
+    address = b"\0pyshm-%d-%s" % (os.getpid(), os.urandom(16).hex().encode())
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(address)
+    server.listen(0)
+    filling = []
+    try:
+        while True:  # (fill its backlog: nobody accepts)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.setblocking(False)
+            filling.append(sock)
+            try:
+                sock.connect(address)
+            except BlockingIOError:
+                break
+        start = time.monotonic()
+        assert _channel.reachable(address) and time.monotonic() - start < 1
+    finally:
+        for sock in filling:
+            sock.close()
+        server.close()
+    gone = address[:-1] + (b"0" if address[-1:] != b"0" else b"1")
+    assert not _channel.reachable(gone)
+
+    def refuse(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    other = address[:-2] + b"zz"
+    monkeypatch.setattr(socket, "socket", refuse)
+    assert not _channel.reachable(other)
+    assert not _channel.reachable("not bytes") and not _channel.reachable(b"/etc/passwd")
+
+
 def test_a_dying_array_is_never_handed_out_by_the_channel():
     # an array's owner is reachable through the channel's weak references until the moment its
     # storage is released; a fetch must never get a holder whose storage is going away

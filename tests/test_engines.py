@@ -18,6 +18,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from typing import NamedTuple
@@ -1718,6 +1719,47 @@ def test_ray_tasks_on_one_object_fetch_its_memory_once(ray_session):
             mapped[pid] = still
     assert not any(mapped.values()), mapped
     del put, array
+
+
+def new_shared(nbytes):
+    array = pyshm.zeros(nbytes, np.uint8, shared=True)
+    array[:] = 4
+    return array
+
+
+def test_the_ray_linger_keeps_received_memory_only_and_never_raises(monkeypatch):
+    # (without Ray: what engines._ray_rebuild hands it) memory received from another process
+    # is kept, our own is not; a thread that cannot start keeps nothing and raises nothing;
+    # a forked child starts with nothing kept
+    linger = engines._RayLinger()
+    with mp.get_context("fork").Pool(1) as pool:
+        received = pool.apply(new_shared, (LINGER_BYTES,))
+    linger.keep(pyshm.zeros(LINGER_BYTES, np.uint8, shared=True))  # ours
+    assert not linger.arrays
+    linger.keep(received)
+    ((kept, _),) = linger.arrays.values()
+    assert kept is received and linger.thread is not None
+    deadline = time.monotonic() + 10
+    while linger.arrays and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not linger.arrays and linger.thread is None  # (expired)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    linger.keep(received)
+    assert not linger.arrays and linger.thread is None
+    monkeypatch.undo()
+    engines._ray_linger.keep(received)  # (the process's own, which fork empties)
+    assert engines._ray_linger.arrays
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not engines._ray_linger.arrays and os.write(w, b"x") else 1)
+    os.close(w)
+    assert os.read(r, 1) == b"x" and os.waitpid(pid, 0)[1] == 0
+    os.close(r)
 
 
 def test_ray_pickles_of_a_sender_elsewhere_load_as_rays_copy():
