@@ -312,7 +312,9 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * may be lost: writes into pages the kernel pinned before the call (O_DIRECT reads in flight,
  * io_uring fixed buffers, RDMA); no userfaultfd write protection (kernels before 6.4,
  * CONFIG_USERFAULTFD off, a seccomp filter); memory it cannot protect (an allocator's file
- * mappings, ranges another userfaultfd watches); LSHM_FENCE=0 in the environment (read at load
+ * mappings, ranges another userfaultfd watches: the default allocator's slabs are registered
+ * with libshm's for their whole life, so no other userfaultfd can watch them); LSHM_FENCE=0 in
+ * the environment (read at load
  * time); a child forked without the atfork handlers (_Fork, a raw clone); storages whose memory
  * moves (see above). A process that never started a second thread sets up none (nobody could
  * write). A signal handler that writes the bytes on the sharing thread itself would wait for

@@ -102,7 +102,8 @@ int lshm__os_map_fd_private_fixed(int fd, uint64_t offset, size_t len, void *add
 typedef struct lshm__fence {
     char *base;
     size_t len;
-    int fd; /* the userfaultfd it was set up with */
+    int fd;         /* the userfaultfd it was set up with */
+    int registered; /* registered by lshm__os_fence_begin (else by lshm__os_fence_prepare) */
 } lshm__fence;
 /* At load time and in a fork's child (fork.c): the process's userfaultfd, if it can have one. */
 void lshm__os_fence_open(void);
@@ -112,7 +113,11 @@ void lshm__os_fence_after_fork_child(void);
  * (lshm_storage_share_fenced) -EOPNOTSUPP instead. 0 with f->len 0, required or not, where no
  * fence is needed: len 0, a process with one thread. An error (-ENOMEM: the mapping could not
  * be split; -EOPNOTSUPP) changes nothing. */
-int lshm__os_fence_begin(void *addr, size_t len, int required, lshm__fence *f);
+int lshm__os_fence_begin(void *addr, size_t len, int required, int prepared, lshm__fence *f);
+/* Register [addr, addr + len) (fresh private memory: a slab) with the userfaultfd ahead of its
+ * shares, so that each fence there only write-protects (one ioctl less, no mapping split).
+ * Never fails: memory it cannot register is registered by each fence as before. */
+void lshm__os_fence_prepare(void *addr, size_t len);
 /* [addr, addr + len) of the fence was mapped anew: let the writers blocked there retry. */
 void lshm__os_fence_wake(const lshm__fence *f, void *addr, size_t len);
 /* A failed share: [from, end of the fence) is still the private memory: writable again,

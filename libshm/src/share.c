@@ -490,9 +490,10 @@ static int share_locked(lshm_storage *s, int own_memfd, int fenced, old_memory *
     void *mapped = NULL;
     int rc;
     /* Memory shared in place: no other thread's write may land in a page the remap drops. */
-    lshm__fence fence = {NULL, 0, -1};
+    lshm__fence fence = {NULL, 0, -1, 0};
     if (owns_whole_pages(s) &&
-        (rc = lshm__os_fence_begin(data, s->capacity, fenced, &fence)) != 0)
+        (rc = lshm__os_fence_begin(data, s->capacity, fenced, s->origin == LSHM__ORIGIN_SLAB,
+                                   &fence)) != 0)
         return rc;
 
     if (s->origin == LSHM__ORIGIN_SLAB && !own_memfd) {

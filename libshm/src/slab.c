@@ -181,6 +181,7 @@ static int slab_new(lshm__slab **out) {
         return rc;
     }
     slab->base = base;
+    lshm__os_fence_prepare(base, LSHM__SLAB_BYTES); /* (its shares' fences: protect only) */
     slab->pages = LSHM__SLAB_BYTES / lshm__os_page_size();
     assert(slab->pages <= SLAB_MAX_PAGES);
     slab->free_pages = slab->pages;
@@ -223,6 +224,7 @@ static void slab_empty(lshm__slab *slab) {
         }
         slab->shared_pages = 0;
         memset(slab->dirty, 0, sizeof slab->dirty);
+        lshm__os_fence_prepare(slab->base, LSHM__SLAB_BYTES);
     }
     memfd_release(slab->memfd);
     slab->memfd = NULL;

@@ -12,7 +12,9 @@
  * thread sets up no fence; a protection that fails lets its writers go; a child forked without
  * the atfork handlers leaves its parent's memory alone; a program that closes the library's
  * userfaultfd keeps its own fd of that number, and the library opens another; memory the
- * program's own userfaultfd watches is shared unfenced and keeps that registration. And the control: with the fence off the same writer does lose
+ * program's own userfaultfd watches is shared unfenced and keeps that registration; a slab
+ * stays registered ahead of its shares (also through a fence that fails), and a fork's child
+ * registers its copy itself. And the control: with the fence off the same writer does lose
  * writes, so the test can fail.
  */
 #ifndef LSHM_TESTING
@@ -529,8 +531,8 @@ static void test_userfaultfd_closed_by_the_program(void) {
     ASSERT_GE(userfaultfd_number(), 0);
 }
 
-/* VmFlags of the mapping that starts at p contain "uw" (registered for write-protect)? */
-static int registered_wp(const void *p) {
+/* VmFlags of the mapping that holds p contain "uw" (registered for write-protect)? */
+static int registered_wp_at(const void *p) {
     FILE *f = fopen("/proc/self/smaps", "r");
     ASSERT(f != NULL);
     char line[512];
@@ -538,8 +540,8 @@ static int registered_wp(const void *p) {
     while (fgets(line, sizeof line, f) != NULL) {
         unsigned long start, end;
         char perms[8];
-        if (sscanf(line, "%lx-%lx %7s", &start, &end, perms) == 3) /* a mapping's first line */
-            here = start == (unsigned long)(uintptr_t)p;
+        if (sscanf(line, "%lx-%lx %7s", &start, &end, perms) == 3)
+            here = start <= (unsigned long)(uintptr_t)p && (unsigned long)(uintptr_t)p < end;
         else if (here && strncmp(line, "VmFlags:", 8) == 0)
             found = strstr(line, " uw") != NULL;
     }
@@ -564,13 +566,13 @@ static void test_memory_another_userfaultfd_watches(void) {
         memset(data, 1, n);
         struct uffdio_register reg = {{(uintptr_t)data, n}, UFFDIO_REGISTER_MODE_WP, 0};
         ASSERT_OK(ioctl(mine, UFFDIO_REGISTER, &reg));
-        ASSERT(registered_wp(data));
+        ASSERT(registered_wp_at(data));
         unsigned long fences = lshm__fences_set;
         if (nth == 1) { /* the fenced share refuses it, and leaves the registration alone */
             ASSERT_ERR(lshm_storage_share_fenced(s), -EOPNOTSUPP);
             ASSERT(strstr(lshm_last_error(), "another userfaultfd") != NULL);
             ASSERT_EQ(lshm_storage_flags(s), 0);
-            ASSERT(registered_wp(data));
+            ASSERT(registered_wp_at(data));
         }
         lshm__fault_arm(nth, -ENOSPC);
         int rc = lshm_storage_share(s);
@@ -583,10 +585,92 @@ static void test_memory_another_userfaultfd_watches(void) {
             break;
         }
         ASSERT_ERR(rc, -ENOSPC);
-        ASSERT(registered_wp(data)); /* still the program's */
+        ASSERT(registered_wp_at(data)); /* still the program's */
         lshm_storage_release(s);
     }
     close(mine);
+}
+
+static lshm_storage *inherited_slab_storage;
+
+/* In a fork's child: the slab storage made before the fork sits in memory the child's
+ * userfaultfd never registered (the parent's registration is not inherited). Its share takes
+ * the full way, registering, and loses nothing. */
+static void child_shares_inherited_slab_storage(void) {
+    lshm_storage *s = inherited_slab_storage;
+    if (registered_wp_at(lshm_storage_data(s)))
+        _exit(10);
+    unsigned long fences = lshm__fences_set;
+    share_run r = share_while_writing(s, page, 0);
+    if (r.rc != 0 || r.lost != 0 || r.passes < 3 || lshm__fences_set != fences + 1 ||
+        (lshm_storage_flags(s) & LSHM_STORAGE_SHARED) == 0)
+        _exit(11);
+}
+
+/* A slab is registered with the process's userfaultfd when it is made, so each fence on it
+ * only write-protects: its private pages stay registered across shares and across a fence
+ * that fails (no mapping split, none added); the shared pages are the memfd's, unregistered;
+ * writers lose nothing; a forked child, whose copy of the slab is not registered, registers
+ * at its share and loses nothing either. */
+static void test_slab_registered_ahead(void) {
+    pthread_t t; /* (a second thread: a process without one needs no fence) */
+    ASSERT_OK(pthread_create(&t, NULL, nothing, NULL));
+    ASSERT_OK(pthread_join(t, NULL));
+    if (userfaultfd_number() < 0) {
+        fprintf(stderr, "   (no userfaultfd in this process: nothing to register)\n");
+        return;
+    }
+    /* a slab made from here on (earlier tests closed the userfaultfd the older ones were
+     * registered with, which unregisters them): storages until one starts a new slab */
+    lshm_storage *filler[200];
+    int fillers = 0;
+    lshm_slab_counters before, now;
+    ASSERT_OK(lshm_slab_stats(&before));
+    do {
+        ASSERT_LT(fillers, 200);
+        ASSERT_OK(lshm_storage_create(LSHM_SLAB_MAX_BYTES, NULL, 0, &filler[fillers]));
+        ASSERT_EQ(filler[fillers++]->origin, LSHM__ORIGIN_SLAB);
+        ASSERT_OK(lshm_slab_stats(&now));
+    } while (now.slabs == before.slabs);
+    lshm_storage *s[4];
+    for (int i = 0; i < 4; i++) {
+        ASSERT_OK(lshm_storage_create(page, NULL, 0, &s[i]));
+        ASSERT_EQ(s[i]->origin, LSHM__ORIGIN_SLAB);
+        memset(lshm_storage_data(s[i]), 0, page);
+        ASSERT(registered_wp_at(lshm_storage_data(s[i])));
+    }
+    unsigned long fences = lshm__fences_set;
+    share_run r = share_while_writing(s[0], page, 0);
+    ASSERT_OK(r.rc);
+    ASSERT_UINT_EQ(r.lost, 0);
+    ASSERT_UINT_EQ(lshm__fences_set, fences + 1);
+    ASSERT(!registered_wp_at(lshm_storage_data(s[0]))); /* the memfd's page */
+    ASSERT(registered_wp_at(lshm_storage_data(s[1])));  /* the slab's, still */
+    /* a fence that fails after protecting: lifted, the slab still registered, no mapping
+     * added, its writer let go */
+    int maps = map_count();
+    atomic_store(&lshm__fence_wp_fails, -ENOMEM);
+    alarm(60); /* (a writer left asleep: the test dies instead of hanging) */
+    r = share_while_writing(s[1], page, 0);
+    alarm(0);
+    atomic_store(&lshm__fence_wp_fails, 0);
+    ASSERT_ERR(r.rc, -ENOMEM);
+    ASSERT_UINT_EQ(r.lost, 0);
+    ASSERT_EQ(lshm_storage_flags(s[1]), 0);
+    ASSERT_EQ(map_count(), maps);
+    ASSERT(registered_wp_at(lshm_storage_data(s[1])));
+    memset(lshm_storage_data(s[1]), 0, page); /* (the writer counts from zero) */
+    r = share_while_writing(s[1], page, 0);
+    ASSERT_OK(r.rc);
+    ASSERT_UINT_EQ(r.lost, 0);
+    inherited_slab_storage = s[2];
+    in_child(child_shares_inherited_slab_storage, 0, 0);
+    ASSERT(registered_wp_at(lshm_storage_data(s[2]))); /* the parent's, untouched */
+    ASSERT_EQ(lshm_storage_flags(s[2]), 0);
+    for (int i = 0; i < 4; i++)
+        lshm_storage_release(s[i]);
+    while (fillers > 0)
+        lshm_storage_release(filler[--fillers]);
 }
 
 typedef struct forker {
@@ -695,6 +779,7 @@ int main(int argc, char **argv) {
     RUN_TEST(test_child_without_fork_handlers_leaves_the_parent_alone);
     RUN_TEST(test_userfaultfd_closed_by_the_program);
     RUN_TEST(test_memory_another_userfaultfd_watches);
+    RUN_TEST(test_slab_registered_ahead);
     RUN_TEST(test_forked_child_loses_nothing);
     RUN_TEST(test_fork_while_a_fenced_share_is_written);
     RUN_TEST(test_ordinary_user_loses_nothing);
