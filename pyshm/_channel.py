@@ -283,6 +283,7 @@ class _State:
         self.acks: dict = {}  # sender address -> [(batch id, secret)] to acknowledge
         self.janitor: Optional[threading.Thread] = None
         self.fetches = 0  # fetch round trips made to senders
+        self.round_trips = 0  # round trips made to senders (fetches and acknowledgements)
 
 
 state = _State()
@@ -293,6 +294,11 @@ _on_server_start: list = []
 def fetch_count() -> int:
     """How many fd-fetch round trips this process made to senders."""
     return state.fetches
+
+
+def round_trip_count() -> int:
+    """How many round trips this process made to senders (fetches and acknowledgements)."""
+    return state.round_trips
 
 
 def own_address() -> Optional[bytes]:
@@ -778,6 +784,25 @@ def _received_batch(address, batch_id, secret) -> ReceivedBatch:
 
 
 _released: set = set()  # (address, batch id) released by a fetch while the message was read
+# (address, batch id) of the latest messages this process knows released (by a fetch) or
+# acknowledged, oldest first: a message unpickled again and again (Ray deserializes an object
+# for every task that names it) is acknowledged once, not once per unpickling (each a round
+# trip of the janitor to its sender).
+_settled: dict = {}
+_MAX_SETTLED = 4096
+
+
+def settle(address: bytes, batch_id: int) -> bool:
+    """Note that the message (address, batch_id) is released or acknowledged; False if it was
+    noted already."""
+    key = (address, batch_id)
+    with state.lock:
+        if key in _settled:
+            return False
+        _settled[key] = None
+        if len(_settled) > _MAX_SETTLED:
+            del _settled[next(iter(_settled))]
+        return True
 
 
 def _message_done(address: bytes, batch_id: int, secret: bytes) -> None:
@@ -785,6 +810,7 @@ def _message_done(address: bytes, batch_id: int, secret: bytes) -> None:
     with state.lock:
         if (address, batch_id) in _released:
             _released.discard((address, batch_id))
+            settle(address, batch_id)
             return
         queue_ack(address, (batch_id, secret))
 
@@ -795,8 +821,11 @@ def note_released(batch: ReceivedBatch) -> None:
 
 
 def queue_ack(address: bytes, proof: tuple) -> None:
-    """Acknowledge `proof` to `address` soon, from the janitor (ours: at once)."""
+    """Acknowledge `proof` to `address` soon, from the janitor (ours: at once), unless this
+    process acknowledged it, or saw it released, before."""
     with state.lock:
+        if not settle(address, proof[0]):
+            return
         if address == own_address():
             release_batch(*proof)
             return
@@ -836,6 +865,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
             ) from None
         _check_peer_user(sock)
         note_reached(address)
+        state.round_trips += 1
         if fetches:
             state.fetches += 1
         sock.sendall(build_request(proof, fetches, list(acks), max_extras))
@@ -972,6 +1002,7 @@ def _after_fork_in_child() -> None:
     old.acks = {}
     old.janitor = None
     _released.clear()
+    _settled.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

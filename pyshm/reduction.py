@@ -480,6 +480,8 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 extras = []
                 if released and batch is not None and solo is None:
                     _channel.note_released(batch)
+                elif released and solo is not None:
+                    _channel.settle(address, solo[0])
                 if fd is None:
                     raise DeliveryError(
                         "pyshm: the sending process does not hold this memory any more (it "

@@ -858,6 +858,31 @@ def test_views_of_one_memfd_come_back_as_themselves():
     assert [b.ctypes.data for b in back] == [a.ctypes.data for a in arrays[::-1]]
 
 
+def unpickle_again_and_again(blob, times):
+    # (a receiver: the same pickle unpickled again while its memory stays mapped, as Ray does
+    # for every task that names an object, each a janitor period after the last)
+    first = pickle.loads(blob)
+    before = _channel.round_trip_count()
+    for _ in range(times):
+        again = pickle.loads(blob)
+        assert again.ctypes.data == first.ctypes.data and again[-1] == 5
+        del again
+        time.sleep(2.5 * _channel.JANITOR_SECONDS)  # (the janitor's acknowledgements go)
+    return _channel.fetch_count(), _channel.round_trip_count() - before
+
+
+def test_a_message_unpickled_again_is_acknowledged_once():
+    # the fetch released the message: unpickling it again (its memory still mapped) neither
+    # fetches nor acknowledges it again (before: one round trip to us per janitor period)
+    array = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    array[-1] = 5
+    blob = pickle.dumps(pyshm.ref(array))
+    with mp.get_context("spawn").Pool(1) as pool:
+        fetches, round_trips = pool.apply(unpickle_again_and_again, (blob, 4))
+    assert fetches == 1
+    assert round_trips <= 1, round_trips  # (at most the one acknowledgement, none after)
+
+
 def _from_a_forked_child(make, raw=False):
     """Fork; the child sends make() (bytes; None: fail) through a pipe and exits at once (no
     linger); returns what it sent once it exited with 0, unpickled unless `raw`."""
