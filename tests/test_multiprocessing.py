@@ -723,9 +723,19 @@ def test_a_token_of_a_sender_elsewhere_never_names_memory_here(pool):
     assert "cannot be reached" in out and same
 
 
-def test_hostile_payloads_raise(no_fd_leak, tmp_path):
+@pytest.fixture
+def exported():
+    """A shared array and its token (made before no_fd_leak looks: the first export starts
+    this process's fd server, whose socket and selector stay open for good)."""
     a = pyshm.empty(100, np.uint8, shared=True)
     func, args = _token(a)
+    for fd in _channel.fetch(args[1][1], [])[0]:  # (a round trip: the server is serving)
+        os.close(fd)
+    return a, func, args
+
+
+def test_hostile_payloads_raise(exported, no_fd_leak, tmp_path):
+    a, func, args = exported
     key, address, size, offset, nbytes, readonly, secret, solo = args[1]
     unknown = (key[0], key[1] + 12345)
     guess = bytes(16)
