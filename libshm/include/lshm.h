@@ -312,14 +312,16 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * may be lost: writes into pages the kernel pinned before the call (O_DIRECT reads in flight,
  * io_uring fixed buffers, RDMA); no userfaultfd write protection (kernels before 6.4,
  * CONFIG_USERFAULTFD off, a seccomp filter); memory it cannot protect (an allocator's file
- * mappings, ranges another userfaultfd watches: the default allocator's slabs are registered
- * with libshm's for their whole life, so no other userfaultfd can watch them); LSHM_FENCE=0 in
- * the environment (read at load
+ * mappings, ranges another userfaultfd watches); LSHM_FENCE=0 in the environment (read at load
  * time); a child forked without the atfork handlers (_Fork, a raw clone); storages whose memory
  * moves (see above). A process that never started a second thread sets up none (nobody could
  * write). A signal handler that writes the bytes on the sharing thread itself would wait for
  * ever: don't. -ENOMEM when the protection cannot be set up (vm.max_map_count), changing
- * nothing.
+ * nothing. The default allocator's slabs (storages up to LSHM_SLAB_MAX_BYTES) are registered
+ * with libshm's userfaultfd from the moment they are made, so that their shares only
+ * write-protect: a program's own UFFDIO_REGISTER over slab memory fails with EBUSY (in a fork's
+ * child, whose copy is not registered, it works, and libshm then shares that memory
+ * unfenced).
  * fork() waits for shares (and resizes) in flight, and no share starts while a fork runs (a
  * pthread_atfork handler), so a child sees every storage shared completely or not at all, and
  * no storage lock held. A fork() from inside a callback the library calls during a share or

@@ -113,11 +113,17 @@ void lshm__os_fence_after_fork_child(void);
  * (lshm_storage_share_fenced) -EOPNOTSUPP instead. 0 with f->len 0, required or not, where no
  * fence is needed: len 0, a process with one thread. An error (-ENOMEM: the mapping could not
  * be split; -EOPNOTSUPP) changes nothing. */
-int lshm__os_fence_begin(void *addr, size_t len, int required, int prepared, lshm__fence *f);
+int lshm__os_fence_begin(void *addr, size_t len, int required, _Atomic unsigned long *prepared,
+                         lshm__fence *f);
 /* Register [addr, addr + len) (fresh private memory: a slab) with the userfaultfd ahead of its
  * shares, so that each fence there only write-protects (one ioctl less, no mapping split).
- * Never fails: memory it cannot register is registered by each fence as before. */
-void lshm__os_fence_prepare(void *addr, size_t len);
+ * Returns the generation of the userfaultfd it is now registered with, which the memory's
+ * fences pass as *prepared (0: not registered; a fence registers the range then, as for any
+ * memory). Kept by the memory's owner only while all of it stays registered: anything that maps
+ * part of it anew stores 0 there unless that part is registered again with the same
+ * generation (the fences never unregister it). A generation that is not the current one (a
+ * fork's child, a reopened userfaultfd) makes the fence register as for other memory. */
+unsigned long lshm__os_fence_prepare(void *addr, size_t len);
 /* [addr, addr + len) of the fence was mapped anew: let the writers blocked there retry. */
 void lshm__os_fence_wake(const lshm__fence *f, void *addr, size_t len);
 /* A failed share: [from, end of the fence) is still the private memory: writable again,
@@ -334,6 +340,9 @@ int lshm__slab_alloc(size_t capacity, lshm__slab **slab, void **data);
 void lshm__slab_free(lshm_storage *s);
 /* Record s as the storage on its slab pages (after lshm_storage_init, for lshm_slab_find). */
 void lshm__slab_set_owner(lshm_storage *s);
+/* The generation of the userfaultfd the storage's slab is registered with (see
+ * lshm__os_fence_prepare), for its share's fence. */
+_Atomic unsigned long *lshm__slab_fence_generation(lshm_storage *s);
 /* Share s in place into its slab's memfd (s->lock held, s not shared). */
 int lshm__slab_share(lshm_storage *s);
 /* The slab memfd behind s (s->slab_memfd non-NULL), for handing out: adds F_SEAL_SEAL to it

@@ -564,9 +564,16 @@ void lshm__os_unmap(void *addr, size_t len) {
  * share), opened at load time with O_CLOEXEC. Slabs (slab.c) are registered with it when they
  * are made (lshm__os_fence_prepare), so the fence of a slab storage only write-protects: one
  * ioctl and no split of the slab's mapping less per share (a 4 KiB share in a C loop: 10.3 to
- * 9.3 us, 7.3 unfenced). Registered memory with no page protected behaves as any other;
- * a fork's child does not inherit the registration (its shares register as other memory), and
- * mapping a memfd over a storage's pages drops it there.
+ * 9.3 us, 7.3 unfenced). Registered memory with no page protected behaves as any other, but
+ * for what the kernel does not do in memory a userfaultfd watches: no other userfaultfd may
+ * register it (EBUSY), and no transparent huge pages (none wanted in slabs: their storages are
+ * remapped page by page). Only memory all registered with the current userfaultfd is
+ * protected that way (a slab keeps the userfaultfd's generation while that holds): a fork's
+ * child does not inherit the registration, a userfaultfd the program closed took it along,
+ * and mapping pages anew over part of a slab (a read-only share freed) must register them
+ * again; elsewhere the fence registers as for other memory, so memory another userfaultfd
+ * watches is never protected through ours (its writers would wait for a wake from us that
+ * never reaches them).
  * Without CAP_SYS_PTRACE and with the default vm.unprivileged_userfaultfd=0 only
  * UFFD_USER_MODE_ONLY is allowed: a write the kernel makes for another thread during the share
  * (read(2) into the array) then fails with EFAULT instead of blocking, which still loses
@@ -588,6 +595,10 @@ static pid_t fence_pid;
 static dev_t fence_dev;
 static ino_t fence_ino;
 static pthread_mutex_t fence_lock = PTHREAD_MUTEX_INITIALIZER; /* reopening it */
+/* Which userfaultfd fence_fd is: a new number for each one opened (a fork's child, a reopen),
+ * so memory registered with an earlier one (lshm__os_fence_prepare) is known not to be
+ * registered with this one. */
+static _Atomic unsigned long fence_generation;
 _Atomic int lshm__fence_off;               /* tests: share unfenced */
 _Atomic int lshm__fence_fails;             /* tests: UFFDIO_REGISTER fails with this -errno */
 _Atomic int lshm__fence_wp_fails;          /* tests: UFFDIO_WRITEPROTECT "fails" after it worked */
@@ -623,6 +634,7 @@ void lshm__os_fence_open(void) {
     fence_dev = st.st_dev;
     fence_ino = st.st_ino;
     fence_pid = getpid();
+    atomic_fetch_add(&fence_generation, 1);
     atomic_store(&fence_fd, fd);
 #endif
 }
@@ -676,13 +688,13 @@ static int unfenced(int required, const char *why) {
  * `required`, see unfenced). `registered`: REGISTER worked (WRITEPROTECT failed), or failed
  * part-way (ENOMEM: every mapping of the range was ours or nobody's). Any other REGISTER
  * failure (EBUSY: another userfaultfd watches it) made nothing of ours to undo, and the
- * watcher's registration is not ours to touch. `prepared`: memory lshm__os_fence_prepare
- * registered, which stays registered (unregistering would split its mapping): only the
- * protection a WRITEPROTECT may have set part-way is lifted. A writer may already wait on
- * pages a partial UFFDIO_WRITEPROTECT protected: unregistering wakes nobody, so wake too. */
-static int fence_refused(int fd, struct uffdio_range *range, int rc, int registered,
-                         int prepared, int required) {
-    if (prepared) {
+ * watcher's registration is not ours to touch. `keep`: memory registered ahead (only
+ * protected, maybe part-way), which stays registered (unregistering would split its mapping):
+ * only the protection is lifted. A writer may already wait on pages a partial
+ * UFFDIO_WRITEPROTECT protected: unregistering wakes nobody, so wake too. */
+static int fence_refused(int fd, struct uffdio_range *range, int rc, int registered, int keep,
+                         int required) {
+    if (keep) {
         struct uffdio_writeprotect wp = {*range, 0};
         (void)fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp);
         (void)fence_ioctl(fd, UFFDIO_WAKE, range);
@@ -700,8 +712,8 @@ static int fence_refused(int fd, struct uffdio_range *range, int rc, int registe
 #endif
 
 /* lshm__os_fence_begin; `reopened`: the userfaultfd was opened again for this call already. */
-static int fence_begin(void *addr, size_t len, int required, int prepared, lshm__fence *f,
-                       int reopened) {
+static int fence_begin(void *addr, size_t len, int required, _Atomic unsigned long *prepared,
+                       lshm__fence *f, int reopened) {
     f->base = addr;
     f->len = 0;
     f->registered = 0;
@@ -711,7 +723,7 @@ static int fence_begin(void *addr, size_t len, int required, int prepared, lshm_
     if (__libc_single_threaded) /* (no other thread to write meanwhile) */
         return 0;
 #endif
-    int fd = atomic_load_explicit(&fence_fd, memory_order_relaxed);
+    int fd = atomic_load_explicit(&fence_fd, memory_order_acquire);
     if (fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed))
         return unfenced(required, "this process has no userfaultfd write protection: the "
                                   "kernel has none, or LSHM_FENCE=0");
@@ -725,14 +737,18 @@ static int fence_begin(void *addr, size_t len, int required, int prepared, lshm_
     /* (not an LSHM_FAULT point, which would renumber every share's points: tests set
      * lshm__fence_fails instead) */
     int rc = atomic_load_explicit(&lshm__fence_fails, memory_order_relaxed);
-    /* Memory lshm__os_fence_prepare registered (a slab) needs protecting only. Any failure
-     * (-ENOENT: part of it is not registered, as after a fork) takes the full way below,
-     * which registers the range (what is registered already stays so) and protects it all. */
-    if (rc == 0 && prepared && fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp) == 0)
-        goto protected;
+    /* Memory registered ahead with this very userfaultfd (a slab: *prepared is the generation
+     * it was registered with, see lshm__os_fence_prepare) needs protecting only; all of it is
+     * registered, so a failure there is a failure (nothing to register, nothing to undo but
+     * the protection). Memory registered with another userfaultfd (an earlier one of ours, a
+     * fork's parent's, the program's) is never protected this way: a writer would wait on a
+     * userfaultfd nobody wakes. */
+    unsigned long generation = prepared != NULL ? atomic_load(prepared) : 0;
+    int ahead = generation != 0 && generation == atomic_load(&fence_generation);
     struct uffdio_register reg = {range, UFFDIO_REGISTER_MODE_WP, 0};
     if (rc == 0)
-        rc = fence_ioctl(fd, UFFDIO_REGISTER, &reg);
+        rc = ahead ? fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp)
+                   : fence_ioctl(fd, UFFDIO_REGISTER, &reg);
     if ((rc == -EBADF || rc == -ENOTTY) && !fence_is_ours(fd)) {
         /* (the new one often gets the same number: closed, it is the lowest free one) */
         if (!reopened) {
@@ -742,8 +758,10 @@ static int fence_begin(void *addr, size_t len, int required, int prepared, lshm_
         }
         return unfenced(required, "its userfaultfd was closed, and no other could be opened");
     }
+    if (ahead)
+        goto protected;
     if (rc != 0) /* (the mappings REGISTER got to stay registered) */
-        return fence_refused(fd, &range, rc, 0, prepared, required);
+        return fence_refused(fd, &range, rc, 0, 0, required);
     f->registered = 1;
     rc = fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp);
 protected:
@@ -751,8 +769,8 @@ protected:
     if (rc == 0 && (rc = atomic_load_explicit(&lshm__fence_wp_fails, memory_order_relaxed)))
         usleep(50000); /* (protected: a writer waits by now, for the failure path to wake) */
 #endif
-    if (rc != 0)
-        return fence_refused(fd, &range, rc, 1, prepared, required);
+    if (rc != 0) /* (`ahead`: lifted, still registered) */
+        return fence_refused(fd, &range, rc, 1, ahead, required);
     f->fd = fd;
     f->len = len;
     atomic_fetch_add_explicit(&lshm__fences_set, 1, memory_order_relaxed);
@@ -763,20 +781,26 @@ protected:
 #endif
 }
 
-int lshm__os_fence_begin(void *addr, size_t len, int required, int prepared, lshm__fence *f) {
+int lshm__os_fence_begin(void *addr, size_t len, int required, _Atomic unsigned long *prepared,
+                         lshm__fence *f) {
     return fence_begin(addr, len, required, prepared, f, 0);
 }
 
-void lshm__os_fence_prepare(void *addr, size_t len) {
+unsigned long lshm__os_fence_prepare(void *addr, size_t len) {
 #ifdef LSHM_HAVE_UFFD
-    int fd = atomic_load_explicit(&fence_fd, memory_order_relaxed);
+    int fd = atomic_load_explicit(&fence_fd, memory_order_acquire);
+    unsigned long generation = atomic_load(&fence_generation);
     if (fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed) ||
         lshm__round_pages(len, &len) != 0 || fence_pid != getpid() || !fence_is_ours(fd))
-        return;
+        return 0;
     struct uffdio_register reg = {{(uintptr_t)addr, len}, UFFDIO_REGISTER_MODE_WP, 0};
-    (void)fence_ioctl(fd, UFFDIO_REGISTER, &reg);
+    if (fence_ioctl(fd, UFFDIO_REGISTER, &reg) != 0)
+        return 0; /* (EBUSY: another userfaultfd watches part of it) */
+    /* (a reopen meanwhile: registered with a userfaultfd that is not the current one) */
+    return atomic_load(&fence_generation) == generation ? generation : 0;
 #else
     (void)addr, (void)len;
+    return 0;
 #endif
 }
 

@@ -492,7 +492,9 @@ static int share_locked(lshm_storage *s, int own_memfd, int fenced, old_memory *
     /* Memory shared in place: no other thread's write may land in a page the remap drops. */
     lshm__fence fence = {NULL, 0, -1, 0};
     if (owns_whole_pages(s) &&
-        (rc = lshm__os_fence_begin(data, s->capacity, fenced, s->origin == LSHM__ORIGIN_SLAB,
+        (rc = lshm__os_fence_begin(data, s->capacity, fenced,
+                                   s->origin == LSHM__ORIGIN_SLAB ? lshm__slab_fence_generation(s)
+                                                                  : NULL,
                                    &fence)) != 0)
         return rc;
 

@@ -80,6 +80,10 @@ struct lshm__slab {
     lshm__slab_memfd *memfd;    /* the memfd shares go into now; NULL until the first share */
     int shared_pages;           /* some pages are mapped from a memfd (this one or, after a
                                    fork, the parent's): only fresh private pages undo that */
+    /* The generation of the userfaultfd its private pages are all registered with (the
+     * write fence's: lshm__os_fence_prepare), or 0: its shares' fences register as for any
+     * memory. */
+    _Atomic unsigned long fence_generation;
 };
 
 _Atomic size_t lshm__slab_max_bytes = LSHM_SLAB_MAX_BYTES;
@@ -181,7 +185,8 @@ static int slab_new(lshm__slab **out) {
         return rc;
     }
     slab->base = base;
-    lshm__os_fence_prepare(base, LSHM__SLAB_BYTES); /* (its shares' fences: protect only) */
+    /* (its shares' fences: protect only) */
+    atomic_store(&slab->fence_generation, lshm__os_fence_prepare(base, LSHM__SLAB_BYTES));
     slab->pages = LSHM__SLAB_BYTES / lshm__os_page_size();
     assert(slab->pages <= SLAB_MAX_PAGES);
     slab->free_pages = slab->pages;
@@ -224,7 +229,8 @@ static void slab_empty(lshm__slab *slab) {
         }
         slab->shared_pages = 0;
         memset(slab->dirty, 0, sizeof slab->dirty);
-        lshm__os_fence_prepare(slab->base, LSHM__SLAB_BYTES);
+        atomic_store(&slab->fence_generation,
+                     lshm__os_fence_prepare(slab->base, LSHM__SLAB_BYTES));
     }
     memfd_release(slab->memfd);
     slab->memfd = NULL;
@@ -283,8 +289,15 @@ void lshm__slab_free(lshm_storage *s) {
         /* Its pages are a mapping of its own memfd, which no other storage will ever use:
          * put private zero pages back and the pages are free again. If that fails, keep them
          * busy (retired) for good rather than hand out memory another process can read. */
-        if (lshm__os_map_anon_fixed(data, s->capacity) == 0)
+        if (lshm__os_map_anon_fixed(data, s->capacity) == 0) {
             own_fd = 0;
+            /* The new pages are registered with the write fence's userfaultfd again (which
+             * merges them back into the slab's mapping), or the slab is no longer taken as
+             * registered whole. */
+            unsigned long generation = atomic_load(&slab->fence_generation);
+            if (generation != 0 && lshm__os_fence_prepare(data, s->capacity) != generation)
+                atomic_store(&slab->fence_generation, 0);
+        }
         shared_into = NULL;
     }
     pthread_mutex_lock(&slabs_lock);
@@ -359,6 +372,10 @@ int lshm__slab_share(lshm_storage *s) {
     s->fd_offset = offset;
     pthread_mutex_unlock(&slabs_lock);
     return 0;
+}
+
+_Atomic unsigned long *lshm__slab_fence_generation(lshm_storage *s) {
+    return &s->slab->fence_generation;
 }
 
 void lshm__slab_set_owner(lshm_storage *s) {

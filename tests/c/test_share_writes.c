@@ -591,20 +591,38 @@ static void test_memory_another_userfaultfd_watches(void) {
     close(mine);
 }
 
-static lshm_storage *inherited_slab_storage;
+static lshm_storage *inherited_slab_storage[2];
 
-/* In a fork's child: the slab storage made before the fork sits in memory the child's
- * userfaultfd never registered (the parent's registration is not inherited). Its share takes
- * the full way, registering, and loses nothing. */
+/* In a fork's child: the slab storages made before the fork sit in memory the child's
+ * userfaultfd never registered (the parent's registration is not inherited). A share there
+ * takes the full way, registering, and loses nothing. One the program's own userfaultfd
+ * watches (it can: nothing of ours is registered there) is shared unfenced: never protected
+ * through ours, where its writer would wait on a userfaultfd nobody wakes (alarm: a hang
+ * kills the child). */
 static void child_shares_inherited_slab_storage(void) {
-    lshm_storage *s = inherited_slab_storage;
-    if (registered_wp_at(lshm_storage_data(s)))
+    lshm_storage *s = inherited_slab_storage[0], *watched = inherited_slab_storage[1];
+    if (registered_wp_at(lshm_storage_data(s)) || registered_wp_at(lshm_storage_data(watched)))
         _exit(10);
     unsigned long fences = lshm__fences_set;
     share_run r = share_while_writing(s, page, 0);
     if (r.rc != 0 || r.lost != 0 || r.passes < 3 || lshm__fences_set != fences + 1 ||
         (lshm_storage_flags(s) & LSHM_STORAGE_SHARED) == 0)
         _exit(11);
+    int mine = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+    struct uffdio_api api = {.api = UFFD_API};
+    if (mine < 0 || ioctl(mine, UFFDIO_API, &api) != 0)
+        _exit(12);
+    struct uffdio_register reg = {
+        {(uintptr_t)lshm_storage_data(watched), page}, UFFDIO_REGISTER_MODE_WP, 0};
+    if (ioctl(mine, UFFDIO_REGISTER, &reg) != 0)
+        _exit(13);
+    fences = lshm__fences_set;
+    alarm(30);
+    r = share_while_writing(watched, page, 0);
+    alarm(0);
+    if (r.rc != 0 || r.passes < 3 || lshm__fences_set != fences) /* (unfenced: EBUSY) */
+        _exit(14);
+    close(mine);
 }
 
 /* A slab is registered with the process's userfaultfd when it is made, so each fence on it
@@ -663,10 +681,35 @@ static void test_slab_registered_ahead(void) {
     r = share_while_writing(s[1], page, 0);
     ASSERT_OK(r.rc);
     ASSERT_UINT_EQ(r.lost, 0);
-    inherited_slab_storage = s[2];
+    inherited_slab_storage[0] = s[2];
+    inherited_slab_storage[1] = s[3];
     in_child(child_shares_inherited_slab_storage, 0, 0);
     ASSERT(registered_wp_at(lshm_storage_data(s[2]))); /* the parent's, untouched */
     ASSERT_EQ(lshm_storage_flags(s[2]), 0);
+    /* a storage shared read-only has a memfd of its own; freed, its pages are private again
+     * and registered again (merged back: no mapping left over), and no other userfaultfd
+     * can watch them */
+    maps = map_count();
+    void *data = lshm_storage_data(s[3]);
+    ASSERT_OK(lshm_storage_share_readonly(s[3]));
+    ASSERT(!registered_wp_at(data));
+    lshm_storage_release(s[3]);
+    ASSERT_EQ(map_count(), maps);
+    ASSERT(registered_wp_at(data));
+    ASSERT_OK(lshm_storage_create(page, NULL, 0, &s[3]));
+    ASSERT_PTR_EQ(lshm_storage_data(s[3]), data); /* (the pages freed first come first) */
+    int mine = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+    ASSERT_GE(mine, 0);
+    struct uffdio_api api = {.api = UFFD_API};
+    ASSERT_OK(ioctl(mine, UFFDIO_API, &api));
+    struct uffdio_register reg = {{(uintptr_t)data, page}, UFFDIO_REGISTER_MODE_WP, 0};
+    ASSERT_NE(ioctl(mine, UFFDIO_REGISTER, &reg), 0);
+    ASSERT_EQ(errno, EBUSY);
+    close(mine);
+    memset(data, 0, page);
+    r = share_while_writing(s[3], page, 0);
+    ASSERT_OK(r.rc);
+    ASSERT_UINT_EQ(r.lost, 0);
     for (int i = 0; i < 4; i++)
         lshm_storage_release(s[i]);
     while (fillers > 0)
