@@ -805,6 +805,14 @@ def settle(address: bytes, batch_id: int) -> bool:
         return True
 
 
+def _unsettle(address: bytes, proofs: list) -> None:
+    """Acknowledgements that did not reach `address`: a later unpickling of their messages
+    acknowledges them again."""
+    with state.lock:
+        for batch_id, _ in proofs:
+            _settled.pop((address, batch_id), None)
+
+
 def _message_done(address: bytes, batch_id: int, secret: bytes) -> None:
     """The message carrying this batch is unpickled: acknowledge it unless already released."""
     with state.lock:
@@ -852,6 +860,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
     if not is_address(address):
         raise pickle.UnpicklingError(f"bad pyshm sender address {address!r}")
     received: list = []
+    answered = False  # (the sender replied: it has read the acknowledgements)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         sock.settimeout(_REPLY_TIMEOUT)
@@ -872,6 +881,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         reply, fds, flags, _ = socket.recv_fds(
             sock, 65536, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
         )
+        answered = bool(reply)
         received.extend(fds)
         if flags & socket.MSG_CTRUNC:
             raise DeliveryError(f"pyshm: fds sent by another process were dropped: no fd left in "
@@ -907,6 +917,8 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         raise
     finally:
         sock.close()
+        if acks and not answered:
+            _unsettle(address, acks)
 
 
 def _check_peer_user(sock: socket.socket) -> None:

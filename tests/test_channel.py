@@ -6,6 +6,7 @@ survives every request.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import gc
 import mmap
 import multiprocessing as mp
@@ -881,6 +882,38 @@ def test_a_message_unpickled_again_is_acknowledged_once():
         fetches, round_trips = pool.apply(unpickle_again_and_again, (blob, 4))
     assert fetches == 1
     assert round_trips <= 1, round_trips  # (at most the one acknowledgement, none after)
+
+
+def ack_refused_once_then_unpickled_again(blob, first_blob):
+    # (a receiver: its first acknowledgement of `blob`'s message does not get through, a
+    # sender with a full backlog; then the message is unpickled again, as by Ray's next task)
+    first = pickle.loads(first_blob)  # (the memory mapped: `blob` needs no fetch)
+    real, refused = _channel._connect, []
+
+    def refuse_once(sock, address):
+        if not refused:
+            refused.append(address)
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "the sender's backlog is full")
+        return real(sock, address)
+
+    _channel._connect = refuse_once
+    for _ in range(3):
+        again = pickle.loads(blob)
+        assert again.ctypes.data == first.ctypes.data
+        del again
+        time.sleep(3 * _channel.JANITOR_SECONDS)
+    return len(refused)
+
+
+def test_an_acknowledgement_that_did_not_get_through_is_sent_again():
+    array = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    first_blob = pickle.dumps(pyshm.ref(array))
+    before = set(_channel.state.batches)
+    blob = pickle.dumps(pyshm.ref(array))
+    (batch,) = set(_channel.state.batches) - before
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(ack_refused_once_then_unpickled_again, (blob, first_blob)) == 1
+    assert batch not in _channel.state.batches  # (released by the acknowledgement sent again)
 
 
 def _from_a_forked_child(make, raw=False):
