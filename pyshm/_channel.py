@@ -982,8 +982,11 @@ def _janitor() -> None:
             for start in range(0, len(proofs), MAX_ITEMS):
                 try:
                     fetch(address, [], acks=proofs[start : start + MAX_ITEMS])
-                except (OSError, pickle.UnpicklingError):
-                    break  # the sender is gone: nothing to release
+                except Exception:  # noqa: BLE001 (gone or stuck; never the janitor's end)
+                    # (fetch took back its own; the rest were not sent either: a later
+                    # unpickling of their messages acknowledges them again)
+                    _unsettle(address, proofs[start + MAX_ITEMS :])
+                    break
         if done:
             return
 

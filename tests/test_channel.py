@@ -884,10 +884,11 @@ def test_a_message_unpickled_again_is_acknowledged_once():
     assert round_trips <= 1, round_trips  # (at most the one acknowledgement, none after)
 
 
-def ack_refused_once_then_unpickled_again(blob, first_blob):
-    # (a receiver: its first acknowledgement of `blob`'s message does not get through, a
-    # sender with a full backlog; then the message is unpickled again, as by Ray's next task)
-    first = pickle.loads(first_blob)  # (the memory mapped: `blob` needs no fetch)
+def ack_refused_once_then_unpickled_again(blobs, first_blob):
+    # (a receiver: its first acknowledgements of the messages in `blobs` do not get through, a
+    # sender with a full backlog, one acknowledgement a request; then the messages are
+    # unpickled again, as by Ray's next task)
+    first = pickle.loads(first_blob)  # (the memory mapped: `blobs` need no fetch)
     real, refused = _channel._connect, []
 
     def refuse_once(sock, address):
@@ -897,9 +898,10 @@ def ack_refused_once_then_unpickled_again(blob, first_blob):
         return real(sock, address)
 
     _channel._connect = refuse_once
+    _channel.MAX_ITEMS = 1  # (the janitor's first request fails, the others go unsent)
     for _ in range(3):
-        again = pickle.loads(blob)
-        assert again.ctypes.data == first.ctypes.data
+        again = [pickle.loads(blob) for blob in blobs]
+        assert all(a.ctypes.data == first.ctypes.data for a in again)
         del again
         time.sleep(3 * _channel.JANITOR_SECONDS)
     return len(refused)
@@ -909,11 +911,13 @@ def test_an_acknowledgement_that_did_not_get_through_is_sent_again():
     array = pyshm.zeros(1 << 20, np.uint8, shared=True)
     first_blob = pickle.dumps(pyshm.ref(array))
     before = set(_channel.state.batches)
-    blob = pickle.dumps(pyshm.ref(array))
-    (batch,) = set(_channel.state.batches) - before
+    blobs = [pickle.dumps(pyshm.ref(array)) for _ in range(3)]
+    batches = set(_channel.state.batches) - before
+    assert len(batches) == 3
     with mp.get_context("spawn").Pool(1) as pool:
-        assert pool.apply(ack_refused_once_then_unpickled_again, (blob, first_blob)) == 1
-    assert batch not in _channel.state.batches  # (released by the acknowledgement sent again)
+        assert pool.apply(ack_refused_once_then_unpickled_again, (blobs, first_blob)) == 1
+    # (released by the acknowledgements sent again: the refused one and those after it)
+    assert not batches & set(_channel.state.batches)
 
 
 def _from_a_forked_child(make, raw=False):

@@ -573,7 +573,10 @@ void lshm__os_unmap(void *addr, size_t len) {
  * and mapping pages anew over part of a slab (a read-only share freed) must register them
  * again; elsewhere the fence registers as for other memory, so memory another userfaultfd
  * watches is never protected through ours (its writers would wait for a wake from us that
- * never reaches them).
+ * never reaches them). One case is not seen: a program that closes our userfaultfd without
+ * our knowing, whose own userfaultfd then gets the same number, has our fences go through
+ * its userfaultfd (protecting only what it registered, and waking through it too: no hang)
+ * until a call fails there; telling would cost an fstat per share.
  * Without CAP_SYS_PTRACE and with the default vm.unprivileged_userfaultfd=0 only
  * UFFD_USER_MODE_ONLY is allowed: a write the kernel makes for another thread during the share
  * (read(2) into the array) then fails with EFAULT instead of blocking, which still loses
@@ -723,7 +726,10 @@ static int fence_begin(void *addr, size_t len, int required, _Atomic unsigned lo
     if (__libc_single_threaded) /* (no other thread to write meanwhile) */
         return 0;
 #endif
-    int fd = atomic_load_explicit(&fence_fd, memory_order_acquire);
+    /* (the generation before the fd and once more after it: the pair read belongs together
+     * only if both reads give the same; see `ahead` below) */
+    unsigned long current = atomic_load(&fence_generation);
+    int fd = atomic_load(&fence_fd);
     if (fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed))
         return unfenced(required, "this process has no userfaultfd write protection: the "
                                   "kernel has none, or LSHM_FENCE=0");
@@ -744,7 +750,8 @@ static int fence_begin(void *addr, size_t len, int required, _Atomic unsigned lo
      * fork's parent's, the program's) is never protected this way: a writer would wait on a
      * userfaultfd nobody wakes. */
     unsigned long generation = prepared != NULL ? atomic_load(prepared) : 0;
-    int ahead = generation != 0 && generation == atomic_load(&fence_generation);
+    int ahead = generation != 0 && generation == current &&
+                atomic_load(&fence_generation) == current; /* (fd is this generation's) */
     struct uffdio_register reg = {range, UFFDIO_REGISTER_MODE_WP, 0};
     if (rc == 0)
         rc = ahead ? fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp)
