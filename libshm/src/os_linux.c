@@ -686,31 +686,26 @@ static int unfenced(int required, const char *why) {
 }
 
 #ifdef LSHM_HAVE_UFFD
-/* The fence could not be set up over `range` (rc): undo what the ioctls did, and say so where
- * that is an error (ENOMEM); anything else leaves the share unfenced (or refuses it:
- * `required`, see unfenced). `registered`: REGISTER worked (WRITEPROTECT failed), or failed
- * part-way (ENOMEM: every mapping of the range was ours or nobody's). Any other REGISTER
- * failure (EBUSY: another userfaultfd watches it) made nothing of ours to undo, and the
- * watcher's registration is not ours to touch. `keep`: memory registered ahead (only
- * protected, maybe part-way), which stays registered (unregistering would split its mapping):
- * only the protection is lifted. A writer may already wait on pages a partial
- * UFFDIO_WRITEPROTECT protected: unregistering wakes nobody, so wake too. */
-static int fence_refused(int fd, struct uffdio_range *range, int rc, int registered, int keep,
+/* The fence could not be set up over [base, base + len) (rc): undo what the ioctls did
+ * (`undo`: as lshm__os_fence_lift does, the range unregistered where `registered` by this
+ * fence: REGISTER worked and WRITEPROTECT failed, or REGISTER failed part-way with ENOMEM,
+ * every mapping of the range being ours or nobody's; else, memory registered ahead, only its
+ * protection lifted, so it stays registered and its mapping whole; every writer woken: one may
+ * already wait on pages a partial WRITEPROTECT protected), and say so where that is an error
+ * (ENOMEM); anything else leaves the share unfenced (or refuses it: `required`, see
+ * unfenced). Any other REGISTER failure (EBUSY: another userfaultfd watches it) made nothing
+ * of ours to undo, and the watcher's registration is not ours to touch. */
+static int fence_refused(char *base, size_t len, int fd, int rc, int undo, int registered,
                          int required) {
-    if (keep) {
-        struct uffdio_writeprotect wp = {*range, 0};
-        (void)fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp);
-        (void)fence_ioctl(fd, UFFDIO_WAKE, range);
-    } else if (registered || rc == -ENOMEM) {
-        (void)fence_ioctl(fd, UFFDIO_UNREGISTER, range);
-        (void)fence_ioctl(fd, UFFDIO_WAKE, range);
+    if (undo) {
+        lshm__fence made = {base, len, fd, registered};
+        lshm__os_fence_lift(&made, base);
     }
     if (rc != -ENOMEM) /* (-ENOMEM: splitting the mapping, vm.max_map_count) */
         return unfenced(required, rc == -EBUSY ? "another userfaultfd watches this memory"
                                                : "this memory cannot be write-protected");
-    return LSHM_FAIL(rc, "userfaultfd: write-protecting %llu bytes at %p: %s%s",
-                     (unsigned long long)range->len, (void *)(uintptr_t)range->start,
-                     strerror(-rc), MAP_LIMIT_HINT);
+    return LSHM_FAIL(rc, "userfaultfd: write-protecting %zu bytes at %p: %s%s", len,
+                     (void *)base, strerror(-rc), MAP_LIMIT_HINT);
 }
 #endif
 
@@ -768,7 +763,7 @@ static int fence_begin(void *addr, size_t len, int required, _Atomic unsigned lo
     if (ahead)
         goto protected;
     if (rc != 0) /* (the mappings REGISTER got to stay registered) */
-        return fence_refused(fd, &range, rc, 0, 0, required);
+        return fence_refused(addr, len, fd, rc, rc == -ENOMEM, 1, required);
     f->registered = 1;
     rc = fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp);
 protected:
@@ -777,7 +772,7 @@ protected:
         usleep(50000); /* (protected: a writer waits by now, for the failure path to wake) */
 #endif
     if (rc != 0) /* (`ahead`: lifted, still registered) */
-        return fence_refused(fd, &range, rc, 1, ahead, required);
+        return fence_refused(addr, len, fd, rc, 1, !ahead, required);
     f->fd = fd;
     f->len = len;
     atomic_fetch_add_explicit(&lshm__fences_set, 1, memory_order_relaxed);
@@ -795,8 +790,9 @@ int lshm__os_fence_begin(void *addr, size_t len, int required, _Atomic unsigned 
 
 unsigned long lshm__os_fence_prepare(void *addr, size_t len) {
 #ifdef LSHM_HAVE_UFFD
-    int fd = atomic_load_explicit(&fence_fd, memory_order_acquire);
+    /* (as fence_begin: the generation, then the fd, then the generation again below) */
     unsigned long generation = atomic_load(&fence_generation);
+    int fd = atomic_load(&fence_fd);
     if (fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed) ||
         lshm__round_pages(len, &len) != 0 || fence_pid != getpid() || !fence_is_ours(fd))
         return 0;
