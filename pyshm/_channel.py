@@ -778,16 +778,16 @@ def _received_batch(address, batch_id, secret) -> ReceivedBatch:
     if not (isinstance(address, bytes) and isinstance(batch_id, int) and secret is not None):
         raise pickle.UnpicklingError("bad pyshm batch in the pickle")
     batch = ReceivedBatch(address, batch_id, secret)
-    done = weakref.finalize(batch, _message_done, address, batch_id, secret)
+    # (its message unpickled: acknowledged unless released already, see settle)
+    done = weakref.finalize(batch, queue_ack, address, (batch_id, secret))
     done.atexit = False  # (at exit there is nobody left to acknowledge to)
     return batch
 
 
-_released: set = set()  # (address, batch id) released by a fetch while the message was read
 # (address, batch id) of the latest messages this process knows released (by a fetch) or
-# acknowledged, oldest first: a message unpickled again and again (Ray deserializes an object
-# for every task that names it) is acknowledged once, not once per unpickling (each a round
-# trip of the janitor to its sender).
+# acknowledged, oldest first: such a message is not acknowledged (again) when its unpickling
+# ends, nor when it is unpickled again and again (Ray deserializes an object for every task
+# that names it: each would be a round trip of the janitor to its sender).
 _settled: dict = {}
 _MAX_SETTLED = 4096
 
@@ -811,21 +811,6 @@ def _unsettle(address: bytes, proofs: list) -> None:
     with state.lock:
         for batch_id, _ in proofs:
             _settled.pop((address, batch_id), None)
-
-
-def _message_done(address: bytes, batch_id: int, secret: bytes) -> None:
-    """The message carrying this batch is unpickled: acknowledge it unless already released."""
-    with state.lock:
-        if (address, batch_id) in _released:
-            _released.discard((address, batch_id))
-            settle(address, batch_id)
-            return
-        queue_ack(address, (batch_id, secret))
-
-
-def note_released(batch: ReceivedBatch) -> None:
-    with state.lock:
-        _released.add((batch.address, batch.id))
 
 
 def queue_ack(address: bytes, proof: tuple) -> None:
@@ -983,9 +968,9 @@ def _janitor() -> None:
                 try:
                     fetch(address, [], acks=proofs[start : start + MAX_ITEMS])
                 except Exception:  # noqa: BLE001 (gone or stuck; never the janitor's end)
-                    # (fetch took back its own; the rest were not sent either: a later
-                    # unpickling of their messages acknowledges them again)
-                    _unsettle(address, proofs[start + MAX_ITEMS :])
+                    # (not sent, or not known to be: a later unpickling of their messages
+                    # acknowledges them again)
+                    _unsettle(address, proofs[start:])
                     break
         if done:
             return
@@ -1016,7 +1001,6 @@ def _after_fork_in_child() -> None:
     old.prefetched = {}
     old.acks = {}
     old.janitor = None
-    _released.clear()
     _settled.clear()
 
 

@@ -478,10 +478,8 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
             with _state.lock:
                 _keep_extras(extras)
                 extras = []
-                if released and batch is not None and solo is None:
-                    _channel.note_released(batch)
-                elif released and solo is not None:
-                    _channel.settle(address, solo[0])
+                if released and proof is not None:  # (no acknowledgement needed)
+                    _channel.settle(address, proof[0])
                 if fd is None:
                     raise DeliveryError(
                         "pyshm: the sending process does not hold this memory any more (it "

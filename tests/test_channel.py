@@ -920,6 +920,42 @@ def test_an_acknowledgement_that_did_not_get_through_is_sent_again():
     assert not batches & set(_channel.state.batches)
 
 
+def janitor_hit_by_a_bug_then_unpickled_again(blob, first_blob):
+    # (a receiver whose janitor's first acknowledgement fails with an error that is no
+    # OSError (a bug), while an extra fd keeps the janitor going: then the message is
+    # unpickled again)
+    first = pickle.loads(first_blob)  # (the memory mapped: `blob` needs no fetch)
+    with _channel.state.lock:  # (an extra fetched along, unused: the janitor keeps running)
+        _channel.state.prefetched[(0, 0)] = (os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC),
+                                             time.monotonic() + 30, False)
+    real, failed = _channel.fetch, []
+
+    def fails_once(address, fetches, proof=None, max_extras=0, acks=()):
+        if not failed:
+            failed.append(len(acks))
+            raise RuntimeError("a bug")
+        return real(address, fetches, proof, max_extras, acks)
+
+    _channel.fetch = fails_once
+    for _ in range(3):
+        again = pickle.loads(blob)
+        assert again.ctypes.data == first.ctypes.data
+        del again
+        time.sleep(3 * _channel.JANITOR_SECONDS)
+    return failed
+
+
+def test_the_janitor_outlives_an_error_and_acknowledges_again():
+    array = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    first_blob = pickle.dumps(pyshm.ref(array))
+    before = set(_channel.state.batches)
+    blob = pickle.dumps(pyshm.ref(array))
+    (batch,) = set(_channel.state.batches) - before
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(janitor_hit_by_a_bug_then_unpickled_again, (blob, first_blob)) == [1]
+    assert batch not in _channel.state.batches  # (the acknowledgement sent again)
+
+
 def _from_a_forked_child(make, raw=False):
     """Fork; the child sends make() (bytes; None: fail) through a pipe and exits at once (no
     linger); returns what it sent once it exited with 0, unpickled unless `raw`."""
