@@ -859,16 +859,24 @@ def test_views_of_one_memfd_come_back_as_themselves():
     assert [b.ctypes.data for b in back] == [a.ctypes.data for a in arrays[::-1]]
 
 
+def _unpickled_again(blobs, first, rounds=3, pause=3.0):
+    """Unpickle each of `blobs` `rounds` times, `pause` janitor periods apart (each time the
+    janitor's acknowledgements go), as Ray does for every task naming an object; each must be
+    the memory `first` (mapped already: no fetch)."""
+    for _ in range(rounds):
+        again = [pickle.loads(blob) for blob in blobs]
+        assert all(a.ctypes.data == first.ctypes.data for a in again)
+        del again
+        time.sleep(pause * _channel.JANITOR_SECONDS)
+
+
 def unpickle_again_and_again(blob, times):
     # (a receiver: the same pickle unpickled again while its memory stays mapped, as Ray does
     # for every task that names an object, each a janitor period after the last)
     first = pickle.loads(blob)
+    assert first[-1] == 5
     before = _channel.round_trip_count()
-    for _ in range(times):
-        again = pickle.loads(blob)
-        assert again.ctypes.data == first.ctypes.data and again[-1] == 5
-        del again
-        time.sleep(2.5 * _channel.JANITOR_SECONDS)  # (the janitor's acknowledgements go)
+    _unpickled_again([blob], first, times, 2.5)
     return _channel.fetch_count(), _channel.round_trip_count() - before
 
 
@@ -899,11 +907,7 @@ def ack_refused_once_then_unpickled_again(blobs, first_blob):
 
     _channel._connect = refuse_once
     _channel.MAX_ITEMS = 1  # (the janitor's first request fails, the others go unsent)
-    for _ in range(3):
-        again = [pickle.loads(blob) for blob in blobs]
-        assert all(a.ctypes.data == first.ctypes.data for a in again)
-        del again
-        time.sleep(3 * _channel.JANITOR_SECONDS)
+    _unpickled_again(blobs, first)
     return len(refused)
 
 
@@ -937,11 +941,7 @@ def janitor_hit_by_a_bug_then_unpickled_again(blob, first_blob):
         return real(address, fetches, proof, max_extras, acks)
 
     _channel.fetch = fails_once
-    for _ in range(3):
-        again = pickle.loads(blob)
-        assert again.ctypes.data == first.ctypes.data
-        del again
-        time.sleep(3 * _channel.JANITOR_SECONDS)
+    _unpickled_again([blob], first)
     return failed
 
 
