@@ -42,7 +42,10 @@ for plus the rest of the batch as *extras*), when the receiver acknowledges it (
 memfd mapped already: acknowledged by the receiver's janitor thread right after the message is
 unpickled), or after ``KEEPALIVE_SECONDS``, whichever is first. So memory sent and dropped by
 both sides is freed within about ``JANITOR_SECONDS`` of the receiver unpickling it, and
-memory nobody fetches is freed after ``KEEPALIVE_SECONDS``.
+memory nobody fetches is freed after ``KEEPALIVE_SECONDS``. An acknowledgement whose request
+fails quickly (a refused connection, no fd left here) is sent again at the janitor's
+next rounds, up to ``ACK_ATTEMPTS`` requests in all; one whose sender does not answer, or that
+failed that often, is not, and the message is acknowledged again if it is unpickled again.
 
 A sender may exit right after sending: a process started by :mod:`multiprocessing` that still
 holds batches when it exits (a ``Pool`` worker with ``maxtasksperchild=1`` that returned an
@@ -76,6 +79,7 @@ from ._memory import storage_fd
 KEEPALIVE_SECONDS = 60.0  # an unfetched, unacknowledged batch holds its memory this long
 PREFETCH_SECONDS = 1.0  # an extra fd this process did not use by then is closed
 JANITOR_SECONDS = 0.2  # how often the receiver's janitor acknowledges and closes extras
+ACK_ATTEMPTS = 5  # requests the janitor makes, a period apart, to get one acknowledgement across
 MAX_EXTRAS = 1024  # memfds handed out in one fetch beyond the ones asked for
 SECRET_BYTES = 16
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
@@ -281,6 +285,7 @@ class _State:
         # receiver
         self.prefetched: dict = {}  # key -> (fd, deadline, readonly): extras not used yet
         self.acks: dict = {}  # sender address -> [(batch id, secret)] to acknowledge
+        self.ack_failures: dict = {}  # (sender address, batch id) -> requests failed so far
         self.janitor: Optional[threading.Thread] = None
         self.fetches = 0  # fetch round trips made to senders
         self.round_trips = 0  # round trips made to senders (fetches and acknowledgements)
@@ -813,6 +818,34 @@ def _unsettle(address: bytes, proofs: list) -> None:
             _settled.pop((address, batch_id), None)
 
 
+def _ack_failed(address: bytes, proofs: list, again: bool) -> None:
+    """Acknowledgements that did not reach `address` (or are not known to have): queued for
+    the janitor's next round if `again` (the request failed quickly) and fewer than
+    ACK_ATTEMPTS requests failed for each; the others unsettled."""
+    with state.lock:
+        retry, given_up = [], []
+        for proof in proofs:
+            key = (address, proof[0])
+            failures = state.ack_failures.get(key, 0) + 1
+            if again and failures < ACK_ATTEMPTS:
+                state.ack_failures[key] = failures
+                retry.append(proof)
+            else:
+                state.ack_failures.pop(key, None)
+                given_up.append(proof)
+        _unsettle(address, given_up)
+        if retry:
+            state.acks.setdefault(address, []).extend(retry)
+            ensure_janitor()
+
+
+def _ack_delivered(address: bytes, proofs: list) -> None:
+    """Acknowledgements the sender read (lock held)."""
+    if state.ack_failures:
+        for batch_id, _ in proofs:
+            state.ack_failures.pop((address, batch_id), None)
+
+
 def queue_ack(address: bytes, proof: tuple) -> None:
     """Acknowledge `proof` to `address` soon, from the janitor (ours: at once), unless this
     process acknowledged it, or saw it released, before."""
@@ -836,18 +869,22 @@ def take_acks(address: bytes) -> list:
 
 
 def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extras: int = 0,
-          acks: list = ()) -> tuple:
+          acks: list = (), own_acks: bool = True) -> tuple:
     """One round trip to the sender at `address`.
 
     Returns (fd or None for each of `fetches`, [(key, readonly, fd)] extras, released flag).
-    The caller closes every fd. DeliveryError when the sender cannot be reached.
+    The caller closes every fd. DeliveryError when the sender cannot be reached. `acks` that
+    the sender did not read go back to the janitor (_ack_failed), unless `own_acks` is false
+    (the caller sees to them).
     """
+    started = _monotonic()
     if not is_address(address):
         raise pickle.UnpicklingError(f"bad pyshm sender address {address!r}")
     received: list = []
     answered = False  # (the sender replied: it has read the acknowledgements)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock = None
     try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sock.settimeout(_REPLY_TIMEOUT)
         try:
             _connect(sock, address)
@@ -867,6 +904,9 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
             sock, 65536, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
         )
         answered = bool(reply)
+        if answered and acks:
+            with state.lock:
+                _ack_delivered(address, acks)
         received.extend(fds)
         if flags & socket.MSG_CTRUNC:
             raise DeliveryError(f"pyshm: fds sent by another process were dropped: no fd left in "
@@ -901,9 +941,16 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
             os.close(fd)
         raise
     finally:
-        sock.close()
-        if acks and not answered:
-            _unsettle(address, acks)
+        if sock is not None:
+            sock.close()
+        if acks and not answered and own_acks:
+            _ack_failed(address, acks, _quick(started))
+
+
+def _quick(started: float) -> bool:
+    """Whether a request that failed failed quickly: not a sender that does not answer (a
+    request to it blocks the janitor up to _REPLY_TIMEOUT: not made again)."""
+    return _monotonic() - started < 5 * JANITOR_SECONDS
 
 
 def _check_peer_user(sock: socket.socket) -> None:
@@ -965,12 +1012,13 @@ def _janitor() -> None:
             os.close(fd)
         for address, proofs in acks.items():
             for start in range(0, len(proofs), MAX_ITEMS):
+                started = _monotonic()
                 try:
-                    fetch(address, [], acks=proofs[start : start + MAX_ITEMS])
+                    fetch(address, [], acks=proofs[start : start + MAX_ITEMS], own_acks=False)
                 except Exception:  # noqa: BLE001 (gone or stuck; never the janitor's end)
-                    # (not sent, or not known to be: a later unpickling of their messages
-                    # acknowledges them again)
-                    _unsettle(address, proofs[start:])
+                    # (not sent, or not known to be: sent again at the next rounds if the
+                    # request failed quickly, else when their messages are unpickled again)
+                    _ack_failed(address, proofs[start:], _quick(started))
                     break
         if done:
             return
@@ -1000,6 +1048,7 @@ def _after_fork_in_child() -> None:
         os.close(fd)
     old.prefetched = {}
     old.acks = {}
+    old.ack_failures = {}
     old.janitor = None
     _settled.clear()
 

@@ -892,11 +892,9 @@ def test_a_message_unpickled_again_is_acknowledged_once():
     assert round_trips <= 1, round_trips  # (at most the one acknowledgement, none after)
 
 
-def ack_refused_once_then_unpickled_again(blobs, first_blob):
-    # (a receiver: its first acknowledgements of the messages in `blobs` do not get through, a
-    # sender with a full backlog, one acknowledgement a request; then the messages are
-    # unpickled again, as by Ray's next task)
-    first = pickle.loads(first_blob)  # (the memory mapped: `blobs` need no fetch)
+def _refuse_first_connection():
+    """(In a receiver) its next connection to a sender is refused; returns the list of the
+    addresses refused."""
     real, refused = _channel._connect, []
 
     def refuse_once(sock, address):
@@ -906,6 +904,15 @@ def ack_refused_once_then_unpickled_again(blobs, first_blob):
         return real(sock, address)
 
     _channel._connect = refuse_once
+    return refused
+
+
+def ack_refused_once_then_unpickled_again(blobs, first_blob):
+    # (a receiver: its first acknowledgements of the messages in `blobs` do not get through, a
+    # sender with a full backlog, one acknowledgement a request; then the messages are
+    # unpickled again, as by Ray's next task)
+    first = pickle.loads(first_blob)  # (the memory mapped: `blobs` need no fetch)
+    refused = _refuse_first_connection()
     _channel.MAX_ITEMS = 1  # (the janitor's first request fails, the others go unsent)
     _unpickled_again(blobs, first)
     return len(refused)
@@ -924,6 +931,69 @@ def test_an_acknowledgement_that_did_not_get_through_is_sent_again():
     assert not batches & set(_channel.state.batches)
 
 
+def ack_refused_once(blob, first_blob):
+    # (a receiver that unpickles a message once, its memory mapped already, and whose first
+    # request to acknowledge it is refused; then it only waits)
+    first = pickle.loads(first_blob)
+    refused = _refuse_first_connection()
+    again = pickle.loads(blob)
+    assert again.ctypes.data == first.ctypes.data
+    del again
+    time.sleep(10 * _channel.JANITOR_SECONDS)
+    return len(refused)
+
+
+def _released_after(receiver):
+    """receiver(blob, first_blob) run in a spawned process, where `first_blob` (fetched: the
+    memory then mapped) and `blob` (no fetch needed: acknowledged) are two messages of one
+    array; asserts that `blob`'s message was released when it returned; returns its result."""
+    array = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    first_blob = pickle.dumps(pyshm.ref(array))
+    before = set(_channel.state.batches)
+    blob = pickle.dumps(pyshm.ref(array))
+    (batch,) = set(_channel.state.batches) - before
+    with mp.get_context("spawn").Pool(1) as pool:
+        result = pool.apply(receiver, (blob, first_blob))
+    assert batch not in _channel.state.batches  # (acknowledged in the end)
+    return result
+
+
+def test_an_acknowledgement_refused_once_is_sent_again_by_the_janitor():
+    # a message unpickled only once: its acknowledgement, refused, is sent again at the
+    # janitor's next round (before: the sender held the memory until the keep-alive)
+    assert _released_after(ack_refused_once) == 1
+
+
+def test_acknowledgements_to_a_sender_gone_are_tried_a_few_times_then_dropped(monkeypatch):
+    gone = _channel._ADDRESS_PREFIX + b"gone-" + os.urandom(8).hex().encode()
+    tries = []
+
+    def refused(sock, address):
+        tries.append(address)
+        raise ConnectionRefusedError(errno.ECONNREFUSED, "nobody there")
+
+    monkeypatch.setattr(_channel, "_connect", refused)
+    proofs = [(1 << 40, os.urandom(16)), ((1 << 40) + 1, os.urandom(16))]
+    for proof in proofs:
+        _channel.queue_ack(gone, proof)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with _channel.state.lock:
+            if gone not in _channel.state.acks and not any(
+                    key[0] == gone for key in _channel.state.ack_failures) and \
+                    len(tries) >= _channel.ACK_ATTEMPTS:
+                break
+        time.sleep(_channel.JANITOR_SECONDS)
+    time.sleep(3 * _channel.JANITOR_SECONDS)
+    # (one request for both, ACK_ATTEMPTS times; then nothing queued, nothing counted, and
+    # the messages unsettled: unpickled again, they would be acknowledged again)
+    assert tries == [gone] * _channel.ACK_ATTEMPTS
+    with _channel.state.lock:
+        assert gone not in _channel.state.acks
+        assert not any(key[0] == gone for key in _channel.state.ack_failures)
+        assert not any((gone, proof[0]) in _channel._settled for proof in proofs)
+
+
 def janitor_hit_by_a_bug_then_unpickled_again(blob, first_blob):
     # (a receiver whose janitor's first acknowledgement fails with an error that is no
     # OSError (a bug), while an extra fd keeps the janitor going: then the message is
@@ -934,11 +1004,11 @@ def janitor_hit_by_a_bug_then_unpickled_again(blob, first_blob):
                                              time.monotonic() + 30, False)
     real, failed = _channel.fetch, []
 
-    def fails_once(address, fetches, proof=None, max_extras=0, acks=()):
+    def fails_once(address, fetches, proof=None, max_extras=0, acks=(), **options):
         if not failed:
             failed.append(len(acks))
             raise RuntimeError("a bug")
-        return real(address, fetches, proof, max_extras, acks)
+        return real(address, fetches, proof, max_extras, acks, **options)
 
     _channel.fetch = fails_once
     _unpickled_again([blob], first)
@@ -946,14 +1016,7 @@ def janitor_hit_by_a_bug_then_unpickled_again(blob, first_blob):
 
 
 def test_the_janitor_outlives_an_error_and_acknowledges_again():
-    array = pyshm.zeros(1 << 20, np.uint8, shared=True)
-    first_blob = pickle.dumps(pyshm.ref(array))
-    before = set(_channel.state.batches)
-    blob = pickle.dumps(pyshm.ref(array))
-    (batch,) = set(_channel.state.batches) - before
-    with mp.get_context("spawn").Pool(1) as pool:
-        assert pool.apply(janitor_hit_by_a_bug_then_unpickled_again, (blob, first_blob)) == [1]
-    assert batch not in _channel.state.batches  # (the acknowledgement sent again)
+    assert _released_after(janitor_hit_by_a_bug_then_unpickled_again) == [1]
 
 
 def _from_a_forked_child(make, raw=False):
