@@ -82,3 +82,126 @@ def test_share_at_max_map_count_is_a_clean_error():
             child.wait()
     assert child.returncode == 0, err[-3000:]
     assert out.startswith("ok"), out
+
+
+# The same limit reached from inside the process, for any user (the sysctl untouched): the
+# child maps a run of pages and cuts it into one mapping per page until it has exactly the
+# number of mappings asked for, then frees or shares arrays there.
+FILL = r"""
+import ctypes, gc, os, threading, numpy as np, pyshm
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+PAGE = os.sysconf('SC_PAGE_SIZE')
+LIMIT = int(open('/proc/sys/vm/max_map_count').read())
+
+def maps():
+    # (line by line: at the limit, a big buffer's own mmap would fail)
+    with open('/proc/self/maps') as f:
+        yield from f
+
+def count():  # (as the kernel counts: [vsyscall] is no mapping of this process)
+    return sum(1 for line in maps() if not line.rstrip().endswith('[vsyscall]'))
+
+class Filler:
+    # a PROT_READ run whose every other page turns PROT_NONE: two more mappings a page
+    def __init__(self):
+        self.pages = 2 * LIMIT + 8
+        self.base = libc.mmap(None, self.pages * PAGE, 1, 0x22 | 0x4000, -1, 0)  # NORESERVE
+        assert self.base not in (None, ctypes.c_void_p(-1).value)
+        self.next, self.last_used = 1, False
+
+    def up_to(self, target):
+        while True:
+            missing = target - count()
+            if missing <= 0:
+                return missing == 0
+            if missing == 1:  # (one more: the run's last page alone, once)
+                if self.last_used or \
+                        libc.mprotect(self.base + (self.pages - 1) * PAGE, PAGE, 0) != 0:
+                    return False
+                self.last_used = True
+                continue
+            for _ in range(max(1, (missing - 2) // 2)):
+                if self.next >= self.pages - 3 or \
+                        libc.mprotect(self.base + self.next * PAGE, PAGE, 0) != 0:
+                    return False
+                self.next += 2
+
+    def free(self):
+        assert libc.munmap(self.base, self.pages * PAGE) == 0
+
+def shared_over(a):
+    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
+    out = []
+    for line in maps():
+        start, end = (int(x, 16) for x in line.split()[0].split('-'))
+        if start < hi and end > lo and line.split()[1][3] == 's':
+            out.append(line)
+    return out
+
+def mapped(address):
+    return any(int(l.split('-')[0], 16) <= address < int(l.split()[0].split('-')[1], 16)
+               for l in maps())
+
+# 1. three arrays side by side (merged into one mapping): the middle one freed at the limit
+arrays = [pyshm.empty(4 << 20, np.uint8) for _ in range(3)]
+for a in arrays:
+    a[:] = 1
+middle = arrays[1].ctypes.data
+filler = Filler()
+assert filler.up_to(LIMIT), 'could not reach the limit'
+del arrays[1], a
+gc.collect()                       # (before: abort() in lshm__os_unmap)
+filler.free()
+pyshm.empty(4 << 20, np.uint8)     # a later unmap (its own) unmaps the middle range too
+gc.collect()
+assert not mapped(middle), 'the middle array was never unmapped'
+del arrays
+
+# 2. a share at the limit, and 1 to 6 mappings below it: shared, or a MemoryError with the
+# array as it was (same address, bytes, private: a forked child's writes are its own)
+threading.Thread(target=lambda: None).start()   # (the write fence on)
+outcomes = []
+for headroom in range(7):
+    a = pyshm.empty(16 << 20, np.uint8)
+    a[:] = 5
+    address = a.ctypes.data
+    filler = Filler()
+    assert filler.up_to(LIMIT - headroom)
+    try:
+        pyshm.share_memory_(a)
+        outcomes.append('shared')
+    except MemoryError as exc:
+        outcomes.append('refused')
+        assert 'vm.max_map_count' in str(exc), exc
+        assert a.ctypes.data == address and not pyshm.is_shared(a)
+        assert not shared_over(a), shared_over(a)
+        pid = os.fork()
+        if pid == 0:
+            a[:] = 9
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+    assert a.ctypes.data == address and (a == 5).all()
+    filler.free()
+    if outcomes[-1] == 'refused':  # with room again it works
+        pyshm.share_memory_(a)
+        assert pyshm.is_shared(a) and (a == 5).all()
+    del a
+    gc.collect()
+print(' '.join(outcomes))
+"""
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_mappings_at_the_limit_from_inside_the_process(huge):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), LSHM_HUGE=huge)
+    done = subprocess.run([sys.executable, "-c", FILL], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcomes = done.stdout.split()
+    assert len(outcomes) == 7 and outcomes[0] == "refused", done.stdout

@@ -397,19 +397,40 @@ static void advise_huge(void *addr, size_t len) {
 }
 
 /* Of a fresh mapping [p, p + over), over = len + 2 MiB - 1 page: unmap what lies before its
- * first 2 MiB boundary and after len bytes from there; returns that boundary. */
+ * first 2 MiB boundary and after len bytes from there; returns that boundary, or NULL (all
+ * of it given back, or as much as can be) when a trim fails: the kernel merged the mapping
+ * with a neighbour, and cutting it out needs one more mapping than vm.max_map_count allows. */
 static void *trim_to_aligned(void *p, size_t over, size_t len) {
     const size_t huge = LSHM__HUGE_BYTES;
     uintptr_t start = (uintptr_t)p, aligned = (start + huge - 1) & ~(uintptr_t)(huge - 1);
-    if (aligned > start)
-        lshm__os_unmap(p, aligned - start);
-    if (start + over > aligned + len)
-        lshm__os_unmap((void *)(aligned + len), start + over - (aligned + len));
+    if (aligned > start && munmap(p, aligned - start) != 0) {
+        lshm__os_unmap(p, over);
+        return NULL;
+    }
+    if (start + over > aligned + len &&
+        munmap((void *)(aligned + len), start + over - (aligned + len)) != 0) {
+        lshm__os_unmap((void *)aligned, start + over - aligned);
+        return NULL;
+    }
     return (void *)aligned;
 }
 
+/* An anonymous mapping of len bytes wherever the kernel puts it: see map_aligned. */
+static int map_anywhere(size_t len, int placeholder, void **out) {
+    void *p = mmap(NULL, len, placeholder ? PROT_NONE : PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | (placeholder ? MAP_NORESERVE : 0), -1, 0);
+    if (p == MAP_FAILED) {
+        int e = errno;
+        return LSHM_FAIL(-e, "mmap(anonymous%s, %zu bytes): %s",
+                         placeholder ? " placeholder" : "", len, strerror(e));
+    }
+    *out = p;
+    return 0;
+}
+
 /* An anonymous mapping of exactly len bytes at a 2 MiB-aligned address: a huge page more than
- * needed is mapped, then trimmed. `placeholder`: PROT_NONE and MAP_NORESERVE, for a mapping
+ * needed is mapped, then trimmed (where the trim cannot be made, at vm.max_map_count: len
+ * bytes anywhere, small pages then). `placeholder`: PROT_NONE and MAP_NORESERVE, for a mapping
  * about to replace it (MAP_FIXED, mremap MREMAP_FIXED), so it commits no memory meanwhile;
  * else private read-write zero pages. */
 static int map_aligned(size_t len, int placeholder, void **out) {
@@ -418,14 +439,12 @@ static int map_aligned(size_t len, int placeholder, void **out) {
     if (len > SIZE_MAX - huge)
         return LSHM_FAIL(-ENOMEM, "no %zu-byte range to map", len);
     size_t over = len + huge - lshm__os_page_size();
-    void *p = mmap(NULL, over, placeholder ? PROT_NONE : PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | (placeholder ? MAP_NORESERVE : 0), -1, 0);
-    if (p == MAP_FAILED) {
-        int e = errno;
-        return LSHM_FAIL(-e, "mmap(anonymous%s, %zu bytes): %s",
-                         placeholder ? " placeholder" : "", over, strerror(e));
-    }
-    *out = trim_to_aligned(p, over, len);
+    void *p = NULL;
+    int rc = map_anywhere(over, placeholder, &p);
+    if (rc != 0)
+        return rc;
+    if ((*out = trim_to_aligned(p, over, len)) == NULL)
+        return map_anywhere(len, placeholder, out);
     return 0;
 }
 
@@ -539,12 +558,54 @@ int lshm__os_remap(void *old, size_t old_len, size_t new_len, void **out) {
     return 0;
 }
 
+/* Ranges whose munmap failed, unmapped again at each later lshm__os_unmap. munmap fails with
+ * ENOMEM when the range lies inside a mapping the kernel merged with its neighbours (storages
+ * made one after the other are such neighbours) and cutting it out needs one more mapping than
+ * vm.max_map_count allows. Taken with trylock only: a fork() while another thread held the
+ * lock leaves the child's list as it was, never a deadlock; a range that finds the list full
+ * or busy stays mapped (its memory freed, see lshm__os_unmap). */
+#define DEFERRED_UNMAPS 64
+static pthread_mutex_t deferred_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    void *addr;
+    size_t len;
+} deferred[DEFERRED_UNMAPS];
+static _Atomic int deferred_count;
+
+static void unmap_deferred(void) {
+    if (atomic_load_explicit(&deferred_count, memory_order_relaxed) == 0 ||
+        pthread_mutex_trylock(&deferred_lock) != 0)
+        return;
+    int kept = 0, n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
+    for (int i = 0; i < n; i++)
+        if (munmap(deferred[i].addr, deferred[i].len) != 0)
+            deferred[kept++] = deferred[i];
+    atomic_store_explicit(&deferred_count, kept, memory_order_relaxed);
+    pthread_mutex_unlock(&deferred_lock);
+}
+
 void lshm__os_unmap(void *addr, size_t len) {
     if (addr == NULL || len == 0)
         return;
-    int r = munmap(addr, len);
-    assert(r == 0); /* only fails for a bad range, which would be our bug */
-    (void)r;
+    if (munmap(addr, len) == 0) {
+        unmap_deferred(); /* (room for them now, maybe) */
+        return;
+    }
+    int e = errno;
+    assert(e == ENOMEM); /* anything else is a bad range: our bug */
+    /* vm.max_map_count: the memory goes now (private pages; a file's pages stay while it is
+     * mapped), the range itself once a later unmap makes room */
+    (void)madvise(addr, len, MADV_DONTNEED);
+    if (pthread_mutex_trylock(&deferred_lock) == 0) {
+        int n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
+        if (n < DEFERRED_UNMAPS) {
+            deferred[n].addr = addr;
+            deferred[n].len = len;
+            atomic_store_explicit(&deferred_count, n + 1, memory_order_relaxed);
+        }
+        pthread_mutex_unlock(&deferred_lock);
+    }
+    (void)e;
 }
 
 /* ---- the write fence of an in-place share ---------------------------------------------------

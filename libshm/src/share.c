@@ -209,15 +209,46 @@ static size_t next_chunk(size_t page) {
     return chunk < page ? page : (size_t)lshm__page_floor(chunk);
 }
 
-/* The end of a chunked share that swapped [data, data + swapped) and returned rc: on failure
- * map the swapped chunks back privately (the memfd pages hold the very bytes), lift the fence
- * from the rest and close fd. */
-static int chunks_done(int fd, char *data, size_t swapped, int rc, lshm__fence *fence) {
+/* A chunked share under way: its memfd, the storage's pages, its fence, and a spare mapping
+ * (a page of the memfd, a mapping of its own that no neighbour merges with) held from the
+ * start: the first chunk's mmap splits the storage's mapping in two, so at vm.max_map_count
+ * the next chunk fails, and so would the restore of the first (an mmap too) if the spare did
+ * not give its place back first. */
+typedef struct chunked {
+    int fd;
+    char *data;
+    lshm__fence *fence;
+    void *spare;
+} chunked;
+
+/* Start a chunked share of `capacity` bytes into the new memfd fd (sized already): take the
+ * spare mapping. Fails (fd closed, the fence lifted) when not even that can be mapped. */
+static int chunks_begin(chunked *c, int fd, char *data, size_t capacity, lshm__fence *fence) {
+    *c = (chunked){fd, data, fence, NULL};
+    int rc = lshm__os_map_fd(fd, 0, capacity < lshm__os_page_size() ? capacity
+                                                                        : lshm__os_page_size(),
+                             1, NULL, &c->spare);
     if (rc != 0) {
-        if (swapped > 0 && lshm__os_map_fd_private_fixed(fd, 0, swapped, data) == 0)
-            atomic_fetch_add_explicit(&lshm__share_restores, 1, memory_order_relaxed);
-        lshm__os_fence_lift(fence, data + swapped);
+        lshm__os_fence_lift(fence, data);
         lshm__os_close(fd);
+    }
+    return rc;
+}
+
+/* The end of a chunked share that swapped [data, data + swapped) of `capacity` bytes and
+ * returned rc: the spare goes; on failure map the swapped chunks back privately (the memfd
+ * pages hold the very bytes), free the memfd's pages that no chunk maps (prepared ahead, or
+ * half-filled), lift the fence from the rest and close fd. */
+static int chunks_done(chunked *c, size_t swapped, size_t capacity, int rc) {
+    lshm__os_unmap(c->spare, lshm__os_page_size());
+    if (rc != 0) {
+        /* (the spare made room for it: what could still fail is the kernel's own allocation
+         * of the mapping, under a memory cgroup at its limit) */
+        if (swapped > 0 && lshm__os_map_fd_private_fixed(c->fd, 0, swapped, c->data) == 0)
+            atomic_fetch_add_explicit(&lshm__share_restores, 1, memory_order_relaxed);
+        (void)lshm__os_punch_hole(c->fd, swapped, capacity - swapped);
+        lshm__os_fence_lift(c->fence, c->data + swapped);
+        lshm__os_close(c->fd);
     }
     return rc;
 }
@@ -252,10 +283,10 @@ static int pwrite_chunks(int fd, char *data, size_t *off, size_t end, const lshm
  * memfd pages, which hold the very bytes): copy-on-write across fork() and writes that stay in
  * this process, as before the call. Closing the memfd leaves those mappings alive.
  * fd: a new memfd of `capacity` bytes (lshm__os_memfd_sized), closed on failure. */
-static int share_chunked(lshm_storage *s, char *data, int fd, lshm__fence *fence) {
+static int share_chunked(lshm_storage *s, chunked *c) {
     size_t off = 0;
-    int rc = pwrite_chunks(fd, data, &off, s->capacity, fence);
-    return chunks_done(fd, data, off, rc, fence);
+    int rc = pwrite_chunks(c->fd, c->data, &off, s->capacity, c->fence);
+    return chunks_done(c, off, s->capacity, rc);
 }
 
 /* Huge pages for the chunked share: a storage of 2 MiB or more whose pages start at a 2 MiB
@@ -359,15 +390,17 @@ static void tell_helper(huge_ahead *h, size_t done, int stop) {
  * share_chunked, which fills fresh small pages faster. So does the tail short of 2 MiB. No
  * room for the second mapping (ENOMEM: address space, vm.max_map_count) shares with small
  * pages instead (share_chunked). Failure: as share_chunked. */
-static int share_chunked_huge(lshm_storage *s, char *data, int fd, lshm__fence *fence) {
+static int share_chunked_huge(lshm_storage *s, chunked *c) {
     const size_t huge = LSHM__HUGE_BYTES;
     size_t cap = s->capacity, whole = cap / huge * huge;
-    char *copy = NULL;
+    int fd = c->fd;
+    char *data = c->data, *copy = NULL;
+    lshm__fence *fence = c->fence;
     int rc = lshm__os_map_fd_aligned(fd, whole, 0, (void **)&copy);
     if (rc == -ENOMEM)
-        return share_chunked(s, data, fd, fence);
+        return share_chunked(s, c);
     if (rc != 0)
-        return chunks_done(fd, data, 0, rc, fence);
+        return chunks_done(c, 0, cap, rc);
     size_t chunk = atomic_load_explicit(&lshm__share_huge_chunk_bytes, memory_order_relaxed);
     chunk = chunk < huge ? huge : chunk / huge * huge;
     huge_ahead h = {fd, copy, whole, chunk, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
@@ -406,7 +439,7 @@ static int share_chunked_huge(lshm_storage *s, char *data, int fd, lshm__fence *
     lshm__os_unmap(copy, whole);
     if (rc == 0)
         rc = pwrite_chunks(fd, data, &off, cap, fence);
-    return chunks_done(fd, data, off, rc, fence);
+    return chunks_done(c, off, cap, rc);
 }
 
 /* Refilling a pooled memfd beats a fresh share only below the chunk threshold (it saves the
@@ -519,9 +552,10 @@ static int share_locked(lshm_storage *s, int own_memfd, int fenced, old_memory *
             rc = refill_memfd(fd, data, s->capacity);
         } else if (want_chunks(s)) {
             /* (on failure the chunked paths have closed fd) */
-            if ((rc = lshm__os_memfd_sized(s->capacity, &fd)) == 0)
-                rc = want_huge(s, data) ? share_chunked_huge(s, data, fd, &fence)
-                                        : share_chunked(s, data, fd, &fence);
+            chunked c;
+            if ((rc = lshm__os_memfd_sized(s->capacity, &fd)) == 0 &&
+                (rc = chunks_begin(&c, fd, data, s->capacity, &fence)) == 0)
+                rc = want_huge(s, data) ? share_chunked_huge(s, &c) : share_chunked(s, &c);
             swapped = 1;
         } else {
             rc = make_filled_memfd(data, s->capacity, &fd);

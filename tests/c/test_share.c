@@ -468,6 +468,34 @@ static void assert_private_across_fork(unsigned char *raw, size_t n) {
     ASSERT_EQ(raw[n - 1], last);
 }
 
+/* The bytes of memory in the file mapped at p (the memfd of a failed share, mapped back
+ * privately), read through /proc/self/map_files; -1 where that is not allowed (it needs
+ * CAP_SYS_ADMIN). *mapped: the length of that mapping. */
+static long long file_bytes_at(const void *p, size_t *mapped) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    ASSERT(f != NULL);
+    uintptr_t a, b, found = 0;
+    char line[8192];
+    while (fgets(line, sizeof line, f) != NULL)
+        if (sscanf(line, "%lx-%lx", &a, &b) == 2 && a == (uintptr_t)p) {
+            found = b;
+            break;
+        }
+    fclose(f);
+    ASSERT(found != 0);
+    *mapped = found - (uintptr_t)p;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/map_files/%lx-%lx", (unsigned long)p,
+             (unsigned long)found);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    struct stat st;
+    ASSERT_EQ(fstat(fd, &st), 0);
+    close(fd);
+    return (long long)st.st_blocks * 512;
+}
+
 /* A chunked share of a fresh n-byte storage, failed at fault point nth: the storage is as it
  * was (pointer, flags, bytes, private across fork, writable: bytes 0 and n - 1 are now 7), and
  * `restored` says whether chunks were swapped back. Returns it for the caller to release. */
@@ -487,6 +515,11 @@ static lshm_storage *fail_chunked_share_at(int nth, size_t n, int restored) {
     ASSERT(check(raw, n, 42));
     ASSERT_EQ(lshm__share_restores, restores + (restored ? 1 : 0));
     ASSERT(mappings_private(raw, n));
+    if (restored) { /* the memfd keeps only the chunks swapped back (none prepared ahead) */
+        size_t mapped = 0;
+        long long kept = file_bytes_at(raw, &mapped);
+        ASSERT(kept < 0 || (size_t)kept <= mapped);
+    }
     assert_private_across_fork(raw, n);
     raw[0] = 7;
     raw[n - 1] = 7;
@@ -526,15 +559,16 @@ static void test_chunked(void) {
 
     share_fault_loop(make_fixed_pages, n, -ENOMEM);
 
-    /* fail mid-way (points: memfd, ftruncate, seal, then pwrite and mmap per chunk) */
-    for (int nth = 4; nth <= 9; nth++) {
-        s = fail_chunked_share_at(nth, n, nth >= 6); /* from 6 on, a chunk was swapped */
+    /* fail mid-way (points: memfd, ftruncate, seal, the spare mapping, then pwrite and mmap per
+     * chunk) */
+    for (int nth = 4; nth <= 10; nth++) {
+        s = fail_chunked_share_at(nth, n, nth >= 7); /* from 7 on, a chunk was swapped */
         raw = lshm_storage_data(s);
-        if (nth == 6) /* failed at chunk 2's pwrite: chunk 1 swapped back privately, rest not */
+        if (nth == 7) /* failed at chunk 2's pwrite: chunk 1 swapped back privately, rest not */
             ASSERT_EQ(mappings_over(raw, 10 * page), 2);
         ASSERT(mappings_private(raw, 10 * page));
         ASSERT_EQ(fd_count(), base);
-        if (nth == 8) { /* a retry shares every byte, the ones written since included */
+        if (nth == 9) { /* a retry shares every byte, the ones written since included */
             ASSERT_OK(lshm_storage_share(s));
             ASSERT_PTR_EQ(lshm_storage_data(s), raw);
             ASSERT_EQ(mappings_over(raw, 10 * page), 1);
@@ -551,14 +585,14 @@ static void test_chunked(void) {
     }
 
     /* with another share running, chunks are lshm__share_chunk_busy_bytes: here 4 pages, so a
-     * failure at the second pwrite (point 6) leaves 4 pages swapped back, not 2 */
+     * failure at the second pwrite (point 7) leaves 4 pages swapped back, not 2 */
     size_t saved_busy = lshm__share_chunk_busy_bytes;
     lshm__share_chunk_busy_bytes = 4 * page;
     ASSERT_OK(make_fixed_pages(&s, n));
     raw = lshm_storage_data(s);
     fill(raw, n, 35);
     lshm__share_pretend_busy(1);
-    lshm__fault_arm(6, -ENOSPC);
+    lshm__fault_arm(7, -ENOSPC);
     int rc = lshm_storage_share(s);
     lshm__fault_arm(0, 0);
     lshm__share_pretend_busy(-1);
@@ -613,12 +647,15 @@ static void chunked_huge(void) {
     /* (ENOSPC: an ENOMEM at the copy mapping is no failure, see below) */
     share_fault_loop(make_fixed_pages, n, -ENOSPC);
 
-    /* points: memfd, ftruncate, seal, reserve, mmap (the copy), then per 4 MiB chunk populate
-     * and mmap, then the tail's pwrite and mmap: a failure at 8 (the second populate) leaves
-     * the first chunk swapped back privately; no fd and no mapping is left either way */
-    for (int nth = 6; nth <= 11; nth++) {
+    /* points: memfd, ftruncate, seal, the spare mapping, reserve, mmap (the copy), then per
+     * 4 MiB chunk populate and mmap, then the tail's pwrite and mmap: a failure at 9 (the
+     * second populate) leaves the first chunk swapped back privately; no fd and no mapping is
+     * left either way */
+    for (int nth = 4; nth <= 12; nth++) {
+        if (nth == 5 || nth == 6)
+            continue; /* (ENOMEM there is no failure: below) */
         int all_maps = count_mappings(NULL, SIZE_MAX, 1);
-        lshm_storage_release(fail_chunked_share_at(nth, n, nth >= 8));
+        lshm_storage_release(fail_chunked_share_at(nth, n, nth >= 9));
         lshm_pool_trim();
         ASSERT_EQ(fd_count(), base);
         ASSERT_EQ(count_mappings(NULL, SIZE_MAX, 1), all_maps);
@@ -626,7 +663,7 @@ static void chunked_huge(void) {
 
     /* no room for the copy mapping (address space, vm.max_map_count: ENOMEM at its placeholder
      * or at the mmap): shared all the same, with small pages */
-    for (int nth = 4; nth <= 5; nth++) {
+    for (int nth = 5; nth <= 6; nth++) {
         ASSERT_OK(make_fixed_pages(&s, n));
         raw = lshm_storage_data(s);
         fill(raw, n, 43);
