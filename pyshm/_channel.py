@@ -86,6 +86,8 @@ F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE
 _MAX_FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253
 _REQUEST_SECONDS = 5.0  # a connection must send its request by then
+_MAX_WAITING = 64  # connections the fd server keeps waiting for their request at once
+_BACKOFF_SECONDS = 0.05  # the fd server's pause after an error of its own (no fd left)
 _REPLY_TIMEOUT = 30.0
 _ADDRESS_PREFIX = b"\0pyshm-"
 _ADDRESS_MAX = 108  # (sun_path's size: no longer name can be bound)
@@ -654,38 +656,40 @@ class _Server:
             pass
 
     def _run(self) -> None:
-        """Serve until the socket is closed; survive everything else. Connections wait for
-        their request in one selector, each for at most _REQUEST_SECONDS."""
+        """Serve until the socket is closed; survive everything else: an error of the server
+        itself (no fd left for a connection or for the selector: _serve) is waited out."""
+        while self.sock.fileno() >= 0:
+            try:
+                self._serve()
+            except Exception:  # noqa: BLE001 - no fd, no memory: try again in a moment
+                time.sleep(_BACKOFF_SECONDS)
+
+    def _serve(self) -> None:
+        """Connections wait for their request in one selector, each for at most
+        _REQUEST_SECONDS, at most _MAX_WAITING of them (a newer one drops the oldest: a peer
+        that holds connections open without asking costs this process that many fds, and no
+        legitimate request waits that long)."""
         sock = self.sock
         uid = os.getuid()
+        waiting: dict = {}  # connection -> deadline for its request, oldest first
         selector = selectors.DefaultSelector()
-        selector.register(sock, selectors.EVENT_READ)
-        waiting: dict = {}  # connection -> deadline for its request
         try:
+            selector.register(sock, selectors.EVENT_READ)
             while True:
                 now = time.monotonic()
                 timeout = min([1.0] + [deadline - now for deadline in waiting.values()])
                 try:
                     events = selector.select(max(0.0, timeout))
                 except (OSError, ValueError):
-                    return  # closed (after fork in the child, or at exit)
+                    if sock.fileno() < 0:
+                        return  # closed (after fork in the child, or at exit)
+                    raise
                 for key, _ in events:
                     if key.fileobj is sock:
-                        try:
-                            conn, _ = sock.accept()
-                        except (BlockingIOError, socket.timeout):
-                            continue
-                        except OSError:
-                            return  # closed
-                        if not _welcome(conn, uid):
-                            conn.close()
-                            continue
-                        selector.register(conn, selectors.EVENT_READ)
-                        waiting[conn] = time.monotonic() + _REQUEST_SECONDS
+                        self._accept(selector, waiting, uid)
                     else:
                         conn = key.fileobj
-                        selector.unregister(conn)
-                        del waiting[conn]
+                        _forget(selector, waiting, conn)
                         try:
                             self._answer(conn)
                         except Exception:  # noqa: BLE001 - the server must outlive any request
@@ -694,8 +698,7 @@ class _Server:
                             conn.close()
                 now = time.monotonic()
                 for conn in [c for c, deadline in waiting.items() if deadline <= now]:
-                    selector.unregister(conn)
-                    del waiting[conn]
+                    _forget(selector, waiting, conn)
                     conn.close()  # sent nothing in time
                 if not events:
                     try:
@@ -707,6 +710,37 @@ class _Server:
             for conn in waiting:
                 conn.close()
             selector.close()
+
+    def _accept(self, selector: Any, waiting: dict, uid: int) -> None:
+        """Take one connection into `waiting`. No fd left for it (EMFILE: connections held
+        open, or the program's own fds): the oldest waiting one goes, and the next try comes
+        after a moment."""
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, socket.timeout):
+            return
+        except OSError as exc:
+            if self.sock.fileno() < 0 or exc.errno in (errno.EBADF, errno.EINVAL):
+                raise
+            if waiting:
+                oldest = next(iter(waiting))
+                _forget(selector, waiting, oldest)
+                oldest.close()
+            time.sleep(_BACKOFF_SECONDS)
+            return
+        if not _welcome(conn, uid):
+            conn.close()
+            return
+        while len(waiting) >= _MAX_WAITING:
+            oldest = next(iter(waiting))
+            _forget(selector, waiting, oldest)
+            oldest.close()
+        try:
+            selector.register(conn, selectors.EVENT_READ)
+        except BaseException:
+            conn.close()
+            raise
+        waiting[conn] = time.monotonic() + _REQUEST_SECONDS
 
     def _answer(self, conn: socket.socket) -> None:
         self.answering = True  # before serve() releases anything: see linger()
@@ -722,6 +756,11 @@ class _Server:
             del holders  # every fd stays open until the kernel has taken its copy
         finally:
             self.answering = False
+
+
+def _forget(selector: Any, waiting: dict, conn: socket.socket) -> None:
+    selector.unregister(conn)
+    del waiting[conn]
 
 
 def _welcome(conn: socket.socket, uid: int) -> bool:

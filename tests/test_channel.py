@@ -320,6 +320,60 @@ def test_the_server_survives_a_blast_of_garbage():
     os.close(fd)
 
 
+FD_STARVED_SENDER = textwrap.dedent(
+    """
+    import json, resource, sys, numpy as np, pyshm
+    from pyshm import _channel, reduction
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    a = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    _, (token,) = reduction.reduce_ndarray(a)[1][1].__reduce__()  # (as _token_of)
+    print(json.dumps([token[0], token[1].hex(), token[6].hex()]), flush=True)
+    for line in sys.stdin:  # each line: is the server still serving?
+        print(_channel.state.server.thread.is_alive(), flush=True)
+    """
+)
+
+
+def test_connections_held_open_by_a_stranger_do_not_stop_the_server(monkeypatch):
+    # a process of our uid that was never sent anything holds hundreds of connections open
+    # without a request, beyond the sender's fds (RLIMIT_NOFILE 128): the server drops the
+    # oldest and serves on (before: accept's EMFILE ended its thread for good, and every
+    # receiver waited 30 s for nothing)
+    sender = subprocess.Popen([sys.executable, "-c", FD_STARVED_SENDER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=_env())
+    held = []
+    try:
+        import json
+
+        key, address, secret = json.loads(sender.stdout.readline())
+        key, address, secret = tuple(key), bytes.fromhex(address), bytes.fromhex(secret)
+        for _ in range(400):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+            try:
+                s.connect(address)
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        time.sleep(1.0)  # (the server accepts them meanwhile)
+        monkeypatch.setattr(_channel, "_REPLY_TIMEOUT", 10.0)
+        started = time.monotonic()
+        (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+        assert fd is not None and time.monotonic() - started < 5
+        os.close(fd)
+        for s in held:
+            s.close()
+        held.clear()
+        sender.stdin.write("alive?\n")
+        sender.stdin.flush()
+        assert sender.stdout.readline().strip() == "True"
+    finally:
+        for s in held:
+            s.close()
+        sender.kill()
+        sender.wait()
+
+
 def _sweep_until(stop: threading.Event, errors: list) -> None:
     """Sweep the channel's state again and again (lock held, as the server does) until
     ``stop``; an exception is noted in ``errors`` and ends it."""
