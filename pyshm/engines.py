@@ -138,8 +138,12 @@ def _torch():
     return sys.modules["torch"]
 
 
+_CONJ, _NEG = 1, 2  # a tensor's lazy conjugation and negation bits (views: no bytes changed)
+
+
 def _rebuild_tensor(data, dtype: str, size: tuple, stride: tuple, offset: int,
-                    requires_grad: bool, parameter: bool):
+                    requires_grad: bool, parameter: bool, bits: int = 0,
+                    attributes: Optional[dict] = None):
     if not isinstance(data, np.ndarray):
         return data  # (an Undelivered stand-in: it raises on first use)
     torch = _torch() if "torch" in sys.modules else __import__("torch")
@@ -149,10 +153,16 @@ def _rebuild_tensor(data, dtype: str, size: tuple, stride: tuple, offset: int,
         warnings.simplefilter("ignore", UserWarning)
         storage = torch.from_numpy(data).untyped_storage()
     tensor = torch.empty((0,), dtype=getattr(torch, dtype)).set_(storage, offset, size, stride)
+    if bits & _CONJ:
+        tensor = torch._conj(tensor)
+    if bits & _NEG:
+        tensor = torch._neg_view(tensor)
     if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    if requires_grad:
+        tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    elif requires_grad:
         tensor.requires_grad_(True)
+    if attributes:
+        tensor.__dict__.update(attributes)
     return tensor
 
 
@@ -190,9 +200,11 @@ def _tensor_reduction(tensor: Any):
             "write would crash it. Send the numpy array instead (it arrives read-only), or a "
             "tensor over a copy")
     torch.utils.hooks.warn_if_has_hooks(tensor)  # (as torch's reducer does)
+    bits = (_CONJ if tensor.is_conj() else 0) | (_NEG if tensor.is_neg() else 0)
     return _rebuild_tensor, (_Reduced(reduced), str(tensor.dtype).split(".")[-1],
                              tuple(tensor.size()), tuple(tensor.stride()),
-                             tensor.storage_offset(), bool(tensor.requires_grad), parameter)
+                             tensor.storage_offset(), bool(tensor.requires_grad), parameter,
+                             bits, dict(tensor.__dict__) or None)
 
 
 def _tensor_reducer(original):
@@ -934,6 +946,9 @@ class _ByValue:
 
 
 _NOT_DELIVERED = (pickle.UnpicklingError, OSError, MemoryError)  # (DeliveryError among them)
+# what pyshm's pickling of memory it cannot send by reference raises (a private arena's slice,
+# memory that cannot be shared now: no fd, no memory left): Ray's copy goes alone then
+_NOT_BY_REFERENCE = (pickle.PicklingError, BufferError, TypeError, OSError, MemoryError)
 
 
 # Ray deserializes an object again for every task that names it (and every ray.get), and a
@@ -1042,7 +1057,10 @@ def _ray_array(previous):
         copy = _ByValue(a, previous)
         if not _pyshm_array(a):
             return (copy,)
-        rebuild, reference = reduction.reduce_ndarray(a)
+        try:
+            rebuild, reference = reduction.reduce_ndarray(a)
+        except _NOT_BY_REFERENCE:
+            return (copy,)
         if rebuild is not reduction.rebuild_ndarray:
             return (copy,)  # (what pyshm pickles by value itself: empty arrays)
         return (_Reduced((_ray_array_back, (reference, copy))),)
@@ -1056,8 +1074,10 @@ def _ray_tensor(previous):
         copy = _ByValue(tensor, previous)
         try:
             reduced = _tensor_reduction(tensor)
-        except pickle.PicklingError:
-            return (copy,)  # (memory shared read-only: a tensor has no read-only flag; a copy)
+        except _NOT_BY_REFERENCE:
+            # (memory shared read-only: a tensor has no read-only flag; a private arena's
+            # slice; no fd or memory left to share it: Ray's copy alone, as without pyshm)
+            return (copy,)
         if reduced is None:
             return (copy,)
         (rebuild, reference), layout = reduced[1][0].value, reduced[1][1:]

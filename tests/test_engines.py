@@ -233,6 +233,44 @@ def test_torch_queue_carries_parameters_and_views(method):
         array[:] = 0
 
 
+def lazy_tensors(torch, array):
+    """Tensors over `array` (complex64 [1+2j, 3+4j, ...]) with their lazy bits and an
+    attribute: what each must read as, and the tensors."""
+    tensor = torch.from_numpy(array)
+    tagged = tensor[1:]
+    tagged.tag = "kept"
+    return [(tensor.conj(), {"conj": True}), (torch._neg_view(tensor), {"neg": True}),
+            (tensor.conj().imag, {"neg": True}), (tagged, {"tag": "kept"})]
+
+
+def read_lazy(tensor):
+    """What a receiver sees of one of lazy_tensors (values, bits, attribute), and the tensor
+    itself to send back."""
+    return (tensor.resolve_conj().resolve_neg().tolist(), tensor.is_conj(), tensor.is_neg(),
+            getattr(tensor, "tag", None)), tensor
+
+
+def check_lazy(sent, got):
+    facts, back = got
+    expected = (sent.resolve_conj().resolve_neg().tolist(), sent.is_conj(), sent.is_neg(),
+                getattr(sent, "tag", None))
+    assert facts == expected  # (as the receiver saw it)
+    assert read_lazy(back)[0] == expected  # (as it came back)
+    assert back.data_ptr() == sent.data_ptr()  # (the same memory, both ways)
+
+
+def test_torch_lazy_conjugate_and_negative_views_and_attributes_arrive():
+    # (torch's own reducer drops these bits and attributes; over pyshm memory they come)
+    torch = torch_or_skip()
+    import torch.multiprocessing as tmp
+
+    array = pyshm.zeros(4, np.complex64, shared=True)
+    array[:] = [1 + 2j, 3 + 4j, 5 + 6j, 7 + 8j]
+    with tmp.get_context("fork").Pool(1) as pool:
+        for sent, _ in lazy_tensors(torch, array):
+            check_lazy(sent, pool.apply(read_lazy, (sent,)))
+
+
 def test_torch_tensor_over_unshared_pyshm_memory_is_shared_in_place_on_send():
     torch = torch_or_skip()
     import torch.multiprocessing as tmp
@@ -1834,6 +1872,37 @@ def test_ray_carries_tensors_over_pyshm_memory(ray_session):
     # the worker may write (the memory itself would crash it)
     back, _ = ray.get(ray.remote(add_one_tensor_and_say_where).remote(readonly))
     assert float(back.sum()) == 1024 and float(frozen.sum()) == 0
+
+
+def total(value):
+    return float(np.asarray(value).sum())
+
+
+def test_ray_sends_what_pyshm_cannot_send_by_reference_as_rays_copy(ray_session):
+    # a slice of a private arena (no memfd to send) goes as Ray's copy, as it would without
+    # pyshm, and so does a tensor over it (before: PicklingError at submission)
+    ray = ray_session
+    arena = pyshm.Arena([1 << 16], [0], [1])
+    arena.allocate()
+    private = arena.array(0, (8192,), np.float64)
+    private[:] = 1
+    assert ray.get(ray.remote(total).remote(private)) == 8192.0
+    assert total(ray.get(ray.put(private))) == 8192.0
+    if "torch" in sys.modules or importlib.util.find_spec("torch") is not None:
+        torch = torch_or_skip()
+        assert ray.get(ray.remote(total).remote(torch.from_numpy(private))) == 8192.0
+    del private
+
+
+def test_ray_lazy_conjugate_and_negative_views_and_attributes_arrive(ray_session):
+    # (Ray's own pickling keeps them for tensors of torch's memory: so must pyshm's)
+    torch = torch_or_skip()
+    ray = ray_session
+    array = pyshm.zeros(4, np.complex64, shared=True)
+    array[:] = [1 + 2j, 3 + 4j, 5 + 6j, 7 + 8j]
+    for sent, _ in lazy_tensors(torch, array):
+        check_lazy(sent, ray.get(ray.remote(read_lazy).remote(sent)))
+        check_lazy(sent, (read_lazy(sent)[0], ray.get(ray.put(sent))))
 
 
 def test_ray_registered_when_imported_after_pyshm():
