@@ -263,7 +263,26 @@ def _install_joblib() -> None:
 
         reduce_array_memmap_backward._pyshm_wraps = backward
         module.reduce_array_memmap_backward = reduce_array_memmap_backward
+        _repoint_loky_results(backward, reduce_array_memmap_backward)
     _installed.add("joblib")
+
+
+def _repoint_loky_results(original: Any, wrapped: Any) -> None:
+    """In a loky worker (of an executor started before this process imported pyshm), the
+    reducers of its result queue, a dict it unpickled at its start, still name joblib's own
+    backward reducer, so its results would come back as copies for the executor's whole
+    life: point them to pyshm's. (Found among the referrers of joblib's function: once per
+    worker, and only in loky's workers.)"""
+    loky = sys.modules.get("joblib.externals.loky.process_executor")
+    if loky is None or not getattr(loky, "_CURRENT_DEPTH", 0) > 0:
+        return
+    import gc
+
+    for holder in gc.get_referrers(original):
+        if isinstance(holder, dict):
+            for kind in (np.ndarray, np.memmap):
+                if holder.get(kind) is original:
+                    holder[kind] = wrapped
 
 
 # ---- dask.distributed -------------------------------------------------------------------------

@@ -411,6 +411,23 @@ def test_joblib_registered_when_imported_after_pyshm():
     assert out.decode().split() == ["['joblib']", str(2 << 20)]
 
 
+def test_joblib_executor_started_before_pyshm_returns_the_parents_arrays():
+    # loky's workers keep the reducers of their results from their start: an executor made
+    # before pyshm's import still sends pyshm arrays back as the parent's memory (before: as
+    # copies, for the executor's whole life)
+    engine_or_skip("joblib")
+    out = run_python("""
+        import numpy as np
+        from joblib import Parallel, delayed
+        Parallel(n_jobs=2)(delayed(abs)(i) for i in range(2))  # (the executor, started)
+        import pyshm
+        a = pyshm.zeros(1 << 20, np.float32, shared=True)
+        backs = Parallel(n_jobs=2)(delayed(np.add)(a, 1, out=a) for _ in range(4))
+        print([b.ctypes.data == a.ctypes.data for b in backs], int(a[0]))
+    """)
+    assert out.decode().split() == ["[True,", "True,", "True,", "True]", "4"]
+
+
 # ---- attacks on the hooks (a review's findings) ----------------------------------------------
 
 
