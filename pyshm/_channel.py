@@ -942,8 +942,11 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         reply, fds, flags, _ = socket.recv_fds(
             sock, 65536, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
         )
-        answered = bool(reply)
-        if answered and acks:
+        if not reply:
+            raise DeliveryError("pyshm: the sending process closed the connection without an "
+                                "answer (it is overloaded, or stopping)")
+        answered = True
+        if acks:
             with state.lock:
                 _ack_delivered(address, acks)
         received.extend(fds)

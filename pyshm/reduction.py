@@ -200,7 +200,7 @@ def _fd_budget() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(64, soft // 2)
+    return max(1, soft // 2)  # (a floor above the limit would ask for fds there is no room for)
 
 
 def segment_count() -> int:
@@ -482,9 +482,11 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                     _channel.settle(address, proof[0])
                 if fd is None:
                     raise DeliveryError(
-                        "pyshm: the sending process does not hold this memory any more (it "
-                        "dropped it, and nobody fetched it within the "
-                        f"{KEEPALIVE_SECONDS:.0f} s keep-alive after it was pickled)"
+                        "pyshm: the sending process did not hand over this memory: it does not "
+                        "hold it any more (it dropped it, and nobody fetched it within the "
+                        f"{KEEPALIVE_SECONDS:.0f} s keep-alive after it was pickled), or this "
+                        "pickle's secret or memfd key is not one it made (a damaged or forged "
+                        "pickle)"
                     )
                 mapping = _cache.mappings.get(key)  # another thread may have won the race
                 if mapping is None:

@@ -374,6 +374,30 @@ def test_connections_held_open_by_a_stranger_do_not_stop_the_server(monkeypatch)
         sender.wait()
 
 
+FD_STARVED_RECEIVER = textwrap.dedent(
+    """
+    import pickle, resource, sys, numpy as np, pyshm
+    resource.setrlimit(resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    arrays = pickle.loads(sys.stdin.buffer.read())
+    print(all(int(a[0]) == i % 251 and pyshm.is_shared(a) for i, a in enumerate(arrays)))
+    """
+)
+
+
+def test_a_receiver_with_few_fds_gets_a_message_of_many_memfds():
+    # 300 memfds in one message to a process of RLIMIT_NOFILE 40: it asks for no more extras
+    # than it has room for (before: at least 32, whatever its limit: every fetch failed)
+    arrays = [pyshm.zeros(100_000, np.uint8, shared=True) for _ in range(300)]
+    for i, a in enumerate(arrays):
+        a[:] = i % 251
+    assert len({_token_of(a)[0] for a in arrays}) == 300  # (a memfd each)
+    done = subprocess.run([sys.executable, "-c", FD_STARVED_RECEIVER],
+                          input=bytes(ForkingPickler.dumps(arrays)), capture_output=True,
+                          timeout=120, env=_env())
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert done.stdout.decode().strip() == "True"
+
+
 def _sweep_until(stop: threading.Event, errors: list) -> None:
     """Sweep the channel's state again and again (lock held, as the server does) until
     ``stop``; an exception is noted in ``errors`` and ends it."""
