@@ -28,8 +28,9 @@ static _Atomic int forked_child;
  * allocator callback that shares another storage): a second read lock behind a waiting writer
  * would deadlock.
  * Handlers, in one registration so their order is fixed: prepare takes fork_lock, then the slab
- * lock, then pool_lock (the order of a share, which takes those inside its read section);
- * parent and child empty the pool and release pool_lock, release the slab lock (the child also
+ * lock, then pool_lock (the order of a share, which takes those inside its read section), then
+ * the lock of os_linux.c's deferred unmaps (taken inside any of those); parent and child
+ * release that one first, empty the pool and release pool_lock, release the slab lock (the child also
  * stops sharing into its parent's slab memfds), then fork_lock. glibc's rwlock tells a write
  * unlock from a read unlock by the writer's thread id, which the child's only thread no longer
  * has, so the child re-initialises fork_lock instead (nothing else runs there to hold it). */
@@ -54,9 +55,11 @@ static void prepare_fork(void) {
     }
     lshm__slab_prepare_fork(); /* a share takes the slab lock inside its read section too */
     lshm__pool_prepare_fork();
+    lshm__os_prepare_fork(); /* (taken last: unmaps take it inside the others) */
 }
 
 static void parent_after_fork(void) {
+    lshm__os_after_fork();
     lshm__pool_after_fork();
     lshm__slab_after_fork_parent();
     if (fork_writer) {
@@ -67,6 +70,7 @@ static void parent_after_fork(void) {
 
 static void child_after_fork(void) {
     atomic_store_explicit(&forked_child, 1, memory_order_relaxed);
+    lshm__os_after_fork();
     lshm__pool_after_fork();
     lshm__slab_after_fork_child();
     lshm__os_fence_after_fork_child(); /* the inherited userfaultfd is the parent's */

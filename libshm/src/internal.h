@@ -177,6 +177,9 @@ int lshm__os_map_fd_aligned(int fd, size_t len, int readonly, void **out);
 int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out);
 /* munmap and close cannot fail in a way a caller can act on; they assert in debug builds. */
 void lshm__os_unmap(void *addr, size_t len);
+/* fork() handlers of the list of ranges lshm__os_unmap could not unmap yet (fork.c). */
+void lshm__os_prepare_fork(void);
+void lshm__os_after_fork(void);
 void lshm__os_close(int fd);
 int lshm__os_dup_cloexec(int fd, int *out);
 
@@ -292,6 +295,9 @@ extern _Atomic unsigned long lshm__share_huge_chunks;
 /* The huge-page share's helper thread fails (-ENOMEM) when it has prepared chunk N (1-based;
  * 0: never), so that its own error path runs. */
 extern _Atomic int lshm__share_helper_fails_at;
+/* The bytes of memory the memfd of the latest failed chunked share kept (its st_blocks), taken
+ * just before it was closed: only the chunks mapped back, none prepared ahead. */
+extern _Atomic long long lshm__share_failed_memfd_bytes;
 #endif
 
 /* fork.c: fork() waits for shares and resizes in flight. A share or resize calls enter before

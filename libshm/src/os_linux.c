@@ -561,9 +561,10 @@ int lshm__os_remap(void *old, size_t old_len, size_t new_len, void **out) {
 /* Ranges whose munmap failed, unmapped again at each later lshm__os_unmap. munmap fails with
  * ENOMEM when the range lies inside a mapping the kernel merged with its neighbours (storages
  * made one after the other are such neighbours) and cutting it out needs one more mapping than
- * vm.max_map_count allows. Taken with trylock only: a fork() while another thread held the
- * lock leaves the child's list as it was, never a deadlock; a range that finds the list full
- * or busy stays mapped (its memory freed, see lshm__os_unmap). */
+ * vm.max_map_count allows. A range stays ours while it is mapped, so unmapping it later never
+ * touches anyone else's memory. fork() takes the lock in its prepare handler (fork.c), so a
+ * child finds the list whole. A range that finds the list full stays mapped (its memory freed,
+ * see lshm__os_unmap). */
 #define DEFERRED_UNMAPS 64
 static pthread_mutex_t deferred_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct {
@@ -572,10 +573,18 @@ static struct {
 } deferred[DEFERRED_UNMAPS];
 static _Atomic int deferred_count;
 
+void lshm__os_prepare_fork(void) {
+    pthread_mutex_lock(&deferred_lock);
+}
+
+void lshm__os_after_fork(void) {
+    pthread_mutex_unlock(&deferred_lock);
+}
+
 static void unmap_deferred(void) {
-    if (atomic_load_explicit(&deferred_count, memory_order_relaxed) == 0 ||
-        pthread_mutex_trylock(&deferred_lock) != 0)
+    if (atomic_load_explicit(&deferred_count, memory_order_relaxed) == 0)
         return;
+    pthread_mutex_lock(&deferred_lock);
     int kept = 0, n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
     for (int i = 0; i < n; i++)
         if (munmap(deferred[i].addr, deferred[i].len) != 0)
@@ -596,15 +605,14 @@ void lshm__os_unmap(void *addr, size_t len) {
     /* vm.max_map_count: the memory goes now (private pages; a file's pages stay while it is
      * mapped), the range itself once a later unmap makes room */
     (void)madvise(addr, len, MADV_DONTNEED);
-    if (pthread_mutex_trylock(&deferred_lock) == 0) {
-        int n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
-        if (n < DEFERRED_UNMAPS) {
-            deferred[n].addr = addr;
-            deferred[n].len = len;
-            atomic_store_explicit(&deferred_count, n + 1, memory_order_relaxed);
-        }
-        pthread_mutex_unlock(&deferred_lock);
+    pthread_mutex_lock(&deferred_lock);
+    int n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
+    if (n < DEFERRED_UNMAPS) {
+        deferred[n].addr = addr;
+        deferred[n].len = len;
+        atomic_store_explicit(&deferred_count, n + 1, memory_order_relaxed);
     }
+    pthread_mutex_unlock(&deferred_lock);
     (void)e;
 }
 

@@ -65,6 +65,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 /* Does the storage own the pages at its data pointer, so the memfd can go over them? */
 static int owns_whole_pages(const lshm_storage *s) {
@@ -247,6 +248,12 @@ static int chunks_done(chunked *c, size_t swapped, size_t capacity, int rc) {
         if (swapped > 0 && lshm__os_map_fd_private_fixed(c->fd, 0, swapped, c->data) == 0)
             atomic_fetch_add_explicit(&lshm__share_restores, 1, memory_order_relaxed);
         (void)lshm__os_punch_hole(c->fd, swapped, capacity - swapped);
+#ifdef LSHM_TESTING
+        struct stat st;
+        atomic_store_explicit(&lshm__share_failed_memfd_bytes,
+                              fstat(c->fd, &st) == 0 ? (long long)st.st_blocks * 512 : -1,
+                              memory_order_relaxed);
+#endif
         lshm__os_fence_lift(c->fence, c->data + swapped);
         lshm__os_close(c->fd);
     }
@@ -318,6 +325,7 @@ typedef struct huge_ahead {
 
 #ifdef LSHM_TESTING
 _Atomic int lshm__share_helper_fails_at;
+_Atomic long long lshm__share_failed_memfd_bytes;
 #endif
 
 /* Collapse (unless the process was refused for good) and populate [off, off + n) of the memfd
