@@ -88,6 +88,7 @@ _MAX_FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253
 _REQUEST_SECONDS = 5.0  # a connection must send its request by then
 _MAX_WAITING = 64  # connections the fd server keeps waiting for their request at once
 _BACKOFF_SECONDS = 0.05  # the fd server's pause after an error of its own (no fd left)
+_EVICT_SECONDS = 0.5  # a waiting connection dropped for a newer one has waited this long
 _REPLY_TIMEOUT = 30.0
 _ADDRESS_PREFIX = b"\0pyshm-"
 _ADDRESS_MAX = 108  # (sun_path's size: no longer name can be bound)
@@ -638,82 +639,108 @@ class _Server:
         self.sock = sock
         note_reached(self.address)
         self.answering = False  # between reading a request and sending its last fd (linger)
-        self.sweep_failed = False  # (a bug: said once, see _run)
+        self.failed = False  # (the server's own work failed: said once, see _say_failed)
         self.thread = threading.Thread(target=self._run, name="pyshm-fd-server", daemon=True)
         self.thread.start()
         _register_linger()  # (again: a fork may have cleared it; linger() twice is harmless)
 
-    def _say_sweep_failed(self, error: Exception) -> None:
-        """One RuntimeWarning for the first failed sweep (a bug), none after; never raises
-        (a filter may make the warning an error: the server serves on)."""
-        if self.sweep_failed:
+    def _say_failed(self, what: str, error: Exception) -> None:
+        """One RuntimeWarning for the first failure of the server's own work (a bug, or a
+        lasting want of fds), none after; never raises (a filter may make the warning an
+        error: the server serves on)."""
+        if self.failed:
             return
-        self.sweep_failed = True
+        self.failed = True
         try:
-            warnings.warn(f"pyshm: the fd server's sweep failed ({error!r}); it goes on "
+            warnings.warn(f"pyshm: the fd server's {what} failed ({error!r}); it goes on "
                           "serving (please report this)", RuntimeWarning, stacklevel=1)
         except Exception:  # noqa: BLE001
             pass
 
     def _run(self) -> None:
         """Serve until the socket is closed; survive everything else: an error of the server
-        itself (no fd left for a connection or for the selector: _serve) is waited out."""
+        itself (no fd left for its selector, a bug: _serve) is said once and waited out."""
         while self.sock.fileno() >= 0:
             try:
                 self._serve()
-            except Exception:  # noqa: BLE001 - no fd, no memory: try again in a moment
+            except Exception as error:  # noqa: BLE001 - try again in a moment
+                self._say_failed("loop", error)
                 time.sleep(_BACKOFF_SECONDS)
 
     def _serve(self) -> None:
         """Connections wait for their request in one selector, each for at most
-        _REQUEST_SECONDS, at most _MAX_WAITING of them (a newer one drops the oldest: a peer
-        that holds connections open without asking costs this process that many fds, and no
-        legitimate request waits that long)."""
+        _REQUEST_SECONDS, at most _MAX_WAITING of them: a peer that holds connections open
+        without asking costs this process that many fds. Requests that came in are answered
+        before anything new is accepted; with _MAX_WAITING waiting, a new connection drops
+        the oldest if it waited _EVICT_SECONDS already (no request takes that long to come),
+        and else waits in the kernel's backlog (the socket unwatched meanwhile)."""
         sock = self.sock
         uid = os.getuid()
-        waiting: dict = {}  # connection -> deadline for its request, oldest first
+        waiting: dict = {}  # connection -> when it was accepted, oldest first
         selector = selectors.DefaultSelector()
+        watched = False  # (the listening socket in the selector)
         try:
-            selector.register(sock, selectors.EVENT_READ)
             while True:
                 now = time.monotonic()
-                timeout = min([1.0] + [deadline - now for deadline in waiting.values()])
+                oldest = next(iter(waiting.values()), now)
+                room = len(waiting) < _MAX_WAITING or now - oldest >= _EVICT_SECONDS
+                if room != watched:
+                    if room:
+                        selector.register(sock, selectors.EVENT_READ)
+                    else:
+                        selector.unregister(sock)
+                    watched = room
+                timeout = min(1.0, oldest + _REQUEST_SECONDS - now,
+                              1.0 if room else oldest + _EVICT_SECONDS - now)
                 try:
                     events = selector.select(max(0.0, timeout))
                 except (OSError, ValueError):
                     if sock.fileno() < 0:
                         return  # closed (after fork in the child, or at exit)
                     raise
-                for key, _ in events:
-                    if key.fileobj is sock:
-                        self._accept(selector, waiting, uid)
-                    else:
-                        conn = key.fileobj
-                        _forget(selector, waiting, conn)
-                        try:
-                            self._answer(conn)
-                        except Exception:  # noqa: BLE001 - the server must outlive any request
-                            pass
-                        finally:
-                            conn.close()
+                for key, _ in events:  # (requests first: an accept may drop a connection)
+                    conn = key.fileobj
+                    if conn is sock or conn not in waiting:
+                        continue
+                    _forget(selector, waiting, conn)
+                    try:
+                        self._answer(conn)
+                    except Exception:  # noqa: BLE001 - the server must outlive any request
+                        pass
+                    finally:
+                        conn.close()
+                if any(key.fileobj is sock for key, _ in events):
+                    self._accept(selector, waiting, uid)
                 now = time.monotonic()
-                for conn in [c for c, deadline in waiting.items() if deadline <= now]:
+                for conn in [c for c, t in waiting.items() if t + _REQUEST_SECONDS <= now]:
                     _forget(selector, waiting, conn)
                     conn.close()  # sent nothing in time
-                if not events:
+                if now >= state.next_sweep:
                     try:
                         with state.lock:
                             _sweep(now)
                     except Exception as error:  # noqa: BLE001 - the server lives on
-                        self._say_sweep_failed(error)
+                        self._say_failed("sweep", error)
         finally:
             for conn in waiting:
                 conn.close()
             selector.close()
 
+    def _drop_oldest(self, selector: Any, waiting: dict) -> bool:
+        """Drop the oldest waiting connection if it waited _EVICT_SECONDS already."""
+        if not waiting:
+            return False
+        conn, accepted = next(iter(waiting.items()))
+        if time.monotonic() - accepted < _EVICT_SECONDS:
+            return False
+        _forget(selector, waiting, conn)
+        conn.close()
+        return True
+
     def _accept(self, selector: Any, waiting: dict, uid: int) -> None:
-        """Take one connection into `waiting`. No fd left for it (EMFILE: connections held
-        open, or the program's own fds): the oldest waiting one goes, and the next try comes
+        """Take one connection into `waiting` (dropping the oldest if there is no room and
+        it waited long enough). No fd left for it (EMFILE: connections held open, or the
+        program's own fds): the oldest goes if it waited long enough, and the next try comes
         after a moment."""
         try:
             conn, _ = self.sock.accept()
@@ -722,25 +749,22 @@ class _Server:
         except OSError as exc:
             if self.sock.fileno() < 0 or exc.errno in (errno.EBADF, errno.EINVAL):
                 raise
-            if waiting:
-                oldest = next(iter(waiting))
-                _forget(selector, waiting, oldest)
-                oldest.close()
-            time.sleep(_BACKOFF_SECONDS)
-            return
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) and \
+                    not self._drop_oldest(selector, waiting):
+                time.sleep(_BACKOFF_SECONDS)
+            return  # (else a connection that went away meanwhile: ECONNABORTED)
         if not _welcome(conn, uid):
             conn.close()
             return
-        while len(waiting) >= _MAX_WAITING:
-            oldest = next(iter(waiting))
-            _forget(selector, waiting, oldest)
-            oldest.close()
+        if len(waiting) >= _MAX_WAITING and not self._drop_oldest(selector, waiting):
+            conn.close()  # (not watched then: only a race with the clock gets here)
+            return
         try:
             selector.register(conn, selectors.EVENT_READ)
         except BaseException:
             conn.close()
             raise
-        waiting[conn] = time.monotonic() + _REQUEST_SECONDS
+        waiting[conn] = time.monotonic()
 
     def _answer(self, conn: socket.socket) -> None:
         self.answering = True  # before serve() releases anything: see linger()

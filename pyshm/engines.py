@@ -175,13 +175,15 @@ def _sendable(data: np.ndarray) -> bool:
             or reduction.share_if_fenced(data))
 
 
-def _tensor_reduction(tensor: Any):
+def _tensor_reduction(tensor: Any, attributes: bool = False):
     """The reduction that sends ``tensor`` (a plain CPU tensor or Parameter over pyshm memory)
     by reference, or None: not pyshm memory, a non-leaf tensor that needs its graph, or
     memory not shared yet pickled on a thread of multiprocessing's own (a Queue's feeder)
     where it cannot be shared under the write fence (see pyshm.reduction). Memory shared
     read-only raises
-    ``PicklingError`` (a tensor has no read-only flag)."""
+    ``PicklingError`` (a tensor has no read-only flag). The tensor's Python attributes go
+    along only with `attributes` (Ray's pickling keeps them; torch's reducer drops them, and
+    some cannot be pickled: process groups, modules that hold the tensor itself)."""
     torch = _torch()
     kind = type(tensor)
     parameter = kind is torch.nn.Parameter
@@ -204,7 +206,7 @@ def _tensor_reduction(tensor: Any):
     return _rebuild_tensor, (_Reduced(reduced), str(tensor.dtype).split(".")[-1],
                              tuple(tensor.size()), tuple(tensor.stride()),
                              tensor.storage_offset(), bool(tensor.requires_grad), parameter,
-                             bits, dict(tensor.__dict__) or None)
+                             bits, (dict(tensor.__dict__) or None) if attributes else None)
 
 
 def _tensor_reducer(original):
@@ -1092,7 +1094,7 @@ def _ray_tensor(previous):
     def serialize(tensor) -> tuple:
         copy = _ByValue(tensor, previous)
         try:
-            reduced = _tensor_reduction(tensor)
+            reduced = _tensor_reduction(tensor, attributes=True)
         except _NOT_BY_REFERENCE:
             # (memory shared read-only: a tensor has no read-only flag; a private arena's
             # slice; no fd or memory left to share it: Ray's copy alone, as without pyshm)
