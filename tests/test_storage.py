@@ -137,6 +137,23 @@ def test_unsatisfiable_size_is_memory_error():
     assert isinstance(info.value, OSError) and info.value.errno in (errno.ENOMEM, errno.EOVERFLOW)
 
 
+@pytest.mark.parametrize("nbytes", [1 << 45, 1 << 62])
+def test_shared_memory_bigger_than_the_machine_is_a_memory_error_at_once(nbytes, no_fd_leak):
+    # every page of shared memory is allocated when it is made (no SIGBUS later): beyond RAM
+    # and swap that only ends in the OOM killer, which kills whatever it picks on the machine
+    # (before: a 32 TiB shared storage was allocated byte by byte into it). Not run on the old
+    # code for that reason.
+    import time
+
+    started = time.monotonic()
+    for make in (lambda: pyshm.Storage(nbytes, shared=True),
+                 lambda: pyshm.zeros(nbytes, np.uint8, shared=True)):
+        with pytest.raises(MemoryError, match="more than this machine") as info:
+            make()
+        assert info.value.errno == errno.ENOMEM
+    assert time.monotonic() - started < 5
+
+
 def test_error_carries_errno_and_library_message():
     with pytest.raises(pyshm.ShmError) as info:
         pyshm.Storage.attach(987654, 16)

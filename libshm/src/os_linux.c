@@ -24,6 +24,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #if __has_include(<sys/single_threaded.h>)
@@ -114,7 +115,29 @@ int lshm__os_ftruncate(int fd, uint64_t size) {
     return 0;
 }
 
+/* The memory this machine could ever give a memfd: RAM plus swap, read once (0: unknown). */
+static uint64_t machine_bytes(void) {
+    static _Atomic uint64_t total; /* 0: not read yet */
+    uint64_t t = atomic_load_explicit(&total, memory_order_relaxed);
+    if (t == 0) {
+        struct sysinfo si;
+        if (sysinfo(&si) != 0)
+            return 0;
+        t = ((uint64_t)si.totalram + (uint64_t)si.totalswap) * (si.mem_unit ? si.mem_unit : 1);
+        atomic_store_explicit(&total, t, memory_order_relaxed);
+    }
+    return t;
+}
+
 int lshm__os_memfd_sized(uint64_t size, int *fd) {
+    /* Every page of such a memfd is allocated before anyone maps it (no SIGBUS later): one
+     * bigger than the machine would only end in the OOM killer, which picks its victims
+     * among all processes, before the allocation could fail. */
+    uint64_t machine = machine_bytes();
+    if (machine > 0 && size > machine)
+        return LSHM_FAIL(-ENOMEM, "a memfd of %llu bytes: more than this machine's memory "
+                         "(RAM and swap: %llu bytes)", (unsigned long long)size,
+                         (unsigned long long)machine);
     int rc = lshm__os_memfd_create((size_t)size, fd);
     if (rc != 0)
         return rc;
