@@ -269,10 +269,11 @@ class Arena(HandleLifetime):
         return self._wrap(out, shape, dtype)
 
     def storage(self, i: int) -> Storage:
-        """A :class:`Storage` handle (its own reference) on planned tensor ``i``."""
+        """A :class:`Storage` handle (its own reference) on planned tensor ``i``; it keeps the
+        arena alive, as its arrays do."""
         out = _ffi.StorageHandle()
         lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
-        return Storage.from_handle(lib.lshm_storage_retain(out))
+        return Storage.from_handle(lib.lshm_storage_retain(out), keep=self._keep_for(out))
 
     # ---- recording arenas -----------------------------------------------------------------
 
@@ -315,7 +316,9 @@ class Arena(HandleLifetime):
 
     @property
     def size(self) -> int:
-        """Bytes of the current plan's buffer (0 before a recording arena's first plan)."""
+        """Bytes of the current plan's buffer (0 before a recording arena's first plan). A
+        tensor that is never live (first == last, half-open) still gets a slice of its size,
+        so it can be larger than the plan's ``arena_size``."""
         return int(lib.lshm_arena_size(self._as_parameter_))
 
     def offset(self, i: int) -> int:

@@ -287,6 +287,37 @@ def test_storage_and_arrays_keep_the_arena_alive(no_fd_leak):
     assert ref() is None
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_storage_of_a_tensor_keeps_the_arena_and_frees_it_after(shared, no_fd_leak):
+    # Arena.storage(i) held past the arena: the arena stays alive, and goes with the storage
+    # (before: its destroy failed with EBUSY and the whole buffer, fd and mapping leaked)
+    import weakref
+
+    def memfd_mappings():
+        with open("/proc/self/maps") as f:
+            return sum("memfd:" in line for line in f)
+
+    before = memfd_mappings()
+    for _ in range(5):
+        arena = pyshm.Arena([8 << 20], [0], [1], shared=shared).allocate()
+        arena.array(0)[:] = 3
+        storage = arena.storage(0)
+        ref = weakref.ref(arena)
+        del arena
+        gc.collect()
+        assert ref() is not None and (storage.asarray() == 3).all()
+        del storage
+        gc.collect()
+        assert ref() is None
+    assert memfd_mappings() <= before + 1  # (a slab of small arrays may come meanwhile)
+
+
+def test_plan_refuses_a_non_bool_inclusive():
+    with pytest.raises(TypeError, match="inclusive"):
+        pyshm.plan(sizes=[1], firsts=[0], lasts=[1], inclusive="no")
+    assert pyshm.plan(sizes=[1], firsts=[0], lasts=[1], inclusive=1).inclusive is True
+
+
 # ---- issue 9, point 2: a freed array never points at unmapped memory ------------------------
 
 _FREED_ARRAY_SCRIPT = r"""
