@@ -103,7 +103,9 @@ LSHM_API size_t lshm_page_size(void);
  * If `flags` has LSHM_ALLOCATOR_WHOLE_PAGES, alloc promises page-aligned memory of at least
  * nbytes rounded up to a page, all owned by the caller of alloc: such storages are shared in
  * place at the same address (the library restores private anonymous pages over the range
- * before handing it back to `free`). Both functions must be thread-safe. */
+ * before handing it back to `free`). Both functions must be thread-safe. During
+ * lshm_storage_resize, `alloc` runs under the storage's lock: a resize or share of that same
+ * storage from inside it is refused with -EDEADLK (any other call is fine). */
 #define LSHM_ALLOCATOR_WHOLE_PAGES 0x1u
 typedef struct lshm_allocator {
     void *(*alloc)(void *ctx, size_t nbytes);
@@ -199,7 +201,8 @@ LSHM_API int lshm_storage_init_foreign(void *mem, void *data, size_t nbytes,
 
 /* Finalise a storage initialised in place: drops the caller's reference, frees the bytes, and
  * leaves `mem` free for reuse. Refuses with -EBUSY (changing nothing) while other references
- * exist. -EINVAL for a heap storage (use lshm_storage_release). NULL is accepted (returns 0). */
+ * exist. -EINVAL for a heap storage (use lshm_storage_release) and for one finalised already
+ * (until `mem` is initialised again). NULL is accepted (returns 0). */
 LSHM_API int lshm_storage_fini(lshm_storage *s);
 
 /* Heap-allocating conveniences: the struct is malloced, the caller holds one reference, and the
@@ -391,15 +394,16 @@ LSHM_API int lshm_storage_share_readonly(lshm_storage *s);
 /* Build a storage that views nbytes at `offset` of a shared-memory fd received from elsewhere.
  * The fd is validated (a memfd/shmem file, at least offset + nbytes long, sealed or sealable
  * against shrink and grow, writable unless LSHM_STORAGE_READONLY) and duplicated: the caller
- * keeps ownership of `fd`. An unsealed fd is sealed against shrink and grow first and its size
- * read after that, so a sender that resizes it meanwhile cannot make us map more than it holds
- * (no SIGBUS). An fd without F_SEAL_SEAL (from an older sender) is accepted; its holders could
+ * keeps ownership of `fd`. An unsealed fd is sealed against shrink and grow and its size read
+ * after that, so a sender that resizes it meanwhile cannot make us map more than it holds (no
+ * SIGBUS); an attach refused for what the fd says before that (too small, opened read-only or
+ * write-only) leaves it unsealed. An fd without F_SEAL_SEAL (from an older sender) is accepted; its holders could
  * still add F_SEAL_FUTURE_WRITE, which only affects later attaches (-EPERM unless READONLY).
  * flags: 0 or LSHM_STORAGE_READONLY (map read-only; required when the fd is sealed against
  * writes). The new storage is heap-allocated with one reference.
  * Errors: -EBADF (not an open fd), -EINVAL (not a memfd, too small, bad offset, NULL out),
  * -EPERM (write-sealed without READONLY, or unsealed and not sealable), -EACCES (fd opened
- * read-only without READONLY), -ENOMEM, -EMFILE. */
+ * read-only without READONLY, or write-only), -ENOMEM, -EMFILE. */
 LSHM_API int lshm_storage_attach(int fd, uint64_t offset, size_t nbytes, unsigned flags,
                                  lshm_storage **out);
 

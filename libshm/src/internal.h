@@ -177,6 +177,9 @@ int lshm__os_map_fd_aligned(int fd, size_t len, int readonly, void **out);
 int lshm__os_remap_pages(void *old, size_t old_len, size_t new_len, void **out);
 /* munmap and close cannot fail in a way a caller can act on; they assert in debug builds. */
 void lshm__os_unmap(void *addr, size_t len);
+/* -EDEADLK (with a message) when this thread runs s's allocator callback inside a resize of
+ * s, which holds s's lock: a resize or share of s from there would wait for ever; else 0. */
+int lshm__storage_in_callback(const lshm_storage *s);
 /* fork() handlers of the list of ranges lshm__os_unmap could not unmap yet (fork.c). */
 void lshm__os_prepare_fork(void);
 void lshm__os_after_fork(void);
@@ -191,6 +194,7 @@ typedef struct lshm__fd_info {
     int sealable;      /* F_SEAL_SEAL absent: more seals can be added */
     int write_sealed;  /* F_SEAL_WRITE or F_SEAL_FUTURE_WRITE present */
     int writable;      /* opened O_RDWR (or O_WRONLY) */
+    int readable;      /* opened O_RDWR or O_RDONLY (a mapping needs it) */
 } lshm__fd_info;
 /* fstat (-EBADF when it fails), S_ISREG and F_GET_SEALS (-EINVAL "not a memfd" otherwise),
  * F_GETFL. */

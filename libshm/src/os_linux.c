@@ -982,5 +982,6 @@ int lshm__os_fd_info(int fd, lshm__fd_info *info) {
     info->sealable = (seals & F_SEAL_SEAL) == 0;
     info->write_sealed = (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0;
     info->writable = (fl & O_ACCMODE) != O_RDONLY;
+    info->readable = (fl & O_ACCMODE) != O_WRONLY;
     return 0;
 }

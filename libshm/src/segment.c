@@ -69,6 +69,24 @@ fail_close:
     return rc;
 }
 
+/* The checks of an attach of [offset, offset + nbytes) of fd against what the fd says. */
+static int check_attach(int fd, const lshm__fd_info *info, uint64_t offset, size_t nbytes,
+                        int readonly) {
+    if (offset > info->size || nbytes > info->size - offset)
+        return LSHM_FAIL(-EINVAL,
+                         "fd %d smaller than claimed: %llu bytes, asked for %zu at offset %llu",
+                         fd, (unsigned long long)info->size, nbytes,
+                         (unsigned long long)offset);
+    if (!info->readable)
+        return LSHM_FAIL(-EACCES, "fd %d was opened write-only: a mapping needs read access",
+                         fd);
+    if (info->write_sealed && !readonly)
+        return LSHM_FAIL(-EPERM, "fd %d is sealed against writes: attach it read-only", fd);
+    if (!info->writable && !readonly)
+        return LSHM_FAIL(-EACCES, "fd %d was opened read-only: attach it read-only", fd);
+    return 0;
+}
+
 int lshm__attach_fd(int fd, uint64_t offset, size_t nbytes, unsigned flags, int *dup_out,
                     uint64_t *size_out) {
     if ((flags & ~LSHM_STORAGE_READONLY) != 0)
@@ -77,6 +95,10 @@ int lshm__attach_fd(int fd, uint64_t offset, size_t nbytes, unsigned flags, int 
     lshm__fd_info info;
     int rc = lshm__os_fd_info(fd, &info);
     if (rc != 0)
+        return rc;
+    /* What can be refused before the fd is sealed is refused first: a failed attach leaves
+     * the caller's fd as it was. (The size is checked again once sealed.) */
+    if ((rc = check_attach(fd, &info, offset, nbytes, readonly)) != 0)
         return rc;
     if (!info.size_sealed) {
         /* An unsealed memfd could be truncated under our mapping by its other holders: seal
@@ -94,15 +116,8 @@ int lshm__attach_fd(int fd, uint64_t offset, size_t nbytes, unsigned flags, int 
             return LSHM_FAIL(-EPERM, "fd %d is still not sealed against shrink/grow", fd);
     }
     /* From here on the size cannot change: what we check is what we map. */
-    if (offset > info.size || nbytes > info.size - offset)
-        return LSHM_FAIL(-EINVAL,
-                         "fd %d smaller than claimed: %llu bytes, asked for %zu at offset %llu",
-                         fd, (unsigned long long)info.size, nbytes,
-                         (unsigned long long)offset);
-    if (info.write_sealed && !readonly)
-        return LSHM_FAIL(-EPERM, "fd %d is sealed against writes: attach it read-only", fd);
-    if (!info.writable && !readonly)
-        return LSHM_FAIL(-EACCES, "fd %d was opened read-only: attach it read-only", fd);
+    if ((rc = check_attach(fd, &info, offset, nbytes, readonly)) != 0)
+        return rc;
     rc = lshm__os_dup_cloexec(fd, dup_out);
     if (rc != 0)
         return rc;

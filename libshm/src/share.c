@@ -630,6 +630,9 @@ static int share(lshm_storage *s, int own_memfd, int fenced) {
         return LSHM_FAIL(-EINVAL, "NULL storage");
     if ((atomic_load_explicit(&s->flags, memory_order_acquire) & LSHM_STORAGE_SHARED) != 0)
         return 0;
+    int refused = lshm__storage_in_callback(s);
+    if (refused != 0)
+        return refused;
     old_memory old = {LSHM__ORIGIN_PAGES, NULL, 0, {0}, NULL, NULL};
     lshm__fork_guard_enter(); /* fork() waits until we are done */
     pthread_mutex_lock(&s->lock);

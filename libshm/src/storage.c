@@ -258,7 +258,10 @@ int lshm_storage_fini(lshm_storage *s) {
     /* Only the caller's reference may be left; taking it to 0 atomically means a concurrent
      * retain cannot slip in between the check and the teardown. */
     if (!atomic_compare_exchange_strong(&s->refcount, &expected, 0))
-        return LSHM_FAIL(-EBUSY, "storage %p still has %zu references", (void *)s, expected);
+        return expected == 0
+                   ? LSHM_FAIL(-EINVAL, "storage %p was finalised already", (void *)s)
+                   : LSHM_FAIL(-EBUSY, "storage %p still has %zu references", (void *)s,
+                               expected);
     destroy(s);
     return 0;
 }
@@ -404,12 +407,27 @@ static int resize_pages(lshm_storage *s, void *data, size_t nbytes, size_t cap) 
     return 0;
 }
 
+/* The storage whose allocator's alloc callback this thread is running, under its lock (a
+ * resize): a resize or share of it from inside the callback would wait for that lock for
+ * ever, so it is refused (lshm__storage_in_callback). */
+static _Thread_local const lshm_storage *in_callback_of;
+
+int lshm__storage_in_callback(const lshm_storage *s) {
+    if (in_callback_of != s)
+        return 0;
+    return LSHM_FAIL(-EDEADLK, "storage %p is being resized and this is its allocator's callback "
+                     "(it runs under the storage's lock)", (void *)s);
+}
+
 /* Caller allocator: a new block, copy, zero the tail; the old one goes to *old_block for the
  * caller to free once the locks are released. */
 static int resize_allocator(lshm_storage *s, void *data, size_t nbytes, void **old_block) {
     void *p = NULL;
     size_t cap = 0;
+    const lshm_storage *outer = in_callback_of;
+    in_callback_of = s;
     int rc = alloc_bytes(&s->allocator, nbytes, &p, &cap, NULL);
+    in_callback_of = outer;
     if (rc != 0)
         return rc;
     size_t keep = nbytes < s->nbytes ? nbytes : s->nbytes;
@@ -429,6 +447,8 @@ int lshm_storage_resize(lshm_storage *s, size_t nbytes) {
     size_t cap = 0;
     int rc = lshm__round_pages(nbytes, &cap);
     if (rc != 0)
+        return rc;
+    if ((rc = lshm__storage_in_callback(s)) != 0)
         return rc;
     void *old_block = NULL;
     size_t old_nbytes = 0;

@@ -290,6 +290,24 @@ static void test_attach_errors(void) {
     close(rdonly);
     lshm_segment_release(seg);
 
+    /* An attach refused for what the fd says (too small, write-only, read-only without
+     * READONLY) leaves an unsealed fd unsealed: the caller may still resize it. */
+    int loose = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    ASSERT_OK(ftruncate(loose, (off_t)page));
+    ASSERT_ERR(lshm_storage_attach(loose, 0, 2 * page, 0, &s), -EINVAL);
+    snprintf(path, sizeof path, "/proc/self/fd/%d", loose);
+    int wronly = open(path, O_WRONLY | O_CLOEXEC);
+    rdonly = open(path, O_RDONLY | O_CLOEXEC);
+    ASSERT(wronly >= 0 && rdonly >= 0);
+    ASSERT_ERR(lshm_storage_attach(wronly, 0, page, 0, &s), -EACCES);
+    ASSERT(strstr(lshm_last_error(), "write-only") != NULL);
+    ASSERT_ERR(lshm_storage_attach(rdonly, 0, page, 0, &s), -EACCES);
+    ASSERT_EQ(fcntl(loose, F_GET_SEALS) & (F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    ASSERT_OK(ftruncate(loose, (off_t)(2 * page)));
+    close(wronly);
+    close(rdonly);
+    close(loose);
+
     /* An unsealed memfd is sealed on attach; one that cannot be sealed is refused. */
     int raw = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     ASSERT_OK(ftruncate(raw, (off_t)page));

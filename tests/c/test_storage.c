@@ -44,6 +44,9 @@ static void test_init_in_caller_buffer(void) {
     ASSERT(lshm_storage_data(s) == NULL); /* zero bytes: no memory */
     ASSERT_EQ(lshm_storage_flags(s), LSHM_STORAGE_INPLACE | LSHM_STORAGE_RESIZABLE);
     ASSERT_OK(lshm_storage_fini(s));
+    /* finalised twice: said as it is (not "still has 0 references") */
+    ASSERT_ERR(lshm_storage_fini(s), -EINVAL);
+    ASSERT(strstr(lshm_last_error(), "finalised already") != NULL);
     ASSERT_OK(lshm_storage_fini(NULL));
     free(mem);
 }
@@ -182,6 +185,42 @@ static void test_caller_allocator(void) {
     lshm_allocator half = {count_alloc, NULL, &c, 0};
     ASSERT_ERR(lshm_storage_create(10, &half, 0, &s), -EINVAL);
     ASSERT_EQ(c.allocs, 1);
+}
+
+/* An allocator whose alloc, run inside a resize, resizes or shares that same storage: refused
+ * with -EDEADLK there (the resize holds its lock), never a hang; the outer resize works. */
+typedef struct reentrant {
+    lshm_storage *s;
+    int nested_resize, nested_share;
+} reentrant;
+
+static void *reentrant_alloc(void *ctx, size_t nbytes) {
+    reentrant *r = ctx;
+    if (r->s != NULL) {
+        r->nested_resize = lshm_storage_resize(r->s, 10);
+        r->nested_share = lshm_storage_share(r->s);
+    }
+    return malloc(nbytes);
+}
+
+static void reentrant_free(void *ctx, void *ptr, size_t nbytes) {
+    (void)ctx;
+    (void)nbytes;
+    free(ptr);
+}
+
+static void test_allocator_calling_back_on_its_storage(void) {
+    reentrant r = {NULL, 0, 0};
+    lshm_allocator a = {reentrant_alloc, reentrant_free, &r, 0};
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(100, &a, LSHM_STORAGE_RESIZABLE, &s));
+    r.s = s;
+    ASSERT_OK(lshm_storage_resize(s, 1000));
+    ASSERT_EQ(r.nested_resize, -EDEADLK);
+    ASSERT_EQ(r.nested_share, -EDEADLK);
+    ASSERT_UINT_EQ(lshm_storage_nbytes(s), 1000);
+    r.s = NULL;
+    lshm_storage_release(s);
 }
 
 static void test_whole_pages_allocator(void) {
@@ -451,6 +490,7 @@ int main(void) {
     RUN_TEST(test_heap);
     RUN_TEST(test_caller_allocator);
     RUN_TEST(test_whole_pages_allocator);
+    RUN_TEST(test_allocator_calling_back_on_its_storage);
     RUN_TEST(test_foreign);
     RUN_TEST(test_bad_input);
     RUN_TEST(test_resize);
