@@ -397,8 +397,9 @@ LSHM_API int lshm_storage_share_readonly(lshm_storage *s);
  * keeps ownership of `fd`. An unsealed fd is sealed against shrink and grow and its size read
  * after that, so a sender that resizes it meanwhile cannot make us map more than it holds (no
  * SIGBUS); an attach refused for what the fd says before that (too small, opened read-only or
- * write-only) leaves it unsealed. An fd without F_SEAL_SEAL (from an older sender) is accepted; its holders could
- * still add F_SEAL_FUTURE_WRITE, which only affects later attaches (-EPERM unless READONLY).
+ * write-only) leaves it unsealed. An fd without F_SEAL_SEAL (from an older sender) is
+ * accepted; its holders could still add F_SEAL_FUTURE_WRITE, which only affects later attaches
+ * (-EPERM unless READONLY).
  * flags: 0 or LSHM_STORAGE_READONLY (map read-only; required when the fd is sealed against
  * writes). The new storage is heap-allocated with one reference.
  * Errors: -EBADF (not an open fd), -EINVAL (not a memfd, too small, bad offset, NULL out),

@@ -30,10 +30,11 @@ static _Atomic int forked_child;
  * Handlers, in one registration so their order is fixed: prepare takes fork_lock, then the slab
  * lock, then pool_lock (the order of a share, which takes those inside its read section), then
  * the lock of os_linux.c's deferred unmaps (taken inside any of those); parent and child
- * release that one first, empty the pool and release pool_lock, release the slab lock (the child also
- * stops sharing into its parent's slab memfds), then fork_lock. glibc's rwlock tells a write
- * unlock from a read unlock by the writer's thread id, which the child's only thread no longer
- * has, so the child re-initialises fork_lock instead (nothing else runs there to hold it). */
+ * release that one first, empty the pool and release pool_lock, release the slab lock (the
+ * child also stops sharing into its parent's slab memfds), then fork_lock. glibc's rwlock
+ * tells a write unlock from a read unlock by the writer's thread id, which the child's only
+ * thread no longer has, so the child re-initialises fork_lock instead (nothing else runs there
+ * to hold it). */
 #ifdef PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
 #define FORK_LOCK_INITIALIZER PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP
 #else
