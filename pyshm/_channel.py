@@ -43,9 +43,10 @@ memfd mapped already: acknowledged by the receiver's janitor thread right after 
 unpickled), or after ``KEEPALIVE_SECONDS``, whichever is first. So memory sent and dropped by
 both sides is freed within about ``JANITOR_SECONDS`` of the receiver unpickling it, and
 memory nobody fetches is freed after ``KEEPALIVE_SECONDS``. An acknowledgement whose request
-fails quickly (a refused connection, no fd left here) is sent again at the janitor's
-next rounds, up to ``ACK_ATTEMPTS`` requests in all; one whose sender does not answer, or that
-failed that often, is not, and the message is acknowledged again if it is unpickled again.
+failed in this process (no fd or memory left here) is sent again at the janitor's next
+rounds, up to ``ACK_ATTEMPTS`` requests in all; one whose sender said no, is gone or does not
+answer, or that failed that often, is not, and the message is acknowledged again if it is
+unpickled again.
 
 A sender may exit right after sending: a process started by :mod:`multiprocessing` that still
 holds batches when it exits (a ``Pool`` worker with ``maxtasksperchild=1`` that returned an
@@ -947,7 +948,11 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
     answered = False  # (the sender replied: it has read the acknowledgements)
     sock = None
     try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock = _client_socket()
+        except OSError as exc:
+            raise _here(f"pyshm: no socket left in this process to reach the process that sent "
+                        f"this memory ({exc.strerror or exc})") from None
         sock.settimeout(_REPLY_TIMEOUT)
         try:
             _connect(sock, address)
@@ -975,8 +980,8 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
                 _ack_delivered(address, acks)
         received.extend(fds)
         if flags & socket.MSG_CTRUNC:
-            raise DeliveryError(f"pyshm: fds sent by another process were dropped: no fd left in "
-                                f"this process (RLIMIT_NOFILE, {errno.errorcode[errno.EMFILE]})")
+            raise _here(f"pyshm: fds sent by another process were dropped: no fd left in "
+                        f"this process (RLIMIT_NOFILE, {errno.errorcode[errno.EMFILE]})")
         n = len(fetches)
         tail = reply[n + 1 :]
         if len(reply) < n + 1 or len(tail) % _EXTRA.size or len(tail) > max_extras * _EXTRA.size:
@@ -1010,13 +1015,29 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         if sock is not None:
             sock.close()
         if acks and not answered and own_acks:
-            _ack_failed(address, acks, _quick(started))
+            _ack_failed(address, acks, _worth_again(started, sys.exc_info()[1]))
 
 
-def _quick(started: float) -> bool:
-    """Whether a request that failed failed quickly: not a sender that does not answer (a
-    request to it blocks the janitor up to _REPLY_TIMEOUT: not made again)."""
-    return _monotonic() - started < 5 * JANITOR_SECONDS
+def _here(message: str) -> DeliveryError:
+    """A DeliveryError for a want of this process's own (no fd left): worth trying again."""
+    error = DeliveryError(message)
+    error.here = True
+    return error
+
+
+def _client_socket() -> socket.socket:
+    """A new connection's socket (no fd left: OSError, EMFILE)."""
+    return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+
+
+def _worth_again(started: float, error: Optional[BaseException]) -> bool:
+    """Whether a request that failed with `error` is worth making again: it failed here (no fd
+    or memory left in this process), quickly. Not when the sender said no or is gone
+    (DeliveryError: another user, another network namespace, exited), nor when it did not
+    answer (a request to it blocks the janitor up to _REPLY_TIMEOUT)."""
+    return (error is not None
+            and (not isinstance(error, DeliveryError) or getattr(error, "here", False))
+            and _monotonic() - started < 5 * JANITOR_SECONDS)
 
 
 def _check_peer_user(sock: socket.socket) -> None:
@@ -1081,10 +1102,11 @@ def _janitor() -> None:
                 started = _monotonic()
                 try:
                     fetch(address, [], acks=proofs[start : start + MAX_ITEMS], own_acks=False)
-                except Exception:  # noqa: BLE001 (gone or stuck; never the janitor's end)
+                except Exception as error:  # noqa: BLE001 (never the janitor's end)
                     # (not sent, or not known to be: sent again at the next rounds if the
-                    # request failed quickly, else when their messages are unpickled again)
-                    _ack_failed(address, proofs[start:], _quick(started))
+                    # request failed here, quickly, else when their messages are unpickled
+                    # again)
+                    _ack_failed(address, proofs[start:], _worth_again(started, error))
                     break
         if done:
             return
