@@ -904,8 +904,8 @@ def _ack_failed(address: bytes, proofs: list, again: bool) -> None:
 
 
 def _ack_delivered(address: bytes, proofs: list) -> None:
-    """Acknowledgements the sender read (lock held)."""
-    if state.ack_failures:
+    """Acknowledgements the sender read: their failures are forgotten."""
+    with state.lock:
         for batch_id, _ in proofs:
             state.ack_failures.pop((address, batch_id), None)
 
@@ -951,8 +951,8 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         try:
             sock = _client_socket()
         except OSError as exc:
-            raise _here(f"pyshm: no socket left in this process to reach the process that sent "
-                        f"this memory ({exc.strerror or exc})") from None
+            raise _WantHere(f"pyshm: no socket left in this process to reach the process that "
+                            f"sent this memory ({exc.strerror or exc})") from None
         sock.settimeout(_REPLY_TIMEOUT)
         try:
             _connect(sock, address)
@@ -975,13 +975,12 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
             raise DeliveryError("pyshm: the sending process closed the connection without an "
                                 "answer (it is overloaded, or stopping)")
         answered = True
-        if acks:
-            with state.lock:
-                _ack_delivered(address, acks)
+        if acks and state.ack_failures:  # (none failed before: nothing to forget, no lock)
+            _ack_delivered(address, acks)
         received.extend(fds)
         if flags & socket.MSG_CTRUNC:
-            raise _here(f"pyshm: fds sent by another process were dropped: no fd left in "
-                        f"this process (RLIMIT_NOFILE, {errno.errorcode[errno.EMFILE]})")
+            raise _WantHere(f"pyshm: fds sent by another process were dropped: no fd left in "
+                            f"this process (RLIMIT_NOFILE, {errno.errorcode[errno.EMFILE]})")
         n = len(fetches)
         tail = reply[n + 1 :]
         if len(reply) < n + 1 or len(tail) % _EXTRA.size or len(tail) > max_extras * _EXTRA.size:
@@ -1018,11 +1017,8 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
             _ack_failed(address, acks, _worth_again(started, sys.exc_info()[1]))
 
 
-def _here(message: str) -> DeliveryError:
+class _WantHere(DeliveryError):
     """A DeliveryError for a want of this process's own (no fd left): worth trying again."""
-    error = DeliveryError(message)
-    error.here = True
-    return error
 
 
 def _client_socket() -> socket.socket:
@@ -1036,7 +1032,7 @@ def _worth_again(started: float, error: Optional[BaseException]) -> bool:
     (DeliveryError: another user, another network namespace, exited), nor when it did not
     answer (a request to it blocks the janitor up to _REPLY_TIMEOUT)."""
     return (error is not None
-            and (not isinstance(error, DeliveryError) or getattr(error, "here", False))
+            and (not isinstance(error, DeliveryError) or isinstance(error, _WantHere))
             and _monotonic() - started < 5 * JANITOR_SECONDS)
 
 

@@ -222,17 +222,13 @@ typedef struct chunked {
     void *spare;
 } chunked;
 
-/* Start a chunked share of `capacity` bytes into the new memfd fd (sized already): take the
- * spare mapping. Fails (fd closed, the fence lifted) when not even that can be mapped. */
-static int chunks_begin(chunked *c, int fd, char *data, size_t capacity, lshm__fence *fence) {
+/* Start a chunked share into the new memfd fd (sized already, whole pages): take the spare
+ * mapping. Fails (fd closed; the caller lifts the fence) when not even that can be mapped. */
+static int chunks_begin(chunked *c, int fd, char *data, lshm__fence *fence) {
     *c = (chunked){fd, data, fence, NULL};
-    int rc = lshm__os_map_fd(fd, 0, capacity < lshm__os_page_size() ? capacity
-                                                                        : lshm__os_page_size(),
-                             1, NULL, &c->spare);
-    if (rc != 0) {
-        lshm__os_fence_lift(fence, data);
+    int rc = lshm__os_map_fd(fd, 0, lshm__os_page_size(), 1, NULL, &c->spare);
+    if (rc != 0)
         lshm__os_close(fd);
-    }
     return rc;
 }
 
@@ -562,7 +558,7 @@ static int share_locked(lshm_storage *s, int own_memfd, int fenced, old_memory *
             /* (on failure the chunked paths have closed fd) */
             chunked c;
             if ((rc = lshm__os_memfd_sized(s->capacity, &fd)) == 0 &&
-                (rc = chunks_begin(&c, fd, data, s->capacity, &fence)) == 0)
+                (rc = chunks_begin(&c, fd, data, &fence)) == 0)
                 rc = want_huge(s, data) ? share_chunked_huge(s, &c) : share_chunked(s, &c);
             swapped = 1;
         } else {
