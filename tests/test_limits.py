@@ -163,6 +163,20 @@ gc.collect()
 assert not mapped(middle), 'the middle array was never unmapped'
 del arrays
 
+# 1b. more such ranges at once than a fixed list held (64 before): every one unmapped later
+arrays = [pyshm.empty(2 << 20, np.uint8) for _ in range(201)]
+middles = [a.ctypes.data for a in arrays[1::2]]
+filler = Filler()
+assert filler.up_to(LIMIT), 'could not reach the limit'
+del arrays[1::2]
+gc.collect()
+assert all(mapped(m) for m in middles), 'the test needs ranges that cannot be unmapped'
+filler.free()
+pyshm.empty(4 << 20, np.uint8)
+gc.collect()
+assert not [m for m in middles if mapped(m)], 'ranges never unmapped'
+del arrays
+
 # 2. a share at the limit, and 1 to 6 mappings below it: shared, or a MemoryError with the
 # array as it was (same address, bytes, private: a forked child's writes are its own)
 threading.Thread(target=lambda: None).start()   # (the write fence on)

@@ -586,15 +586,16 @@ int lshm__os_remap(void *old, size_t old_len, size_t new_len, void **out) {
  * made one after the other are such neighbours) and cutting it out needs one more mapping than
  * vm.max_map_count allows. A range stays ours while it is mapped, so unmapping it later never
  * touches anyone else's memory. fork() takes the lock in its prepare handler (fork.c), so a
- * child finds the list whole. A range that finds the list full stays mapped (its memory freed,
- * see lshm__os_unmap). */
-#define DEFERRED_UNMAPS 64
+ * child finds the list whole. The list grows as needed; a range that finds no memory for it
+ * stays mapped (its memory freed, see lshm__os_unmap). */
 static pthread_mutex_t deferred_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct {
+struct deferred_range {
     void *addr;
     size_t len;
-} deferred[DEFERRED_UNMAPS];
-static _Atomic int deferred_count;
+};
+static struct deferred_range *deferred;
+static size_t deferred_room;
+static _Atomic size_t deferred_count;
 
 void lshm__os_prepare_fork(void) {
     pthread_mutex_lock(&deferred_lock);
@@ -608,8 +609,8 @@ static void unmap_deferred(void) {
     if (atomic_load_explicit(&deferred_count, memory_order_relaxed) == 0)
         return;
     pthread_mutex_lock(&deferred_lock);
-    int kept = 0, n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
-    for (int i = 0; i < n; i++)
+    size_t kept = 0, n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
+    for (size_t i = 0; i < n; i++)
         if (munmap(deferred[i].addr, deferred[i].len) != 0)
             deferred[kept++] = deferred[i];
     atomic_store_explicit(&deferred_count, kept, memory_order_relaxed);
@@ -629,10 +630,17 @@ void lshm__os_unmap(void *addr, size_t len) {
      * mapped), the range itself once a later unmap makes room */
     (void)madvise(addr, len, MADV_DONTNEED);
     pthread_mutex_lock(&deferred_lock);
-    int n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
-    if (n < DEFERRED_UNMAPS) {
-        deferred[n].addr = addr;
-        deferred[n].len = len;
+    size_t n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
+    if (n == deferred_room) {
+        size_t room = deferred_room ? 2 * deferred_room : 64;
+        struct deferred_range *grown = realloc(deferred, room * sizeof *grown);
+        if (grown != NULL) {
+            deferred = grown;
+            deferred_room = room;
+        }
+    }
+    if (n < deferred_room) {
+        deferred[n] = (struct deferred_range){addr, len};
         atomic_store_explicit(&deferred_count, n + 1, memory_order_relaxed);
     }
     pthread_mutex_unlock(&deferred_lock);
