@@ -969,7 +969,7 @@ class _ByValue:
 _NOT_DELIVERED = (pickle.UnpicklingError, OSError, MemoryError)  # (DeliveryError among them)
 # what pyshm's pickling of memory it cannot send by reference raises (a private arena's slice,
 # memory that cannot be shared now: no fd, no memory left): Ray's copy goes alone then
-_NOT_BY_REFERENCE = (pickle.PicklingError, BufferError, TypeError, OSError, MemoryError)
+_NOT_BY_REFERENCE = (pickle.PicklingError, BufferError, OSError, MemoryError)
 
 
 # Ray deserializes an object again for every task that names it (and every ray.get), and a

@@ -1914,6 +1914,23 @@ def test_ray_sends_what_pyshm_cannot_send_by_reference_as_rays_copy(ray_session)
     del private
 
 
+def test_ray_does_not_hide_a_fault_of_pyshm_behind_its_copy(ray_session, monkeypatch):
+    # only what pyshm says it cannot send by reference goes as Ray's copy alone: any other
+    # error in its pickling (a bug: TypeError, say) reaches the caller, who would otherwise
+    # get copies with no word of why (before: TypeError was read as "cannot send")
+    ray = ray_session
+    array = pyshm.zeros(1024, np.float64, shared=True)
+
+    def broken(_):
+        raise TypeError("a fault of pyshm's own")
+
+    monkeypatch.setattr(pyshm.reduction, "reduce_ndarray", broken)
+    with pytest.raises(Exception):  # (Ray's own words: it inspects the object first)
+        ray.put(array)
+    monkeypatch.undo()
+    assert total(ray.get(ray.put(array))) == 0.0
+
+
 def test_ray_lazy_conjugate_and_negative_views_and_attributes_arrive(ray_session):
     # (Ray's own pickling keeps them for tensors of torch's memory: so must pyshm's)
     torch = torch_or_skip()
