@@ -490,18 +490,27 @@ def _sweep(now: float) -> None:
     if now < state.next_sweep:
         return
     state.next_sweep = now + 1.0
-    for batch_id in [i for i, b in state.batches.items() if b.deadline < now]:
+    # (batches are made in order of their deadlines, under the lock: the expired ones come
+    # first, and a sender with many messages unread pays for those that expire, not for all)
+    expired = []
+    for batch_id, batch in state.batches.items():
+        if batch.deadline >= now:
+            break
+        expired.append(batch_id)
+    for batch_id in expired:
         _drop(batch_id)
     for where in [w for w, ref in state.ranges.items() if ref() is None]:
         del state.ranges[where]
     for key in [k for k, ref in state.live.items() if ref() is None]:
         del state.live[key]
-    # (list(): one C call; a pickling thread adds to its batch's members without the lock)
-    held = {key for b in state.batches.values() for key in list(b.members)}
     alive = {where[0] for where in state.ranges}
-    for key in [k for k in state.secrets if k not in held and k not in alive
-                and k not in state.live]:
-        del state.secrets[key]
+    unheld = [k for k in state.secrets if k not in alive and k not in state.live]
+    if unheld:  # (the batches' members only then: many messages held, few memfds gone)
+        # (list(): one C call; a pickling thread adds to its batch's members without the lock)
+        held = {key for b in state.batches.values() for key in list(b.members)}
+        for key in unheld:
+            if key not in held:
+                del state.secrets[key]
 
 
 def _drop(batch_id: int) -> None:

@@ -444,6 +444,41 @@ def _sweep_until(stop: threading.Event, errors: list) -> None:
             return
 
 
+class _CountedBatch:
+    """A stand-in for a held batch that counts how often a sweep looks at it."""
+
+    looks = 0
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline, self._members = deadline, {}
+
+    @property
+    def deadline(self) -> float:
+        _CountedBatch.looks += 1
+        return self._deadline
+
+    @property
+    def members(self) -> dict:
+        _CountedBatch.looks += 1
+        return self._members
+
+
+def test_a_sweep_looks_at_the_batches_that_expired_not_at_every_held_one(monkeypatch):
+    """A sender whose messages nobody reads holds a batch each for KEEPALIVE_SECONDS (65,000
+    pickles a second here: millions); its sweep, once a second under the channel's lock,
+    took time for each of them (23 ms at 100,000), stalling every pickle and fetch. Batches
+    are made in order of their deadlines: a sweep looks at those that expired, and one more."""
+    now = time.monotonic()
+    batches = {i: _CountedBatch(now - 1.0 if i <= 3 else now + 60.0) for i in range(1, 10001)}
+    monkeypatch.setattr(_channel.state, "batches", batches)
+    _CountedBatch.looks = 0
+    with _channel.state.lock:
+        _channel.state.next_sweep = 0.0
+        _channel._sweep(now)
+    assert sorted(batches)[:2] == [4, 5] and len(batches) == 9997  # the three expired went
+    assert _CountedBatch.looks <= 3 * 2 + 1
+
+
 def test_sweeps_while_a_thread_pickles_many_memfds():
     """The once-a-second sweep (of every thread's export and of the server when idle) walks
     the batches while another thread's pickle adds to its own batch without the lock: it
