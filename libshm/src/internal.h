@@ -135,6 +135,7 @@ void lshm__os_fence_end(lshm__fence *f);
 extern _Atomic int lshm__fence_off;            /* share unfenced */
 extern _Atomic int lshm__fence_fails;          /* UFFDIO_REGISTER fails with this -errno */
 extern _Atomic int lshm__fence_wp_fails;       /* UFFDIO_WRITEPROTECT "fails" after it worked */
+extern _Thread_local int lshm__unmap_enomem;   /* this thread's munmaps fail with ENOMEM */
 #endif
 extern _Atomic unsigned long lshm__fences_set; /* fences set up */
 /* fallocate(PUNCH_HOLE | KEEP_SIZE): give back [offset, offset + len) of fd (reads see zeros).

@@ -617,10 +617,21 @@ static void unmap_deferred(void) {
     pthread_mutex_unlock(&deferred_lock);
 }
 
+#ifdef LSHM_TESTING
+_Thread_local int lshm__unmap_enomem; /* tests: this thread's munmaps fail (ENOMEM) */
+#endif
+
 void lshm__os_unmap(void *addr, size_t len) {
     if (addr == NULL || len == 0)
         return;
-    if (munmap(addr, len) == 0) {
+    int rc;
+#ifdef LSHM_TESTING
+    if (lshm__unmap_enomem)
+        rc = -1, errno = ENOMEM;
+    else
+#endif
+        rc = munmap(addr, len);
+    if (rc == 0) {
         unmap_deferred(); /* (room for them now, maybe) */
         return;
     }

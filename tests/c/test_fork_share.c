@@ -9,7 +9,8 @@
  *   - no storage mutex is held by a thread the child does not have: its own share of the
  *     storage returns (under alarm(), so a hang kills the child and fails the test).
  * And the guard fork() waits on is never taken twice by one thread: a share from inside a
- * resize's allocator callback, while a fork waits, does not deadlock.
+ * resize's allocator callback, while a fork waits, does not deadlock. And fork() while another
+ * thread holds the lock of the deferred unmaps (os_linux.c) leaves the child a free lock.
  */
 #ifndef LSHM_TESTING
 #define LSHM_TESTING /* lshm__share_chunk_bytes */
@@ -248,10 +249,59 @@ static void test_pool_in_a_forked_child(void) {
     ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
+/* fork() while another thread works on the ranges whose munmap failed (at vm.max_map_count;
+ * made to fail here): it holds their list's lock while it adds one, grows the list or unmaps
+ * them. The prepare handler waits for that lock, so the child finds it free and the list whole:
+ * its own unmaps, deferred or not, return (under alarm(): a hang kills the child). */
+static _Atomic int unmapper_stop;
+
+static void *unmapper(void *arg) {
+    size_t nbytes = *(size_t *)arg;
+    for (unsigned i = 0; !atomic_load(&unmapper_stop); i++) {
+        lshm_storage *s;
+        if (lshm_storage_create(nbytes, NULL, 0, &s) != 0)
+            continue;
+        lshm__unmap_enomem = i % 100 != 99; /* 99 deferred, then an unmap that takes them */
+        lshm_storage_release(s);
+        lshm__unmap_enomem = 0;
+    }
+    return NULL;
+}
+
+static void test_fork_while_unmaps_are_deferred(void) {
+    size_t nbytes = ((size_t)2 << 20) + page;
+    pthread_t thread;
+    atomic_store(&unmapper_stop, 0);
+    ASSERT_EQ(pthread_create(&thread, NULL, unmapper, &nbytes), 0);
+    for (int round = 0; round < 300; round++) {
+        pid_t pid = fork();
+        ASSERT(pid >= 0);
+        if (pid == 0) {
+            alarm(10);
+            lshm_storage *s;
+            if (lshm_storage_create(nbytes, NULL, 0, &s) != 0)
+                _exit(2);
+            lshm__unmap_enomem = 1;
+            lshm_storage_release(s); /* deferred */
+            lshm__unmap_enomem = 0;
+            if (lshm_storage_create(nbytes, NULL, 0, &s) != 0)
+                _exit(3);
+            lshm_storage_release(s); /* unmapped, and the deferred ones with it */
+            _exit(0);
+        }
+        int status;
+        ASSERT_EQ(waitpid(pid, &status, 0), pid);
+        ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+    atomic_store(&unmapper_stop, 1);
+    ASSERT_EQ(pthread_join(thread, NULL), 0);
+}
+
 int main(void) {
     page = lshm_page_size();
     RUN_TEST(test_pool_in_a_forked_child);
     RUN_TEST(test_fork_during_share);
     RUN_TEST(test_nested_guard);
+    RUN_TEST(test_fork_while_unmaps_are_deferred);
     return 0;
 }
