@@ -287,7 +287,12 @@ class _State:
         self.server: Optional[_Server] = None
         self.next_sweep = 0.0
         # receiver
-        self.prefetched: dict = {}  # key -> (fd, deadline, readonly): extras not used yet
+        self.prefetched: dict = {}  # key -> (fd, deadline, readonly, (address, proof)): extras
+        #   not used yet, for the tokens of the message whose fetch brought them
+        # key -> [(secret, readonly)]: secrets of tokens whose memfd their sender handed over
+        # (vouch); such a token may stand for memory here without a fetch, and our own
+        # tokens for that memory carry them (export)
+        self.vouched: dict = {}
         self.acks: dict = {}  # sender address -> [(batch id, secret)] to acknowledge
         self.ack_failures: dict = {}  # (sender address, batch id) -> requests failed so far
         self.janitor: Optional[threading.Thread] = None
@@ -343,8 +348,11 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
                 pair = (forked_secret(parent[0], server.address),
                         forked_secret(parent[1], server.address), key)
             else:
-                pair = (secrets.token_bytes(SECRET_BYTES), secrets.token_bytes(SECRET_BYTES),
-                        key)
+                # memory received: the secrets it came with (vouch), so that its sender,
+                # and whoever else that secret came from, knows our tokens for it
+                given = dict((ro, secret) for secret, ro in state.vouched.get(key, ()))
+                pair = (given.get(False) or secrets.token_bytes(SECRET_BYTES),
+                        given.get(True) or secrets.token_bytes(SECRET_BYTES), key)
             state.secrets[key] = pair
         live = state.live.get(key)
         first = live() if live is not None else None
@@ -372,11 +380,49 @@ def own_token(key: tuple, address: bytes, secret: Any) -> bool:
         pairs = [pair for pair in (state.secrets.get(key), state.inherited.get(key)) if pair]
     except TypeError:  # (a malformed key: _check_token says so)
         return False
-    secret = secret_bytes(secret)
-    if not pairs or secret is None:
+    if not pairs:
         return False
-    return any(hmac.compare_digest(candidate, secret) for pair in pairs for own in pair[:2]
-               for candidate in (own, forked_secret(own, address)))
+    secret = secret_bytes(secret)
+    if secret is None:
+        return False
+    # (our own secrets first: no HMAC to compute for the usual token)
+    if any(hmac.compare_digest(own, secret) for pair in pairs for own in pair[:2]):
+        return True
+    if type(address) is not bytes:
+        return False
+    return any(hmac.compare_digest(forked_secret(own, address), secret) for pair in pairs
+               for own in pair[:2])
+
+
+_MAX_VOUCHED = 4  # secrets remembered per memfd (vouch)
+
+
+def vouch(key: tuple, secret: bytes, readonly: bool) -> None:
+    """Remember that `secret` opens memfd `key`: its sender handed over that memfd for a token
+    carrying it (the fd was checked to be that memfd). Lock held."""
+    known = state.vouched.get(key)
+    if known is None:
+        if len(state.vouched) >= 16384:
+            state.vouched.clear()  # (bounded: a token not vouched for is fetched again)
+        known = state.vouched[key] = []
+    elif any(hmac.compare_digest(s, secret) for s, _ in known):
+        return
+    known.append((secret, bool(readonly)))
+    del known[:-_MAX_VOUCHED]
+
+
+def vouched(key: tuple, address: Any, secret: Any) -> bool:
+    """Whether a token naming memfd `key` with `secret` (and sender `address`) may stand for
+    memory this process has without a fetch: `secret` is one of ours for it (own_token), or
+    one a sender handed that memfd over for (vouch). A token proves nothing else: its key,
+    range and address are numbers anyone of this user can write, naming memory they were
+    never sent. Lock held or not."""
+    known = state.vouched.get(key) if type(key) is tuple else None
+    if known:
+        raw = secret_bytes(secret)
+        if raw is not None and any(hmac.compare_digest(s, raw) for s, _ in list(known)):
+            return True
+    return own_token(key, address, secret)
 
 
 def _secret_out(secret: bytes, out_of_band: bool) -> Any:
@@ -1092,10 +1138,11 @@ def _janitor() -> None:
             if state.janitor is not me:
                 return
             now = time.monotonic()
-            for key, (fd, deadline, _) in list(state.prefetched.items()):
+            for key, (fd, deadline, _, _) in list(state.prefetched.items()):
                 if deadline < now:
                     del state.prefetched[key]
-                    stale.append(fd)
+                    if fd is not None:  # (None: mapped here already, see _keep_extras)
+                        stale.append(fd)
             acks, state.acks = state.acks, {}
             done = not state.prefetched
             if done:
@@ -1137,8 +1184,9 @@ def _after_fork_in_child() -> None:
     old.shared_keys = set()
     old.batches = {}
     old.local = threading.local()
-    for fd, _, _ in old.prefetched.values():
-        os.close(fd)
+    for fd, *_ in old.prefetched.values():
+        if fd is not None:
+            os.close(fd)
     old.prefetched = {}
     old.acks = {}
     old.ack_failures = {}

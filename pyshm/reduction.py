@@ -444,39 +444,57 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
 
 def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
     """(mapping or None, a storage handle with a reference the caller must release, its
-    (flags, data, nbytes) or None) for the checked fields of a token (_check_token)."""
+    (flags, data, nbytes) or None) for the checked fields of a token (_check_token).
+
+    A token stands for memory this process has (its own, or a memfd mapped here) without a
+    fetch only if its secret says it may (_channel.vouched); any other token must have its
+    memfd handed over by its sender (fetched, or as an extra of its own message's fetch),
+    which proves the sender had it, before it stands for anything here."""
     key, address, size, offset, nbytes, readonly, secret, solo = fields
     proof = solo if solo is not None else (batch.proof if batch is not None else None)
+    message = (address, proof)  # (what extras are handed out for: see _keep_extras)
     fd = None
     with _state.lock:
         mapping = _cache.mappings.get(key)
-        handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
-        if handle is not None:
-            if solo is not None:
-                _channel.queue_ack(address, solo)
-            return None, handle, facts
-        if mapping is None:
-            entry = _state.prefetched.pop(key, None)
-            if entry is not None:  # handed to us with an earlier fetch of this message
-                fd, _, extra_readonly = entry
+        trusted = _channel.vouched(key, address, secret)
+        if trusted:
+            handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+            if handle is not None:
+                if solo is not None:
+                    _channel.queue_ack(address, solo)
+                return None, handle, facts
+        if mapping is None or not trusted:
+            entry = _state.prefetched.get(key)
+            if entry is not None and proof is not None and entry[3] == message and (
+                    entry[0] is not None or mapping is not None):
+                # handed to us with an earlier fetch of this very message: its sender had it
+                del _state.prefetched[key]
+                fd, _, extra_readonly, _ = entry
                 try:
-                    mapping = _attach(fd, key, readonly or extra_readonly, checked=True)
+                    _channel.vouch(key, secret, readonly)
+                    trusted = True
+                    handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+                    if handle is not None:
+                        return None, handle, facts
+                    if mapping is None:
+                        mapping = _attach(fd, key, readonly or extra_readonly, checked=True)
                 finally:
-                    os.close(fd)
+                    if fd is not None:
+                        os.close(fd)
                 fd = None
             else:
                 acks = _channel.take_acks(address)
                 room = 0 if solo is not None else max(
                     0, min(_channel.MAX_EXTRAS, _fd_budget() // 2 - len(_state.prefetched)))
-        if mapping is not None and solo is not None:
+        if trusted and mapping is not None and solo is not None:
             _channel.queue_ack(address, solo)
-    if mapping is None:
+    if mapping is None or not trusted:
         # Never hold the lock while waiting for another process: two processes fetching
         # from each other would deadlock.
         (fd,), extras, released = _channel.fetch(address, [(key, secret)], proof, room, acks)
         try:
             with _state.lock:
-                _keep_extras(extras)
+                _keep_extras(extras, message)
                 extras = []
                 if released and proof is not None:  # (no acknowledgement needed)
                     _channel.settle(address, proof[0])
@@ -488,9 +506,16 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                         "pickle's secret or memfd key is not one it made (a damaged or forged "
                         "pickle)"
                     )
+                if _key_of(fd) != key:
+                    raise pickle.UnpicklingError(
+                        "pyshm: the fd received is not the memfd that was named")
+                _channel.vouch(key, secret, readonly)
                 mapping = _cache.mappings.get(key)  # another thread may have won the race
+                handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+                if handle is not None:
+                    return None, handle, facts
                 if mapping is None:
-                    mapping = _attach(fd, key, readonly)
+                    mapping = _attach(fd, key, readonly, checked=True)
         finally:
             if fd is not None:
                 os.close(fd)
@@ -504,18 +529,24 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
             mapping.view_facts(offset, nbytes, readonly))
 
 
-def _keep_extras(extras: list) -> None:
-    """Keep the fds a fetch handed out beyond the one asked for, briefly (lock held)."""
+def _keep_extras(extras: list, message: tuple) -> None:
+    """Keep the fds a fetch for `message` ((sender address, batch proof)) handed out beyond
+    the one asked for, briefly, for that message's own tokens (lock held): a token of another
+    message naming the same memfd proves nothing by it. One mapped here already is closed at
+    once, but noted: the message's token for it is then vouched for (_resolve)."""
     deadline = _channel.time.monotonic() + _channel.PREFETCH_SECONDS
     for key, readonly, fd in extras:
         try:
             valid = _key_of(fd) == key
         except OSError:
             valid = False
-        if not valid or key in _cache.mappings or key in _state.prefetched:
+        if not valid or key in _state.prefetched:
             os.close(fd)  # a lie, or one we have already
+        elif key in _cache.mappings:
+            os.close(fd)
+            _state.prefetched[key] = (None, deadline, readonly, message)
         else:
-            _state.prefetched[key] = (fd, deadline, readonly)
+            _state.prefetched[key] = (fd, deadline, readonly, message)
     if _state.prefetched:
         _channel.ensure_janitor()
 
@@ -601,7 +632,7 @@ def _own_array_back(token: Any, shape, dtype, strides, start, writeable
     our own exports' (the same ints), so the token names valid memory whatever else it says,
     and nothing else of it is used."""
     try:
-        key, _, size, offset, nbytes, _, _, solo = token
+        key, address, size, offset, nbytes, _, secret, solo = token
         if solo is not None or not writeable or type(start) is not int or (
                 key not in _state.secrets):
             return None
@@ -610,7 +641,10 @@ def _own_array_back(token: Any, shape, dtype, strides, start, writeable
         ref = _state.ranges.get((key, size, offset, nbytes))
     except (TypeError, ValueError):  # (not a token: the general path says why)
         return None
-    holder = ref() if ref is not None else None
+    # (and only for a token whose secret says so: its numbers anyone can write)
+    if ref is None or not _channel.vouched(key, address, secret):
+        return None
+    holder = ref()
     sent = getattr(holder, "sent", None)
     array = sent[0]() if sent is not None else None
     # (writeable only: a view of a writeable array could be made writeable again, where the
@@ -627,11 +661,13 @@ def _mapped_array(fields: tuple, shape, dtype, strides, start, writeable
     """For a checked token's fields (_check_token): an array of a memfd received and mapped
     here already (not ours, not a range of ours), made without libshm (_ReceivedOwner); else
     None (the general path decides)."""
-    key, _, size, offset, nbytes, readonly, _, solo = fields
+    key, address, size, offset, nbytes, readonly, secret, solo = fields
     if solo is not None:
         return None
     ref = _cache.mappings.data.get(key)  # (WeakValueDictionary.get, without its frame)
     mapping = ref() if ref is not None else None
+    if mapping is not None and not _channel.vouched(key, address, secret):
+        return None  # (a secret we cannot check: its sender must hand the memfd over)
     # (a range of ours that is not registered is memory received, sent on and come back: its
     # other holders here are views of this mapping, as _own_memory would make; mapping.ours
     # says a slab of ours came back, which only lshm_slab_find can find)

@@ -262,6 +262,103 @@ def test_extras_need_the_batch_proof_and_a_released_batch_gives_nothing():
     assert fds == [] and reply[0] == 0
 
 
+# A token is plain numbers (memfd key, range, sender address) plus a secret: anyone of this
+# user on this machine can write one naming memory they were never sent. Only the secret
+# proves anything, so a token whose secret this process cannot check must never stand for
+# memory here without its sender handing over the fd: else a process that returns such a
+# token (a Pool worker's "result") makes our result alias memory it was never sent, and it
+# gets that memory as soon as we send that result on (repro/forged_token_confused_deputy.py).
+
+
+def _forged(fields, secret=bytes(16)):
+    """A token naming what `fields` names, with a secret its writer made up."""
+    key, address, size, offset, nbytes, readonly, _, _ = fields
+    return (key, address, size, offset, nbytes, readonly, secret, None)
+
+
+def _rebuild(token, nbytes):
+    return reduction.rebuild_ndarray(None, token, (nbytes,), np.dtype(np.uint8), (1,), 0, True)
+
+
+@pytest.mark.parametrize("nbytes", [4096, 1 << 20])  # in a slab, in a memfd of its own
+def test_a_forged_token_never_stands_for_our_memory(nbytes):
+    victim = pyshm.zeros(nbytes, np.uint8, shared=True)
+    victim[:] = 7
+    ForkingPickler.dumps(victim)  # sent to someone (its range is registered)
+    fields = reduction.reduce_ndarray(victim)[1][1].fields
+    with pytest.raises(pyshm.DeliveryError):
+        _rebuild(_forged(fields), nbytes)
+    # the real token is ours: the array itself, as before
+    assert _rebuild(fields, nbytes).ctypes.data == victim.ctypes.data
+
+
+def test_a_forged_token_never_stands_for_an_unsent_array_of_our_slab():
+    sent = pyshm.zeros(4096, np.uint8, shared=True)
+    other = pyshm.zeros(4096, np.uint8, shared=True)  # never sent
+    fields = reduction.reduce_ndarray(sent)[1][1].fields
+    key, address, size, offset, nbytes, readonly, _, _ = fields
+    step = other.ctypes.data - sent.ctypes.data
+    assert abs(step) < reduction.SLAB_SIZE  # (the same slab)
+    forged = (key, address, size, offset + step, nbytes, readonly, bytes(16), None)
+    with pytest.raises(pyshm.DeliveryError):
+        _rebuild(forged, nbytes)
+
+
+def test_a_forged_token_never_stands_for_memory_we_received():
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.close(go_w)
+            arrays = [pyshm.zeros(1 << 17, np.uint8, shared=True) for _ in range(2)]
+            for i, a in enumerate(arrays):
+                a[:] = i + 1
+            payload = bytes(ForkingPickler.dumps(arrays))
+            os.write(w, len(payload).to_bytes(8, "little") + payload)
+            os.read(go_r, 1)  # the parent fetched: exit
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    os.close(go_r)
+    try:
+        with os.fdopen(r, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            payload = f.read(size)
+        # the message's batch and tokens, as the receiver holds them
+        captured = []
+        real = reduction.rebuild_ndarray
+        reduction.rebuild_ndarray = lambda batch, token, *rest: captured.append((batch, token))
+        try:
+            pickle.loads(payload)
+        finally:
+            reduction.rebuild_ndarray = real
+        (batch, first), (_, second) = captured
+        fields = [reduction._check_token(t) for t in (first, second)]
+        # one fetch: the first memfd, and the second as an extra (waiting, unmapped)
+        mapping, handle, _ = reduction._resolve(batch, fields[0])
+        reduction.lib.lshm_storage_release(handle)
+        assert fields[1][0] in _channel.state.prefetched
+        # a stranger's token for the extra, or for the memfd mapped here: refused
+        for forged in (_forged(fields[1]), _forged(fields[0])):
+            with pytest.raises(pyshm.DeliveryError):
+                _rebuild(forged, 1 << 17)
+        # the real ones arrive
+        arrays = [_rebuild(t, 1 << 17) for t in (first, second)]
+        assert [int(a[0]) for a in arrays] == [1, 2]
+    finally:
+        os.write(go_w, b"x")
+        os.close(go_w)
+        os.waitpid(pid, 0)
+    # sender gone: a forged token for memory mapped here still stands for nothing
+    with pytest.raises(pyshm.DeliveryError):
+        _rebuild(_forged(fields[0]), 1 << 17)
+    del mapping
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_the_request_parser_takes_anything(data):
@@ -1170,7 +1267,7 @@ def janitor_hit_by_a_bug_then_unpickled_again(blob, first_blob):
     first = pickle.loads(first_blob)  # (the memory mapped: `blob` needs no fetch)
     with _channel.state.lock:  # (an extra fetched along, unused: the janitor keeps running)
         _channel.state.prefetched[(0, 0)] = (os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC),
-                                             time.monotonic() + 30, False)
+                                             time.monotonic() + 30, False, None)
     real, failed = _channel.fetch, []
 
     def fails_once(address, fetches, proof=None, max_extras=0, acks=(), **options):
