@@ -747,15 +747,20 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
             facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
                      lib.lshm_storage_nbytes(handle))
         flags, data, nbytes = facts
+        if not _fits(nbytes, shape, dtype, strides, start):
+            # (never numpy's check instead: np.ndarray(buffer=, strides=) takes any layout
+            # over an empty buffer, and huge negative strides wrap around in it)
+            raise pickle.UnpicklingError(
+                f"pyshm: an array of shape {shape!r} and strides {strides!r} at byte "
+                f"{start!r} does not fit its {nbytes} bytes of shared memory")
         owner = None
-        if _fits(nbytes, shape, dtype, strides, start):
-            # the array itself over the storage, in one step (the owner adopts our reference)
-            try:
-                owner = ArrayOwner(handle, shape, dtype, start,
-                                   bool(flags & _ffi.STORAGE_READONLY), keep=mapping,
-                                   strides=strides, adopt=True, data=data)
-            except (TypeError, ValueError):
-                pass  # a dtype the interface cannot describe (dtype.descr refuses it): below
+        # the array itself over the storage, in one step (the owner adopts our reference)
+        try:
+            owner = ArrayOwner(handle, shape, dtype, start,
+                               bool(flags & _ffi.STORAGE_READONLY), keep=mapping,
+                               strides=strides, adopt=True, data=data)
+        except (TypeError, ValueError):
+            pass  # a dtype the interface cannot describe (dtype.descr refuses it): below
         if owner is not None:
             handle = None
             if mapping is not None:

@@ -359,6 +359,21 @@ def test_a_forged_token_never_stands_for_memory_we_received():
     del mapping
 
 
+@pytest.mark.parametrize("nbytes, shape, strides", [
+    (0, (1 << 16,), (8,)),  # (numpy takes any layout over an empty buffer)
+    (None, (5,), (-(1 << 62),)),  # (numpy's check wraps around)
+    (None, (3, 2), (1 << 62, -(1 << 62))),
+])
+def test_a_layout_outside_its_bytes_is_an_error_never_an_array(nbytes, shape, strides):
+    victim = pyshm.zeros(1 << 16, np.uint8, shared=True)
+    key, address, size, offset, real_nbytes, readonly, secret, _ = (
+        reduction.reduce_ndarray(victim)[1][1].fields)
+    token = (key, address, size, offset, real_nbytes if nbytes is None else nbytes, readonly,
+             secret, None)
+    with pytest.raises(pickle.UnpicklingError, match="does not fit"):
+        reduction.rebuild_ndarray(None, token, shape, np.dtype("f8"), strides, 0, True)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_the_request_parser_takes_anything(data):
