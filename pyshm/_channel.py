@@ -395,6 +395,7 @@ def own_token(key: tuple, address: bytes, secret: Any) -> bool:
 
 
 _MAX_VOUCHED = 4  # secrets remembered per memfd (vouch)
+_MAX_VOUCHED_KEYS = 1 << 16  # memfds remembered (a process maps at most ~65,000: README)
 
 
 def vouch(key: tuple, secret: bytes, readonly: bool) -> None:
@@ -402,8 +403,8 @@ def vouch(key: tuple, secret: bytes, readonly: bool) -> None:
     carrying it (the fd was checked to be that memfd). Lock held."""
     known = state.vouched.get(key)
     if known is None:
-        if len(state.vouched) >= 16384:
-            state.vouched.clear()  # (bounded: a token not vouched for is fetched again)
+        if len(state.vouched) >= _MAX_VOUCHED_KEYS:  # (the oldest goes: a token of it that
+            del state.vouched[next(iter(state.vouched))]  # is not ours is fetched again)
         known = state.vouched[key] = []
     elif any(hmac.compare_digest(s, secret) for s, _ in known):
         return
