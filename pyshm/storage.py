@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import pickle
+import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -17,6 +19,19 @@ __all__ = ["Storage", "trim_pool"]
 
 def _release(handle: _ffi.StorageHandle) -> None:
     lib.lshm_storage_release(handle)
+
+
+# Guards every Storage's count of calls in flight (_pins) against close() on another thread
+# (held for a few bytecodes only, never across a C call).
+_PIN_LOCK = threading.Lock()
+
+
+def _new_pin_lock_in_child() -> None:
+    global _PIN_LOCK
+    _PIN_LOCK = threading.Lock()  # (a thread that held it at the fork is not in the child)
+
+
+os.register_at_fork(after_in_child=_new_pin_lock_in_child)
 
 
 class Storage(HandleLifetime):
@@ -40,7 +55,8 @@ class Storage(HandleLifetime):
     """
 
     # _keep: what the memory depends on (a mapping received from another process), or None
-    __slots__ = ("_handle", "_key", "_keep")
+    # _pins: calls in flight on _handle (see _pin): close() leaves the release to the last
+    __slots__ = ("_handle", "_key", "_keep", "_pins")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
         self._adopt(create(nbytes, shared, resizable))
@@ -48,6 +64,7 @@ class Storage(HandleLifetime):
     def _adopt(self, handle: _ffi.StorageHandle) -> None:
         self._handle = handle
         self._keep = None
+        self._pins = 0
         self._key = _ffi.address(handle)  # the identity, kept after close for a stable hash
         self._release_with(_release, handle)
 
@@ -100,15 +117,41 @@ class Storage(HandleLifetime):
             raise ValueError("operation on a closed pyshm.Storage")
         return handle
 
+    def _pin(self) -> _ffi.StorageHandle:
+        """The handle, for a call of more than one step or without the GIL (ValueError once
+        closed): until the matching _unpin, a close() (say on another thread) only marks this
+        Storage closed and the reference is given back by the last _unpin, so the storage
+        never dies under a call in flight."""
+        with _PIN_LOCK:
+            handle = self._handle
+            if handle is None:
+                raise ValueError("operation on a closed pyshm.Storage")
+            self._pins += 1
+        return handle
+
+    def _unpin(self) -> None:
+        with _PIN_LOCK:
+            self._pins -= 1
+            release = self._pins == 0 and self._handle is None
+        if release:
+            self._release_now()  # (closed during the call: its release was left to us)
+
     @property
     def closed(self) -> bool:
         return self._handle is None
 
     def close(self) -> None:
-        """Drop this handle's reference (idempotent). Live arrays keep the memory alive."""
-        if self._handle is not None:
+        """Drop this handle's reference (idempotent). Live arrays keep the memory alive.
+
+        A call running on another thread with this Storage (``share_memory_``, ``copy_``,
+        ``resize_``, ...) keeps the reference until it returns."""
+        with _PIN_LOCK:
+            if self._handle is None:
+                return
             self._handle = None
-            self._release_now()
+            if self._pins:
+                return  # the last call in flight gives the reference back
+        self._release_now()
 
     def __enter__(self) -> "Storage":
         self._as_parameter_  # raises when closed
@@ -179,13 +222,16 @@ class Storage(HandleLifetime):
         return offset
 
     def _fd_offset(self) -> tuple[Optional[int], int]:
-        handle = self._as_parameter_
-        if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
-            return None, 0
-        fd = ctypes.c_int(-1)
-        offset = ctypes.c_uint64(0)
-        lib.lshm_storage_fd(handle, ctypes.byref(fd), ctypes.byref(offset))
-        return fd.value, offset.value
+        handle = self._pin()
+        try:
+            if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
+                return None, 0
+            fd = ctypes.c_int(-1)
+            offset = ctypes.c_uint64(0)
+            lib.lshm_storage_fd(handle, ctypes.byref(fd), ctypes.byref(offset))
+            return fd.value, offset.value
+        finally:
+            self._unpin()
 
     @property
     def refcount(self) -> int:
@@ -202,14 +248,26 @@ class Storage(HandleLifetime):
         :class:`pyshm.Arena`: its bytes are a slice of the arena's buffer, which cannot be
         shared in place (create the arena with ``shared=True``).
         """
-        share_in_place(self._as_parameter_, "share_memory_")
+        handle = self._pin()
+        try:
+            share_in_place(handle, "share_memory_")
+        finally:
+            self._unpin()
         return self
 
     def copy_(self, other: "Storage") -> "Storage":
         """Copy every byte of ``other`` (same nbytes) into this storage; returns self."""
         if not isinstance(other, Storage):
             raise TypeError(f"copy_ expects a pyshm.Storage, got {type(other).__name__}")
-        lib.lshm_storage_copy(self._as_parameter_, other._as_parameter_)
+        handle = self._pin()
+        try:
+            source = other._pin()
+            try:
+                lib.lshm_storage_copy(handle, source)
+            finally:
+                other._unpin()
+        finally:
+            self._unpin()
         return self
 
     def resize_(self, nbytes: int) -> "Storage":
@@ -229,12 +287,21 @@ class Storage(HandleLifetime):
         # good, whatever holds the storage), then any other reference is EBUSY (growing may
         # move the pages and shrinking unmaps the tail: either would leave a live array on
         # freed memory).
-        lib.lshm_storage_resize(self._as_parameter_, check_nbytes(nbytes))
+        nbytes = check_nbytes(nbytes)
+        handle = self._pin()
+        try:
+            lib.lshm_storage_resize(handle, nbytes)
+        finally:
+            self._unpin()
         return self
 
     def asarray(self, shape=None, dtype="uint8", offset: int = 0):
         """A numpy array over this storage's bytes (it keeps the memory alive)."""
-        return array_from_storage(self._as_parameter_, shape, dtype, offset, self._keep)
+        handle = self._pin()
+        try:
+            return array_from_storage(handle, shape, dtype, offset, self._keep)
+        finally:
+            self._unpin()
 
 
 def reduce_storage_by_value(storage: Storage, protocol: int):

@@ -714,3 +714,57 @@ def test_threads_closing_one_storage_at_once_give_its_reference_back_once():
         del adopted
         assert _ffi.lib.lshm_storage_refcount(handle) == refs  # once, never twice
     assert base.nbytes == 4096
+
+
+_CLOSE_DURING_CALL = r"""
+import sys, threading, time
+import pyshm
+
+what = sys.argv[1]
+N = 32 << 20
+for i in range(24):
+    s = pyshm.Storage(N, resizable=(what == "resize"))
+    other = pyshm.Storage(N)
+    call = {"share": s.share_memory_, "copy": lambda: s.copy_(other),
+            "resize": lambda: s.resize_(2 * N)}[what]
+    def run():
+        try:
+            call()
+        except ValueError:
+            pass  # closed before the call began: the clean outcome
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.0005 * (i % 8))
+    s.close()
+    t.join()
+"""
+
+
+@pytest.mark.parametrize("what", ["share", "copy", "resize"])
+def test_close_on_another_thread_during_a_call_frees_nothing_under_it(what):
+    # close() while another thread is inside a C call on the same Storage (the GIL is
+    # released there): the storage must outlive the call (before: abort in storage.c's
+    # destroy, or a segfault, as the only reference was dropped under the running call)
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CLOSE_DURING_CALL, what], timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_close_while_pinned_defers_the_release():
+    storage = pyshm.Storage(100)
+    array = storage.asarray()
+    handle = pyshm.storage_of(array)
+    assert handle.refcount == 3  # storage, the array's owner, handle
+    storage._pin()  # what a call in flight on another thread holds
+    storage.close()
+    assert storage.closed
+    with pytest.raises(ValueError):
+        storage.nbytes
+    assert handle.refcount == 3  # not released while the call runs
+    storage._unpin()
+    assert handle.refcount == 2  # the last call out gives the reference back
+    storage.close()
+    assert handle.refcount == 2
