@@ -237,7 +237,7 @@ def _install_torch() -> None:
 
 def _pyshm_array(a: Any) -> bool:
     """A pyshm array to send by reference (see _sendable); others go joblib's way."""
-    if type(a) is not np.ndarray or a.size == 0 or reduction.owner_of(a) is None:
+    if type(a) is not np.ndarray or a.nbytes == 0 or reduction.owner_of(a) is None:
         return False
     return _sendable(a)
 

@@ -809,8 +809,10 @@ def _rebuild_storage(batch, token) -> Storage:
 
 def reduce_ndarray(array: np.ndarray):
     owner = owner_of(array)
-    if owner is None or array.size == 0:
-        return array.__reduce_ex__(4)  # numpy's own by-value pickling
+    if owner is None or array.nbytes == 0:
+        # numpy's own by-value pickling (also for items of a zero-size dtype, which have no
+        # bytes to send by reference)
+        return array.__reduce_ex__(4)
     token = owner.token
     # The token made at this owner's last send still holds while the storage's flags are the
     # same (a defence: once shared they do not change; a view of memory received has no C

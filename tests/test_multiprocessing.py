@@ -974,3 +974,11 @@ def test_the_server_survives_a_closed_storage_it_was_serving():
     fd = _fetch_own(a)
     assert fd is not None and thread.is_alive()
     os.close(fd)
+
+
+def test_zero_itemsize_array_goes_by_value(pool):
+    # an array of a zero-size dtype has items but no bytes: it went by reference and the
+    # receiver could not rebuild it (the worker died unpickling the task: apply hung)
+    for a in (pyshm.empty(3, "V0"), pyshm.empty(4, np.dtype([])), pyshm.empty((2, 5), "V0")[:, ::2]):
+        assert a.size and a.nbytes == 0
+        assert pool.apply_async(np.shape, (a,)).get(timeout=60) == a.shape
