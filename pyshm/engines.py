@@ -526,7 +526,7 @@ def _install_distributed() -> None:
         # receiver (pyshm imported there or not) rebuilds it with its stock deserializer.
         # Its secrets go in frames of their own: a receiver that fails to load the pickle
         # (pyshm not importable there) logs the pickle's first frame, and only that.
-        if type(x) is np.ndarray and x.size > 0 and reduction.owner_of(x) is not None and \
+        if type(x) is np.ndarray and x.nbytes > 0 and reduction.owner_of(x) is not None and \
                 is_shared(x) and _recipient_here(context):
             frames: list = [None]
             frames[0] = pickle.dumps(reduction.Ref(x), protocol=5,
