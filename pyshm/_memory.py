@@ -103,6 +103,16 @@ class HandleLifetime:
         """Forget the release: the caller has given the reference back itself."""
         LIFETIMES.pop(id(self._lifetime), None)
 
+    def __reduce_ex__(self, protocol):
+        # copy.copy, copy.deepcopy and pickle would copy the C handle without a reference of
+        # its own (and the weak reference that gives it back): a second object on the same
+        # storage or arena whose close, or the original's death, frees the memory under the
+        # other. Refused (Storage overrides this: it pickles and copies by value).
+        raise TypeError(f"pyshm: {type(self).__name__} holds a C reference and cannot be copied "
+                        "or pickled")
+
+    __reduce__ = __reduce_ex__
+
 
 ShapeLike = Union[int, Sequence[int]]
 

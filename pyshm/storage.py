@@ -182,6 +182,9 @@ class Storage(HandleLifetime):
         # the memory itself (pyshm.reduction registers a ForkingPickler reducer).
         return reduce_storage_by_value(self, protocol)
 
+    def __reduce__(self):
+        return reduce_storage_by_value(self, 2)  # (not HandleLifetime's refusal)
+
     # ---- accessors --------------------------------------------------------------------------
 
     @property

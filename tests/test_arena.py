@@ -478,3 +478,21 @@ def test_shared_arena_arrays_pickle_and_arrive_aliased():
     assert (arrays[0][:100] == 1).all() and (arrays[0][200:] == 1).all()
     del back, arrays, a
     gc.collect()
+
+
+def test_arena_cannot_be_copied_or_pickled():
+    # copy.copy(arena) made a second Arena on the same C arena: closing the copy destroyed it
+    # under the original (use after free, then a second destroy at the original's close)
+    import copy
+    import pickle
+
+    arena = pyshm.Arena([4096, 4096], [0, 1], [1, 2]).allocate()
+    for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied"):
+            attempt(arena)
+    keep = arena.array(0)
+    for attempt in (copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError, match="cannot be copied"):
+            attempt(keep.base.keep)  # an arena array's keep (_ArenaKeep)
+    del keep
+    arena.close()

@@ -256,3 +256,16 @@ def test_a_shared_copy_of_foreign_memory_with_a_hole_is_an_error_not_a_crash(hug
                 os.environ.get("PYTHONPATH", "")]))))
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
     assert done.stdout.split() == ["EFAULT"] * 3
+
+
+def test_array_owner_cannot_be_copied_or_pickled():
+    # copy.copy(a.base) made a second owner of the storage handle with no reference of its
+    # own: arrays over the copy read freed pages once the original was gone (SIGSEGV)
+    import copy
+    import pickle
+
+    a = pyshm.empty(1 << 20, np.uint8)
+    for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied"):
+            attempt(a.base)
+    assert pyshm.storage_of(a).refcount == 2  # the owner and this handle, nothing more
