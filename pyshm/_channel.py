@@ -207,10 +207,31 @@ def on_thread_of(names: tuple) -> bool:
     return getattr(target, "__qualname__", "") in names
 
 
+def _in_pool_worker_get() -> bool:
+    """Whether this unpickling is a multiprocessing.Pool worker's own get() of its next task
+    (an exception there kills the worker and the task is lost: its caller waits for ever), not
+    an unpickle inside a task: the frame that called the queue's get is the worker loop."""
+    pool = sys.modules.get("multiprocessing.pool")
+    queues = sys.modules.get("multiprocessing.queues")
+    worker = getattr(getattr(pool, "worker", None), "__code__", None)
+    get = getattr(getattr(getattr(queues, "SimpleQueue", None), "get", None), "__code__", None)
+    if worker is None or get is None:
+        return False
+    frame = sys._getframe(2)
+    while frame is not None:
+        back = frame.f_back
+        if back is not None and back.f_code is worker:
+            return frame.f_code is get  # (not a task's own unpickling: that raises)
+        frame = back
+    return False
+
+
 def stand_in(error: Exception) -> Optional[Undelivered]:
     """For a rebuild that failed with `error`: an :class:`Undelivered` to return instead on a
-    thread that an exception would kill for good, else None (raise `error`)."""
-    if not on_thread_of(_RESULT_HANDLERS):
+    thread that an exception would kill for good, or in a Pool worker's get() of its task
+    (the task then runs and its use of the argument raises, back to the caller), else None
+    (raise `error`)."""
+    if not on_thread_of(_RESULT_HANDLERS) and not _in_pool_worker_get():
         return None
     if not isinstance(error, DeliveryError):
         wrapped = DeliveryError(f"pyshm: this result could not be unpickled here: {error}")

@@ -886,6 +886,9 @@ def test_the_multiprocessing_threads_pyshm_recognises_still_exist():
              multiprocessing.pool.Pool._handle_tasks.__qualname__}
     assert names == set(reduction._ASYNC_PICKLERS)
     assert multiprocessing.pool.Pool._handle_results.__qualname__ in _channel._RESULT_HANDLERS
+    # (and a Pool worker's get of its task: _channel._in_pool_worker_get)
+    assert callable(multiprocessing.pool.worker)
+    assert callable(multiprocessing.queues.SimpleQueue.get)
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -1531,3 +1534,41 @@ def test_memory_nobody_fetches_is_freed_after_the_keepalive(monkeypatch):
         time.sleep(0.05)
     assert owner() is None
 
+
+
+def sum_of(x):
+    return float(np.asarray(x).sum())
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_pool_worker_does_not_lose_a_task_it_cannot_unpickle(method):
+    # a Pool worker that fails to rebuild an argument (memory it cannot receive: no fd left
+    # under its RLIMIT_NOFILE, a bad token) died in multiprocessing's get(), the task was lost
+    # and apply() waited for ever: the argument arrives as an Undelivered, and the task's use
+    # of it raises DeliveryError back to the caller
+    pool = mp.get_context(method).Pool(1)
+    try:
+        with pytest.raises(pyshm.DeliveryError):
+            pool.apply_async(sum_of, (_BadToken(),)).get(timeout=60)
+        assert pool.apply_async(sum_of, (pyshm.zeros(10, shared=True),)).get(timeout=60) == 0
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def unpickle_inside_a_task(payload):
+    try:
+        pickle.loads(payload)
+    except pickle.UnpicklingError:
+        return "raised"
+    return "stood in"
+
+
+def test_an_unpickle_inside_a_pool_task_still_raises():
+    pool = mp.get_context("fork").Pool(1)
+    try:
+        payload = pickle.dumps(_BadToken())
+        assert pool.apply_async(unpickle_inside_a_task, (payload,)).get(timeout=60) == "raised"
+    finally:
+        pool.terminate()
+        pool.join()
