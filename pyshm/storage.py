@@ -122,11 +122,12 @@ class Storage(HandleLifetime):
         closed): until the matching _unpin, a close() (say on another thread) only marks this
         Storage closed and the reference is given back by the last _unpin, so the storage
         never dies under a call in flight."""
-        with _PIN_LOCK:
+        with _PIN_LOCK:  # (nothing allocated under it: no garbage collection, no finalizer)
             handle = self._handle
-            if handle is None:
-                raise ValueError("operation on a closed pyshm.Storage")
-            self._pins += 1
+            if handle is not None:
+                self._pins += 1
+        if handle is None:
+            raise ValueError("operation on a closed pyshm.Storage")
         return handle
 
     def _unpin(self) -> None:
