@@ -264,16 +264,22 @@ def storage_fd(holder: Any) -> int:
 
 
 def normalize_shape(shape: ShapeLike) -> tuple:
-    if isinstance(shape, (int, np.integer)):
+    if isinstance(shape, (int, np.integer, bool, np.bool_)):
         shape = (shape,)
     try:
-        dims = tuple(operator.index(d) for d in shape)
+        dims = tuple(_dim(d) for d in shape)
     except TypeError:
         raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
     for d in dims:
         if d < 0:
             raise ValueError(f"negative dimensions are not allowed: {dims}")
     return dims
+
+
+def _dim(d: Any) -> int:
+    if isinstance(d, (bool, np.bool_)):  # (an int to operator.index; numpy refuses it too)
+        raise TypeError("a bool is not a dimension")
+    return operator.index(d)
 
 
 def nbytes_of(shape: tuple, dtype: np.dtype) -> int:

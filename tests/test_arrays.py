@@ -269,3 +269,12 @@ def test_array_owner_cannot_be_copied_or_pickled():
         with pytest.raises(TypeError, match="cannot be copied"):
             attempt(a.base)
     assert pyshm.storage_of(a).refcount == 2  # the owner and this handle, nothing more
+
+
+def test_a_bool_is_not_a_dimension():
+    # numpy refuses np.empty(True) and np.empty((2, False)); pyshm made shape (1,) and (2, 0)
+    for shape in (True, np.True_, (2, False), [np.False_]):
+        with pytest.raises(TypeError, match="shape must be"):
+            pyshm.empty(shape)
+    with pytest.raises(TypeError, match="shape must be"):
+        pyshm.Storage(8).asarray((True,))
