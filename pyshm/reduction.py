@@ -1041,13 +1041,16 @@ def ref(array: Any) -> Ref:
     Lifetime: the pickle names the memory and carries a secret that lets its holder, and only
     its holder, fetch the memfd from this process (README, "Who can reach shared memory"). It
     can be unpickled while this process runs and still has the memory (the array or any view
-    of it, or this handle), and, even after both were dropped, within ``KEEPALIVE_SECONDS`` of
-    pickling if it was not unpickled by then. Otherwise, from another machine or network
-    namespace, or after this process exited, unpickling raises :class:`DeliveryError`. A
-    process that has the memory mapped already fetches nothing from this one, but it must
+    of it, or this handle; for an array of a slab, 64 KiB or less, any shared array of that
+    slab, whose memfd it fetches), and, even after both were dropped, within
+    ``KEEPALIVE_SECONDS`` of pickling if it was not unpickled by then. Otherwise, from another
+    machine or network namespace, or after this process exited, unpickling raises
+    :class:`DeliveryError`. A process that has the memory mapped already fetches nothing
+    from this one if it can tell that the pickle's secret opens that memory (its own, or one
+    a sender handed the memfd over for), else it fetches the memfd once more; and it must
     have reached this process once (or reach it now): a token from a sender it cannot reach
-    never stands for memory it has (README). ``copy.copy`` of
-    the handle names the same memory, ``copy.deepcopy`` a shared copy of it.
+    never stands for memory it has (README). ``copy.copy`` of the handle names the same
+    memory, ``copy.deepcopy`` a shared copy of it.
     """
     return array if isinstance(array, Ref) else Ref(array)
 
