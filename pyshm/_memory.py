@@ -366,6 +366,8 @@ def owner_of(array: Any) -> Optional[ArrayOwner]:
     while obj is not None and seen < 64:
         if isinstance(obj, ArrayOwner):
             return obj
-        obj = getattr(obj, "base", None)
+        # (an array made through the buffer protocol, np.frombuffer(memoryview(a)): its base
+        # is the memoryview, whose memory is its exporter's)
+        obj = obj.obj if isinstance(obj, memoryview) else getattr(obj, "base", None)
         seen += 1
     return None

@@ -87,6 +87,30 @@ def test_share_through_a_view_shares_the_whole_storage():
     assert pyshm.is_shared(a)
 
 
+def test_an_array_made_through_the_buffer_protocol_is_the_same_memory():
+    # np.frombuffer(memoryview(a)) aliases a's pages: pyshm sees it as a's memory (before:
+    # is_shared said False, share_memory_ raised TypeError, and a fork's pickle sent a copy)
+    from multiprocessing.reduction import ForkingPickler
+
+    a = pyshm.zeros(1 << 16, np.uint8)
+    view = np.frombuffer(memoryview(a)[16:], dtype=np.uint32)
+    assert not pyshm.is_shared(view)
+    pyshm.share_memory_(view)
+    assert pyshm.is_shared(a) and pyshm.is_shared(view)
+    assert pyshm.storage_of(view).data_ptr == pyshm.storage_of(a).data_ptr
+    pid = os.fork()
+    if pid == 0:  # (a forked child unpickles what a Pool worker would get)
+        code = 1
+        try:
+            got = ForkingPickler.loads(ForkingPickler.dumps(view))
+            got[0] = 0xABCDEF01
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert int(view[0]) == 0xABCDEF01 and bytes(a[16:20]) == (0xABCDEF01).to_bytes(4, "little")
+
+
 def test_share_is_idempotent():
     a = pyshm.zeros(100)
     pyshm.share_memory_(a)
