@@ -282,6 +282,15 @@ def _dim(d: Any) -> int:
     return operator.index(d)
 
 
+def array_dtype(dtype: Any) -> np.dtype:
+    """``np.dtype(dtype)`` as an array of it gets it: a string of no length ('S0', 'U0')
+    holds one character, as numpy's own arrays make it."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 0 and dtype.kind in "SU":
+        dtype = np.dtype(dtype.str[:-1] + "1")
+    return dtype
+
+
 def nbytes_of(shape: tuple, dtype: np.dtype) -> int:
     if dtype.hasobject:
         raise TypeError(f"dtype {dtype} holds Python objects and cannot live in shared memory")
@@ -308,7 +317,7 @@ def array_from_storage(
     keep: Any = None
 ) -> np.ndarray:
     """An array over C storage `handle`, checked to fit; shape None: as many items as fit."""
-    dtype = np.dtype(dtype)
+    dtype = array_dtype(dtype)
     nbytes = lib.lshm_storage_nbytes(handle)
     offset = _checks.integer(offset, "offset", 0, _checks.SIZE_MAX, "size_t")
     if offset > nbytes:

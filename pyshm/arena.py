@@ -16,6 +16,7 @@ from ._memory import (
     ArrayOwner,
     HandleLifetime,
     ShapeLike,
+    array_dtype,
     array_from_storage,
     nbytes_of,
     normalize_shape,
@@ -279,7 +280,7 @@ class Arena(HandleLifetime):
 
     def empty(self, shape: ShapeLike, dtype: Any = np.float64) -> np.ndarray:
         """Recording arenas: one allocation, served from the plan when it fits."""
-        dtype = np.dtype(dtype)
+        dtype = array_dtype(dtype)
         dims = normalize_shape(shape)
         out = _ffi.StorageHandle()
         lib.lshm_arena_alloc(self._as_parameter_, nbytes_of(dims, dtype), ctypes.byref(out))

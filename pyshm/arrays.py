@@ -19,6 +19,7 @@ from ._ffi import lib
 from ._memory import (  # noqa: F401 - ArrayOwner: public here, as before
     ArrayOwner,
     ShapeLike,
+    array_dtype,
     create,
     data_address,
     nbytes_of,
@@ -49,7 +50,7 @@ def empty(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) ->
     memfd, see "File descriptors" in the README). The array's ``.base`` keeps the storage
     alive; :func:`storage_of` returns it.
     """
-    dtype = np.dtype(dtype)
+    dtype = array_dtype(dtype)
     shape = normalize_shape(shape)
     nbytes = nbytes_of(shape, dtype)
     handle = create(nbytes, shared)  # no Storage object: the array's owner holds it

@@ -111,6 +111,17 @@ def test_an_array_made_through_the_buffer_protocol_is_the_same_memory():
     assert int(view[0]) == 0xABCDEF01 and bytes(a[16:20]) == (0xABCDEF01).to_bytes(4, "little")
 
 
+@pytest.mark.parametrize("dtype", ["S0", "U0", ">U0"])
+def test_a_string_dtype_of_no_length_holds_one_character_as_in_numpy(dtype):
+    # (before: numpy's "data is NULL but array contains data" ValueError)
+    for array in (pyshm.zeros(3, dtype), pyshm.zeros(3, dtype, shared=True),
+                  pyshm.Storage(64).asarray((3,), dtype)):
+        assert array.dtype.itemsize == np.zeros(3, dtype).dtype.itemsize
+        assert array.dtype.kind == np.dtype(dtype).kind and array.shape == (3,)
+        array[1] = "x"
+        assert array[1] == array.dtype.type("x")
+
+
 def test_share_is_idempotent():
     a = pyshm.zeros(100)
     pyshm.share_memory_(a)
