@@ -234,7 +234,7 @@ def stand_in(error: Exception) -> Optional[Undelivered]:
     if not on_thread_of(_RESULT_HANDLERS) and not _in_pool_worker_get():
         return None
     if not isinstance(error, DeliveryError):
-        wrapped = DeliveryError(f"pyshm: this result could not be unpickled here: {error}")
+        wrapped = DeliveryError(f"pyshm: this could not be unpickled here: {error}")
         wrapped.__cause__ = error
         error = wrapped
     return Undelivered(error)
@@ -393,26 +393,33 @@ def forked_secret(parent_secret: bytes, address: bytes) -> bytes:
     return hmac.new(parent_secret, b"pyshm-fork:" + address, "sha256").digest()[:SECRET_BYTES]
 
 
-def own_token(key: tuple, address: bytes, secret: Any) -> bool:
-    """Whether a token (memfd `key`, sender `address`, `secret`) names memory this process
-    exported, with one of its secrets for it or a secret a child forked from it made of one
-    (forked_secret)."""
+WRITABLE, READ_ONLY = 1, 2  # what a secret opens (own_token, vouched; 0: nothing)
+
+
+def own_token(key: tuple, address: bytes, secret: Any) -> int:
+    """What a token (memfd `key`, sender `address`, `secret`) opens of memory this process
+    exported: WRITABLE or READ_ONLY for one of its secrets for it (or a secret a child forked
+    from it made of one: forked_secret), else 0."""
     try:
         pairs = [pair for pair in (state.secrets.get(key), state.inherited.get(key)) if pair]
     except TypeError:  # (a malformed key: _check_token says so)
-        return False
+        return 0
     if not pairs:
-        return False
+        return 0
     secret = secret_bytes(secret)
     if secret is None:
-        return False
+        return 0
     # (our own secrets first: no HMAC to compute for the usual token)
-    if any(hmac.compare_digest(own, secret) for pair in pairs for own in pair[:2]):
-        return True
+    for level, at in ((WRITABLE, 0), (READ_ONLY, 1)):
+        if any(hmac.compare_digest(pair[at], secret) for pair in pairs):
+            return level
     if type(address) is not bytes:
-        return False
-    return any(hmac.compare_digest(forked_secret(own, address), secret) for pair in pairs
-               for own in pair[:2])
+        return 0
+    for level, at in ((WRITABLE, 0), (READ_ONLY, 1)):
+        if any(hmac.compare_digest(forked_secret(pair[at], address), secret)
+               for pair in pairs):
+            return level
+    return 0
 
 
 _MAX_VOUCHED = 4  # secrets remembered per memfd (vouch)
@@ -433,17 +440,20 @@ def vouch(key: tuple, secret: bytes, readonly: bool) -> None:
     del known[:-_MAX_VOUCHED]
 
 
-def vouched(key: tuple, address: Any, secret: Any) -> bool:
-    """Whether a token naming memfd `key` with `secret` (and sender `address`) may stand for
-    memory this process has without a fetch: `secret` is one of ours for it (own_token), or
-    one a sender handed that memfd over for (vouch). A token proves nothing else: its key,
-    range and address are numbers anyone of this user can write, naming memory they were
-    never sent. Lock held or not."""
+def vouched(key: tuple, address: Any, secret: Any) -> int:
+    """What a token naming memfd `key` with `secret` (and sender `address`) may stand for of
+    memory this process has, without a fetch: WRITABLE or READ_ONLY if `secret` is one of
+    ours for it (own_token) or one a sender handed that memfd over for (vouch, read-only if
+    it was handed over read-only or sealed), else 0. A token proves nothing else: its key,
+    range, address and read-only flag are numbers anyone of this user can write, naming
+    memory they were never sent. Lock held or not."""
     known = state.vouched.get(key) if type(key) is tuple else None
     if known:
         raw = secret_bytes(secret)
-        if raw is not None and any(hmac.compare_digest(s, raw) for s, _ in list(known)):
-            return True
+        if raw is not None:
+            for known_secret, readonly in list(known):
+                if hmac.compare_digest(known_secret, raw):
+                    return READ_ONLY if readonly else WRITABLE
     return own_token(key, address, secret)
 
 

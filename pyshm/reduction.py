@@ -222,6 +222,11 @@ def _new_view(segment: _ffi.SegmentHandle, offset: int, nbytes: int,
 # --------------------------------------------------------------------------------------------
 
 
+def _sealed(fd: int) -> bool:
+    """Whether memfd `fd` is sealed against writes (a read-only secret fetches only such)."""
+    return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _WRITE_SEALS)
+
+
 def _key_of(fd: int) -> tuple:
     st = os.fstat(fd)
     return (st.st_dev, st.st_ino)
@@ -442,6 +447,21 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
     return None, None
 
 
+def _own_memory_for(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
+                    mapping: Optional[_Mapping]) -> tuple:
+    """_own_memory, whose storage a read-only token makes read-only arrays of (its facts say
+    so, whatever the token's array said): a read-only secret opens no more here than it
+    would in another process. (Memory of ours that has a read-only secret is sealed, so
+    sending such an array on gives read-only tokens too.)"""
+    handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+    if handle is not None and readonly:
+        if facts is None:
+            facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
+                     lib.lshm_storage_nbytes(handle))
+        facts = (facts[0] | _ffi.STORAGE_READONLY, *facts[1:])
+    return handle, facts
+
+
 def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
     """(mapping or None, a storage handle with a reference the caller must release, its
     (flags, data, nbytes) or None) for the checked fields of a token (_check_token).
@@ -457,8 +477,10 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
     with _state.lock:
         mapping = _cache.mappings.get(key)
         trusted = _channel.vouched(key, address, secret)
+        if trusted == _channel.READ_ONLY:
+            readonly = True  # (whatever the token says: its secret opens no more)
         if trusted:
-            handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+            handle, facts = _own_memory_for(key, size, offset, nbytes, readonly, mapping)
             if handle is not None:
                 if solo is not None:
                     _channel.queue_ack(address, solo)
@@ -471,13 +493,15 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 del _state.prefetched[key]
                 fd, _, extra_readonly, _ = entry
                 try:
+                    readonly = readonly or extra_readonly or (
+                        mapping.sealed if fd is None else _sealed(fd))
                     _channel.vouch(key, secret, readonly)
                     trusted = True
-                    handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+                    handle, facts = _own_memory_for(key, size, offset, nbytes, readonly, mapping)
                     if handle is not None:
                         return None, handle, facts
                     if mapping is None:
-                        mapping = _attach(fd, key, readonly or extra_readonly, checked=True)
+                        mapping = _attach(fd, key, readonly, checked=True)
                 finally:
                     if fd is not None:
                         os.close(fd)
@@ -509,9 +533,10 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 if _key_of(fd) != key:
                     raise pickle.UnpicklingError(
                         "pyshm: the fd received is not the memfd that was named")
+                readonly = readonly or _sealed(fd)  # (what the secret opened: see vouched)
                 _channel.vouch(key, secret, readonly)
                 mapping = _cache.mappings.get(key)  # another thread may have won the race
-                handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+                handle, facts = _own_memory_for(key, size, offset, nbytes, readonly, mapping)
                 if handle is not None:
                     return None, handle, facts
                 if mapping is None:
@@ -533,9 +558,11 @@ def _keep_extras(extras: list, message: tuple) -> None:
     """Keep the fds a fetch for `message` ((sender address, batch proof)) handed out beyond
     the one asked for, briefly, for that message's own tokens (lock held): a token of another
     message naming the same memfd proves nothing by it. One mapped here already is closed at
-    once, but noted: the message's token for it is then vouched for (_resolve)."""
+    once, but noted: the message's token for it is then vouched for (_resolve). Takes each
+    out of `extras` as it goes: on an error, what is left there is the caller's to close."""
     deadline = _channel.time.monotonic() + _channel.PREFETCH_SECONDS
-    for key, readonly, fd in extras:
+    while extras:
+        key, readonly, fd = extras.pop()
         try:
             valid = _key_of(fd) == key
         except OSError:
@@ -642,7 +669,7 @@ def _own_array_back(token: Any, shape, dtype, strides, start, writeable
     except (TypeError, ValueError):  # (not a token: the general path says why)
         return None
     # (and only for a token whose secret says so: its numbers anyone can write)
-    if ref is None or not _channel.vouched(key, address, secret):
+    if ref is None or _channel.vouched(key, address, secret) != _channel.WRITABLE:
         return None
     holder = ref()
     sent = getattr(holder, "sent", None)
@@ -666,8 +693,10 @@ def _mapped_array(fields: tuple, shape, dtype, strides, start, writeable
         return None
     ref = _cache.mappings.data.get(key)  # (WeakValueDictionary.get, without its frame)
     mapping = ref() if ref is not None else None
-    if mapping is not None and not _channel.vouched(key, address, secret):
-        return None  # (a secret we cannot check: its sender must hand the memfd over)
+    if mapping is not None:
+        level = _channel.vouched(key, address, secret)
+        if not level or (level == _channel.READ_ONLY and not readonly):
+            return None  # (a secret we cannot check, or read-only: the general path decides)
     # (a range of ours that is not registered is memory received, sent on and come back: its
     # other holders here are views of this mapping, as _own_memory would make; mapping.ours
     # says a slab of ours came back, which only lshm_slab_find can find)

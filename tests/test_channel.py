@@ -359,6 +359,50 @@ def test_a_forged_token_never_stands_for_memory_we_received():
     del mapping
 
 
+def _writable_token_for(a):
+    """In a worker sent `a` read-only: a "result" naming the same memory as writable, with
+    the read-only secret it was sent."""
+    key, address, size, offset, nbytes, readonly, secret, _ = (
+        reduction.reduce_ndarray(a)[1][1].fields)
+    assert readonly and not a.flags.writeable
+    return _ForgedResult((key, address, size, offset, nbytes, False, secret, None), nbytes)
+
+
+class _ForgedResult:
+    def __init__(self, token, nbytes):
+        self.token, self.nbytes = token, nbytes
+
+    def __reduce__(self):
+        return (reduction.rebuild_ndarray, (_channel.mark(), self.token, (self.nbytes,),
+                                            np.dtype(np.uint8), (1,), 0, True))
+
+
+@pytest.mark.parametrize("mapped_here", [False, True])
+def test_a_read_only_secret_never_stands_for_writable_memory(mapped_here):
+    # a worker sent an array read-only (share_readonly) returns a token of it marked
+    # writable, with the read-only secret it was sent: the parent's "result" must not be a
+    # writable alias of the array it shared read-only (before: it was, and writes to it
+    # changed that array); memory received read-only likewise
+    if mapped_here:  # (memory received from a forked child, read-only, mapped here)
+        source = pyshm.zeros(1 << 17, np.uint8)
+        source[:] = 3
+        pyshm.share_readonly(source)
+        frozen = ForkingPickler.loads(ForkingPickler.dumps(source))
+    else:
+        frozen = pyshm.zeros(1 << 17, np.uint8)
+        frozen[:] = 3
+        pyshm.share_readonly(frozen)
+    with mp.get_context("fork").Pool(1) as pool:
+        result = pool.apply(_writable_token_for, (frozen,))
+    assert int(result[0]) == 3 and result.ctypes.data == frozen.ctypes.data
+    assert not result.flags.writeable
+    with pytest.raises(ValueError):
+        result.flags.writeable = True
+    with pytest.raises(ValueError):
+        result[0] = 5
+    assert int(frozen[0]) == 3
+
+
 @pytest.mark.parametrize("nbytes, shape, strides", [
     (0, (1 << 16,), (8,)),  # (numpy takes any layout over an empty buffer)
     (None, (5,), (-(1 << 62),)),  # (numpy's check wraps around)

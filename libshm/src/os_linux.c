@@ -609,11 +609,12 @@ static void unmap_deferred(void) {
     if (atomic_load_explicit(&deferred_count, memory_order_relaxed) == 0)
         return;
     pthread_mutex_lock(&deferred_lock);
-    size_t kept = 0, n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
-    for (size_t i = 0; i < n; i++)
-        if (munmap(deferred[i].addr, deferred[i].len) != 0)
-            deferred[kept++] = deferred[i];
-    atomic_store_explicit(&deferred_count, kept, memory_order_relaxed);
+    size_t done = 0, n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
+    /* (until one fails: still no room then, and the rest would fail as well; so a free at the
+     * limit costs one failed munmap, not one per range waiting) */
+    while (done < n && munmap(deferred[n - 1 - done].addr, deferred[n - 1 - done].len) == 0)
+        done++;
+    atomic_store_explicit(&deferred_count, n - done, memory_order_relaxed);
     pthread_mutex_unlock(&deferred_lock);
 }
 
