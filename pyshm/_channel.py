@@ -280,7 +280,7 @@ def build_request(proof: Optional[tuple], fetches: list, acks: list, max_extras:
 class _Batch:
     """One pickled message (or one lone ticket): the memory it holds until delivered."""
 
-    __slots__ = ("id", "secret", "members", "deadline", "frame")
+    __slots__ = ("id", "secret", "members", "deadline", "frame", "thread")
 
     def __init__(self, batch_id: int, frame: int) -> None:
         self.id = batch_id
@@ -288,6 +288,7 @@ class _Batch:
         self.members: dict = {}  # key -> [holder, readonly]
         self.deadline = time.monotonic() + KEEPALIVE_SECONDS
         self.frame = frame  # id() of the frame that called the pickler (see Mark)
+        self.thread = threading.get_ident()  # (the pickling thread: see _abandoned_threads)
 
 
 class _State:
@@ -616,11 +617,54 @@ def drop_holds() -> None:
             _drop(batch_id)
 
 
-def held_batches() -> int:
-    """How many batches still hold memory for a receiver (not delivered, not expired)."""
+def held_batches(abandoned: bool = True) -> int:
+    """How many batches still hold memory for a receiver (not delivered, not expired); with
+    `abandoned` false, not counting those pickled by the feeder of a Queue whose owner gave
+    its data up (``cancel_join_thread``: see _abandoned_threads)."""
     with state.lock:
         now = time.monotonic()
-        return sum(1 for b in state.batches.values() if b.members and b.deadline > now)
+        skip = () if abandoned else _abandoned_threads()
+        return sum(1 for b in state.batches.values()
+                   if b.members and b.deadline > now and b.thread not in skip)
+
+
+# Queues whose cancel_join_thread() was called in this process: their owner is "prepared to
+# lose data" (the stdlib's words) and exits without flushing them, so linger() does not wait
+# for the messages their feeder pickled either. torch's DataLoader workers do that when their
+# iterator is shut down with items prefetched and never read (a loop left with break): each
+# worker would otherwise wait KEEPALIVE_SECONDS at exit, and the DataLoader waits 5 s for
+# each worker before it terminates it.
+_cancelled_queues: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _abandoned_threads() -> set:
+    """Thread idents of the feeders of the queues given up (lock held or not)."""
+    idents = set()
+    for queue in list(_cancelled_queues):
+        thread = getattr(queue, "_thread", None)
+        if thread is not None and thread.ident is not None:
+            idents.add(thread.ident)
+    return idents
+
+
+def _hook_cancel_join_thread() -> None:
+    """Note every Queue.cancel_join_thread() (multiprocessing's, and so torch's)."""
+    from multiprocessing import queues
+
+    original = queues.Queue.cancel_join_thread
+    if getattr(original, "_pyshm", False):
+        return
+
+    def cancel_join_thread(self):
+        try:
+            _cancelled_queues.add(self)
+        except TypeError:  # (a subclass without weak references: waited for, as before)
+            pass
+        return original(self)
+
+    cancel_join_thread._pyshm = True
+    cancel_join_thread.__doc__ = original.__doc__
+    queues.Queue.cancel_join_thread = cancel_join_thread
 
 
 def lookup(key: tuple) -> Optional[Any]:
@@ -895,7 +939,7 @@ def linger() -> None:
         server = state.server
         if server is None or server.pid != os.getpid():
             return
-        if not held_batches() and not server.answering:
+        if not held_batches(abandoned=False) and not server.answering:
             return
         time.sleep(0.005)
 
@@ -1224,8 +1268,10 @@ def _after_fork_in_child() -> None:
     old.ack_failures = {}
     old.janitor = None
     _settled.clear()
+    _cancelled_queues.clear()  # (an inherited Queue starts afresh in the child: Queue._reset)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 _register_linger()
 _mp_util.register_after_fork(state, _register_linger)
+_hook_cancel_join_thread()

@@ -861,6 +861,38 @@ def test_producers_that_put_and_end(method):
     _check_results([results[i] for i in range(n)], n)
 
 
+def put_give_up_and_end(queue, given_up):
+    queue.put(pyshm.zeros(100_000, np.uint8))  # a memfd of its own
+    queue.put(pyshm.zeros(100, np.uint8))  # a slab's
+    if given_up:
+        time.sleep(0.5)  # (the feeder has pickled both)
+        queue.cancel_join_thread()  # "prepared to lose data": nobody will read them
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_producer_that_gave_its_queue_up_does_not_wait_for_its_receivers(method):
+    # cancel_join_thread() says the data may be lost (torch's DataLoader workers call it when
+    # their iterator is shut down with items prefetched and never read): the producer ends at
+    # once instead of waiting KEEPALIVE_SECONDS for a reader (the DataLoader waited 5 s per
+    # worker, then terminated it); a producer that did not give it up still waits
+    ctx = mp.get_context(method)
+    queue = ctx.Queue()
+    proc = ctx.Process(target=put_give_up_and_end, args=(queue, True))
+    proc.start()
+    started = time.monotonic()
+    proc.join(30)
+    assert proc.exitcode == 0 and time.monotonic() - started < 10
+    queue = ctx.Queue()  # (the first producer's items: undeliverable now, as it said)
+    proc = ctx.Process(target=put_give_up_and_end, args=(queue, False))
+    proc.start()
+    proc.join(3)
+    assert proc.exitcode is None  # waiting for a reader of its memory
+    items = [queue.get(timeout=30) for _ in range(2)]
+    assert [item.nbytes for item in items] == [100_000, 100]
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
 def send_and_die(conn):
     a = pyshm.empty(50_000, np.uint8, shared=True)
     conn.send_bytes(ForkingPickler.dumps(a))
@@ -930,9 +962,11 @@ def test_the_multiprocessing_threads_pyshm_recognises_still_exist():
              multiprocessing.pool.Pool._handle_tasks.__qualname__}
     assert names == set(reduction._ASYNC_PICKLERS)
     assert multiprocessing.pool.Pool._handle_results.__qualname__ in _channel._RESULT_HANDLERS
-    # (and a Pool worker's get of its task: _channel._in_pool_worker_get)
-    assert callable(multiprocessing.pool.worker)
-    assert callable(multiprocessing.queues.SimpleQueue.get)
+    # (a Pool worker's read of its task: _channel._in_pool_worker_get)
+    import inspect
+
+    assert "task = get()" in inspect.getsource(multiprocessing.pool.worker)
+    assert "loads" in inspect.getsource(multiprocessing.queues.SimpleQueue.get)
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -989,6 +1023,32 @@ def test_a_pool_does_not_wedge_on_any_failure_to_rebuild(method):
         pool.join()
     with pytest.raises(pickle.UnpicklingError):  # elsewhere: raised as it is
         pickle.loads(pickle.dumps(_BadToken()))
+
+
+def first_byte(value):
+    return int(np.asarray(value)[0])
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_pool_worker_does_not_wedge_on_a_task_it_cannot_rebuild(method):
+    # multiprocessing.pool.worker reads its next task outside any try but EOFError/OSError:
+    # any other error ends the worker, and an OSError (MemoryError: no mapping left) makes it
+    # leave quietly; either way the task is lost and Pool.map waits for ever. A task whose
+    # memory cannot be delivered or mapped (a fetch with no fd left, vm.max_map_count) runs
+    # with an Undelivered in its place, and the error comes back as the task's
+    payload = _dead_senders_payload()
+    pool = mp.get_context(method).Pool(1)
+    try:
+        with pytest.raises(pyshm.DeliveryError):
+            pool.apply_async(first_byte, (_Replay(payload),)).get(timeout=30)
+        with pytest.raises(pyshm.DeliveryError):
+            pool.map_async(first_byte, [_BadToken()] * 3, chunksize=1).get(timeout=30)
+        a = pyshm.zeros(100, np.uint8, shared=True)  # the pool still works
+        a[0] = 9
+        assert pool.map(first_byte, [a], chunksize=1) == [9]
+    finally:
+        pool.terminate()
+        pool.join()
 
 
 # ---- 3. no write undone by an implicit share ------------------------------------------------------

@@ -353,6 +353,35 @@ def test_torch_dataloader_workers_return_the_parents_memory(method):
         assert addresses[:3] == [a.ctypes.data for a in arrays[:3]]
 
 
+class NewArrays:
+    """A dataset whose workers make new pyshm memory for every item (they are its senders)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        import torch
+
+        array = pyshm.zeros(1 << 20, np.uint8)
+        array[0] = index
+        return torch.from_numpy(array)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_torch_dataloader_left_early_does_not_wait_for_its_workers(method):
+    # a loop left with break: the workers' prefetched items are never read; their data
+    # queues are given up (cancel_join_thread), so they end at once instead of waiting for a
+    # reader, which made the DataLoader wait 5 s for each worker, then terminate it
+    torch = torch_or_skip()
+    loader = torch.utils.data.DataLoader(NewArrays(), batch_size=None, num_workers=2,
+                                         multiprocessing_context=method)
+    iterator = iter(loader)
+    assert int(next(iterator)[0]) == 0
+    started = time.monotonic()
+    del iterator
+    assert time.monotonic() - started < 4
+
+
 def test_torch_registered_when_imported_after_pyshm():
     engine_or_skip("torch")  # (its child imports torch)
     out = run_python("""
