@@ -772,6 +772,10 @@ class _Server:
         note_reached(self.address)
         self.answering = False  # between reading a request and sending its last fd (linger)
         self.failed = False  # (the server's own work failed: said once, see _say_failed)
+        # one fd kept in reserve for a connection when this process has no fd left (its own
+        # memfds up to RLIMIT_NOFILE, a share refused for that): closed to accept it, taken
+        # back once a connection is closed (see _accept)
+        self.reserve = _reserve_fd()
         self.thread = threading.Thread(target=self._run, name="pyshm-fd-server", daemon=True)
         self.thread.start()
         _register_linger()  # (again: a fork may have cleared it; linger() twice is harmless)
@@ -813,6 +817,8 @@ class _Server:
         watched = False  # (the listening socket in the selector)
         try:
             while True:
+                if self.reserve is None:
+                    self.reserve = _reserve_fd()
                 now = time.monotonic()
                 oldest = next(iter(waiting.values()), now)
                 room = len(waiting) < _MAX_WAITING or now - oldest >= _EVICT_SECONDS
@@ -881,10 +887,18 @@ class _Server:
         except OSError as exc:
             if self.sock.fileno() < 0 or exc.errno in (errno.EBADF, errno.EINVAL):
                 raise
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) and \
-                    not self._drop_oldest(selector, waiting):
-                time.sleep(_BACKOFF_SECONDS)
-            return  # (else a connection that went away meanwhile: ECONNABORTED)
+            if exc.errno == errno.EMFILE and self.reserve is not None:
+                reserve, self.reserve = self.reserve, None  # (taken back at the loop's next
+                os.close(reserve)  # turn, if it can be)
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+            else:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) and \
+                        not self._drop_oldest(selector, waiting):
+                    time.sleep(_BACKOFF_SECONDS)
+                return  # (else a connection that went away meanwhile: ECONNABORTED)
         if not _welcome(conn, uid):
             conn.close()
             return
@@ -912,6 +926,14 @@ class _Server:
             del holders  # every fd stays open until the kernel has taken its copy
         finally:
             self.answering = False
+
+
+def _reserve_fd() -> Optional[int]:
+    """An fd held only to be given up when the fd server needs one (None: none left now)."""
+    try:
+        return os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _forget(selector: Any, waiting: dict, conn: socket.socket) -> None:
@@ -1152,6 +1174,16 @@ class _WantHere(DeliveryError):
     """A DeliveryError for a want of this process's own (no fd left): worth trying again."""
 
 
+def want_no_socket() -> None:
+    """_WantHere if this process cannot make a socket now (no fd left): reachable() then said
+    "unreachable" for a sender it could not ask, which is no sign that the sender is gone."""
+    try:
+        _client_socket().close()
+    except OSError as exc:
+        raise _WantHere(f"pyshm: no socket left in this process to reach the process that "
+                        f"sent this memory ({exc.strerror or exc})") from None
+
+
 def _client_socket() -> socket.socket:
     """A new connection's socket (no fd left: OSError, EMFILE)."""
     return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -1248,6 +1280,9 @@ def _after_fork_in_child() -> None:
             old.server.sock.close()
         except OSError:
             pass
+        reserve, old.server.reserve = old.server.reserve, None
+        if reserve is not None:
+            os.close(reserve)
     old.server = None
     old.lock = threading.RLock()
     # (the secrets of the parent (and its ancestors first) for memory exported before the

@@ -12,6 +12,7 @@ import mmap
 import multiprocessing as mp
 import os
 import pickle
+import resource
 import signal
 import socket
 import subprocess
@@ -891,6 +892,73 @@ def test_a_producer_that_gave_its_queue_up_does_not_wait_for_its_receivers(metho
     assert [item.nbytes for item in items] == [100_000, 100]
     proc.join(30)
     assert proc.exitcode == 0
+
+
+def fill_fds_and_send(conn):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+    conn.send(pyshm.zeros(1 << 17, np.uint8, shared=True))  # (its fd server runs)
+    arrays = []
+    with pytest.raises(OSError):  # until a share is refused for want of fds, as documented
+        while True:
+            arrays.append(pyshm.zeros(1 << 17, np.uint8, shared=True))
+    arrays[0][0] = 7
+    conn.send(arrays[:3])
+    conn.recv()  # (holds the memory until the receiver is done)
+
+
+def test_a_sender_with_no_fd_left_still_serves():
+    # a sender whose fds all went into its memfds (its next share refused with EMFILE) must
+    # still accept its receivers' connections: before, each waited 30 s and got DeliveryError
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=fill_fds_and_send, args=(there,))
+    proc.start()
+    try:
+        here.recv()
+        assert here.poll(60)
+        started = time.monotonic()
+        arrays = here.recv()
+        assert time.monotonic() - started < 10
+        assert int(arrays[0][0]) == 7 and len(arrays) == 3
+        here.send(None)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def send_and_wait(conn):
+    conn.send_bytes(ForkingPickler.dumps(pyshm.zeros(1 << 17, np.uint8, shared=True)))
+    conn.recv()
+
+
+def test_a_receiver_with_no_fd_left_is_told_so_not_that_its_sender_is_gone():
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=send_and_wait, args=(there,))
+    proc.start()
+    try:
+        payload = here.recv_bytes()
+        filler = []
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    filler.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+            with pytest.raises(pyshm.DeliveryError) as info:
+                pickle.loads(payload)
+        finally:
+            for fd in filler:
+                os.close(fd)
+        assert "no socket left in this process" in str(info.value)
+        assert pickle.loads(payload).nbytes == 1 << 17  # (the sender was there all along)
+        here.send(None)
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def send_and_die(conn):
