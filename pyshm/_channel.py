@@ -78,6 +78,7 @@ from typing import Any, Optional
 from ._memory import storage_fd
 
 KEEPALIVE_SECONDS = 60.0  # an unfetched, unacknowledged batch holds its memory this long
+GIVEN_UP_SECONDS = 1.0  # how long an exit waits for the readers of a queue given up (linger)
 PREFETCH_SECONDS = 1.0  # an extra fd this process did not use by then is closed
 JANITOR_SECONDS = 0.2  # how often the receiver's janitor acknowledges and closes extras
 ACK_ATTEMPTS = 5  # requests the janitor makes, a period apart, to get one acknowledgement across
@@ -288,7 +289,9 @@ class _Batch:
         self.members: dict = {}  # key -> [holder, readonly]
         self.deadline = time.monotonic() + KEEPALIVE_SECONDS
         self.frame = frame  # id() of the frame that called the pickler (see Mark)
-        self.thread = threading.get_ident()  # (the pickling thread: see _abandoned_threads)
+        # the pickling thread itself, not its ident, which a later thread may get again (see
+        # _abandoned_threads)
+        self.thread = threading.current_thread()
 
 
 class _State:
@@ -625,26 +628,30 @@ def held_batches(abandoned: bool = True) -> int:
         now = time.monotonic()
         skip = () if abandoned else _abandoned_threads()
         return sum(1 for b in state.batches.values()
-                   if b.members and b.deadline > now and b.thread not in skip)
+                   if b.members and b.deadline > now
+                   and not any(b.thread is thread for thread in skip))
 
 
 # Queues whose cancel_join_thread() was called in this process: their owner is "prepared to
-# lose data" (the stdlib's words) and exits without flushing them, so linger() does not wait
-# for the messages their feeder pickled either. torch's DataLoader workers do that when their
-# iterator is shut down with items prefetched and never read (a loop left with break): each
-# worker would otherwise wait KEEPALIVE_SECONDS at exit, and the DataLoader waits 5 s for
-# each worker before it terminates it.
+# lose data" (the stdlib's words) and exits without flushing them, so linger() waits for the
+# messages their feeder pickled GIVEN_UP_SECONDS only (the stdlib would still deliver what
+# reached the pipe: a reader within that second gets it, a later one a DeliveryError).
+# torch's DataLoader workers do that when their iterator is shut down with items prefetched
+# and never read (a loop left with break): each worker would otherwise wait
+# KEEPALIVE_SECONDS at exit, and the DataLoader waits 5 s for each worker before it
+# terminates it. The batches name their pickling thread itself: a later thread may get a
+# dead feeder's ident.
 _cancelled_queues: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def _abandoned_threads() -> set:
-    """Thread idents of the feeders of the queues given up (lock held or not)."""
-    idents = set()
+def _abandoned_threads() -> list:
+    """The feeder threads of the queues given up (lock held or not)."""
+    threads = []
     for queue in list(_cancelled_queues):
         thread = getattr(queue, "_thread", None)
-        if thread is not None and thread.ident is not None:
-            idents.add(thread.ident)
-    return idents
+        if thread is not None:
+            threads.append(thread)
+    return threads
 
 
 def _hook_cancel_join_thread() -> None:
@@ -957,11 +964,13 @@ def linger() -> None:
     """At the exit of a multiprocessing child (or a Ray worker, see pyshm.engines): wait until
     the batches this process holds are released (delivered, acknowledged) or expired, and the
     server has sent its last reply, so that its receivers can still fetch."""
+    given_up_until = time.monotonic() + GIVEN_UP_SECONDS
     while True:
         server = state.server
         if server is None or server.pid != os.getpid():
             return
-        if not held_batches(abandoned=False) and not server.answering:
+        if not held_batches(abandoned=time.monotonic() < given_up_until) and \
+                not server.answering:
             return
         time.sleep(0.005)
 

@@ -862,12 +862,18 @@ def test_producers_that_put_and_end(method):
     _check_results([results[i] for i in range(n)], n)
 
 
-def put_give_up_and_end(queue, given_up):
+def put_give_up_and_end(queue, given_up, other=None):
     queue.put(pyshm.zeros(100_000, np.uint8))  # a memfd of its own
     queue.put(pyshm.zeros(100, np.uint8))  # a slab's
     if given_up:
         time.sleep(0.5)  # (the feeder has pickled both)
         queue.cancel_join_thread()  # "prepared to lose data": nobody will read them
+    if other is not None:  # another queue, not given up, fed once the first one's feeder ended
+        queue.close()
+        queue.join_thread()
+        for _ in range(20):  # (new feeders until one has the given-up feeder's ident, maybe)
+            threading.Thread(target=lambda: None).start()
+        other.put(pyshm.zeros(100_000, np.uint8))
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -883,6 +889,24 @@ def test_a_producer_that_gave_its_queue_up_does_not_wait_for_its_receivers(metho
     started = time.monotonic()
     proc.join(30)
     assert proc.exitcode == 0 and time.monotonic() - started < 10
+    # a reader within GIVEN_UP_SECONDS of the exit still gets what reached the pipe
+    queue = ctx.Queue()
+    proc = ctx.Process(target=put_give_up_and_end, args=(queue, True))
+    proc.start()
+    items = [queue.get(timeout=30) for _ in range(2)]
+    assert [item.nbytes for item in items] == [100_000, 100]
+    proc.join(30)
+    assert proc.exitcode == 0
+    # another queue of that producer, not given up, is waited for (a thread made later may
+    # get the given-up feeder's ident: before, its messages were not waited for then)
+    queue, other = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=put_give_up_and_end, args=(queue, True, other))
+    proc.start()
+    time.sleep(3)
+    assert proc.exitcode is None  # waiting for a reader of `other`'s memory
+    assert other.get(timeout=30).nbytes == 100_000
+    proc.join(30)
+    assert proc.exitcode == 0
     queue = ctx.Queue()  # (the first producer's items: undeliverable now, as it said)
     proc = ctx.Process(target=put_give_up_and_end, args=(queue, False))
     proc.start()
