@@ -302,9 +302,10 @@ def nbytes_of(shape: tuple, dtype: np.dtype) -> int:
 
 
 def wrap(handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int = 0,
-          keep: Any = None) -> np.ndarray:
-    """An array over C storage `handle` at byte `offset` (its owner takes its own reference)."""
-    readonly = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
+          keep: Any = None, readonly: bool = False) -> np.ndarray:
+    """An array over C storage `handle` at byte `offset` (its owner takes its own reference);
+    read-only if the storage is, or if `readonly`."""
+    readonly = readonly or bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
     owner = ArrayOwner(handle, shape, dtype, offset, readonly, keep)
     array = np.asarray(owner)
     if array.dtype != dtype or dtype.metadata is not None:

@@ -65,7 +65,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _pyshm_dask, reduction
+from . import _channel, _pyshm_dask, reduction
 from .arrays import is_shared
 
 __all__ = ["install", "installed"]
@@ -146,10 +146,18 @@ def _rebuild_tensor(data, dtype: str, size: tuple, stride: tuple, offset: int,
                     attributes: Optional[dict] = None):
     if not isinstance(data, np.ndarray):
         return data  # (an Undelivered stand-in: it raises on first use)
+    if not data.flags.writeable:
+        # (a tensor has no read-only flag: one over read-only memory would crash its writer.
+        # Senders refuse such tensors when pickled (_tensor_reduction): a forged pickle)
+        error = pickle.UnpicklingError(
+            "pyshm: a tensor over memory this process may only read (a read-only secret)")
+        stand_in = _channel.stand_in(error)
+        if stand_in is None:
+            raise error
+        return stand_in
     torch = _torch() if "torch" in sys.modules else __import__("torch")
     with warnings.catch_warnings():
-        # (the storage of a received read-only array would warn; such tensors are refused
-        # when pickled, see _reduce_tensor, so this only ever concerns writable memory)
+        # (the storage of a read-only array would warn; refused above)
         warnings.simplefilter("ignore", UserWarning)
         storage = torch.from_numpy(data).untyped_storage()
     tensor = torch.empty((0,), dtype=getattr(torch, dtype)).set_(storage, offset, size, stride)

@@ -223,8 +223,12 @@ def _new_view(segment: _ffi.SegmentHandle, offset: int, nbytes: int,
 
 
 def _sealed(fd: int) -> bool:
-    """Whether memfd `fd` is sealed against writes (a read-only secret fetches only such)."""
-    return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _WRITE_SEALS)
+    """Whether memfd `fd` is sealed against writes (a read-only secret fetches only such);
+    UnpicklingError for an fd that is no memfd (a lying sender's)."""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _WRITE_SEALS)
+    except OSError as exc:
+        raise pickle.UnpicklingError(f"pyshm: the fd received is not a memfd ({exc})") from None
 
 
 def _key_of(fd: int) -> tuple:
@@ -805,9 +809,11 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
                     exact.flags.writeable = False
                 return exact
             # a dtype the interface could not say exactly: through a flat view, as below
-            flat = wrap(owner.handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
+            flat = wrap(owner.handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping,
+                        readonly=bool(flags & _ffi.STORAGE_READONLY))
         else:
-            flat = wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping)
+            flat = wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping,
+                        readonly=bool(flags & _ffi.STORAGE_READONLY))
     finally:
         if handle is not None:
             lib.lshm_storage_release(handle)
@@ -823,7 +829,16 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
 def _rebuild_storage(batch, token) -> Storage:
     try:
         _check_reachable(token)
-        mapping, handle, _ = _resolve(batch, _check_token(token))
+        mapping, handle, facts = _resolve(batch, _check_token(token))
+        if facts is not None and facts[0] & _ffi.STORAGE_READONLY and not (
+                lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY):
+            # (memory of ours, writable here, named read-only: a Storage of it would be
+            # writable, which the pickle's read-only secret does not open)
+            lib.lshm_storage_release(handle)
+            raise pickle.UnpicklingError(
+                "pyshm: this pickle names memory of this process read-only, which is writable "
+                "here: it cannot be a Storage (that would be writable); unpickle an array of "
+                "it instead, which is read-only")
     except Exception as exc:
         stand_in = _channel.stand_in(exc)
         if stand_in is None:

@@ -404,6 +404,56 @@ def test_a_read_only_secret_never_stands_for_writable_memory(mapped_here):
     assert int(frozen[0]) == 3
 
 
+_OVERLAPPING = np.dtype({"names": ["a", "b"], "formats": ["u1", "u1"], "offsets": [0, 0],
+                         "itemsize": 1})  # (one the array interface cannot say exactly)
+
+
+class _ForgedOther:
+    """A "result" naming memory sent read-only as something writable of another kind."""
+
+    def __init__(self, kind, token, nbytes):
+        self.kind, self.token, self.nbytes = kind, token, nbytes
+
+    def __reduce__(self):
+        if self.kind == "storage":
+            return reduction._rebuild_storage, (_channel.mark(), self.token)
+        if self.kind == "odd dtype":
+            return (reduction.rebuild_ndarray, (_channel.mark(), self.token, (self.nbytes,),
+                                                _OVERLAPPING, (1,), 0, True))
+        import pyshm.engines as engines
+
+        return engines._rebuild_tensor, (_ForgedResult(self.token, self.nbytes), "uint8",
+                                         (self.nbytes,), (1,), 0, False, False)
+
+
+def _forged_other(kind, a):
+    forged = _writable_token_for(a)
+    return _ForgedOther(kind, forged.token, forged.nbytes)
+
+
+@pytest.mark.parametrize("kind", ["storage", "odd dtype", "tensor"])
+def test_a_read_only_secret_never_stands_for_a_writable_storage_view_or_tensor(kind):
+    # the same forged "result" as a Storage, an array of a dtype that takes numpy's general
+    # path, or a torch tensor (which has no read-only flag): nothing writable over the
+    # memory shared read-only (helper h19: each was writable, and writes changed it)
+    if kind == "tensor":
+        pytest.importorskip("torch")
+    frozen = pyshm.zeros(1 << 17, np.uint8)
+    frozen[:] = 3
+    pyshm.share_readonly(frozen)
+    with mp.get_context("fork").Pool(1) as pool:
+        result = pool.apply(_forged_other, (kind, frozen))
+    if kind == "odd dtype":
+        assert not result.flags.writeable and result.ctypes.data == frozen.ctypes.data
+        with pytest.raises(ValueError):
+            result.flags.writeable = True
+    else:  # (refused: the pool's result thread gets a stand-in that raises where used)
+        assert isinstance(result, pyshm.Undelivered)
+        with pytest.raises(pyshm.DeliveryError, match="read-only|only read"):
+            np.asarray(result)
+    assert int(frozen[0]) == 3
+
+
 @pytest.mark.parametrize("nbytes, shape, strides", [
     (0, (1 << 16,), (8,)),  # (numpy takes any layout over an empty buffer)
     (None, (5,), (-(1 << 62),)),  # (numpy's check wraps around)
