@@ -605,16 +605,27 @@ void lshm__os_after_fork(void) {
     pthread_mutex_unlock(&deferred_lock);
 }
 
+/* At most this many ranges fail per try: a free at the limit costs a few failed munmaps, not
+ * one per range waiting. The ranges that failed go last, so that the others come first next
+ * time (a range cut out of a mapping fails while the one next to it, a whole mapping once its
+ * neighbours went, may not). */
+#define DEFERRED_FAILS_PER_TRY 4
+
 static void unmap_deferred(void) {
     if (atomic_load_explicit(&deferred_count, memory_order_relaxed) == 0)
         return;
     pthread_mutex_lock(&deferred_lock);
-    size_t done = 0, n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
-    /* (until one fails: still no room then, and the rest would fail as well; so a free at the
-     * limit costs one failed munmap, not one per range waiting) */
-    while (done < n && munmap(deferred[n - 1 - done].addr, deferred[n - 1 - done].len) == 0)
-        done++;
-    atomic_store_explicit(&deferred_count, n - done, memory_order_relaxed);
+    size_t n = atomic_load_explicit(&deferred_count, memory_order_relaxed);
+    struct deferred_range failed[DEFERRED_FAILS_PER_TRY];
+    size_t fails = 0, kept = 0, i = 0;
+    for (; i < n && fails < DEFERRED_FAILS_PER_TRY; i++)
+        if (munmap(deferred[i].addr, deferred[i].len) != 0)
+            failed[fails++] = deferred[i];
+    for (; i < n; i++) /* (not tried) */
+        deferred[kept++] = deferred[i];
+    for (size_t f = 0; f < fails; f++)
+        deferred[kept++] = failed[f];
+    atomic_store_explicit(&deferred_count, kept, memory_order_relaxed);
     pthread_mutex_unlock(&deferred_lock);
 }
 
