@@ -370,8 +370,9 @@ class NewArrays:
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_torch_dataloader_left_early_does_not_wait_for_its_workers(method):
     # a loop left with break: the workers' prefetched items are never read; their data
-    # queues are given up (cancel_join_thread), so they end at once instead of waiting for a
-    # reader, which made the DataLoader wait 5 s for each worker, then terminate it
+    # queues are given up (cancel_join_thread), so they wait for a reader GIVEN_UP_SECONDS
+    # only, not KEEPALIVE_SECONDS, which made the DataLoader wait 5 s for each worker, then
+    # terminate it
     torch = torch_or_skip()
     loader = torch.utils.data.DataLoader(NewArrays(), batch_size=None, num_workers=2,
                                          multiprocessing_context=method)
