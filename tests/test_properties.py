@@ -697,9 +697,9 @@ class StorageMachine(RuleBasedStateMachine):
             copy = pickle.loads(data, buffers=[b.raw() for b in buffers])
         else:
             copy = pickle.loads(pickle.dumps(v.obj, protocol))
-        if protocol == "oob" and copy.size and np.shares_memory(copy, v.obj):
-            # (the buffers handed straight back: the very memory, which pyshm knows as such
-            # through the memoryview under the array)
+        if protocol == "oob" and pyshm.storage_of(copy) is not None:
+            # (the buffers handed straight back, empty ones too: the very memory, which pyshm
+            # knows as such through the memoryview under the array)
             assert pyshm.is_shared(copy) == pyshm.is_shared(v.obj)
         else:
             assert pyshm.storage_of(copy) is None and not pyshm.is_shared(copy)
