@@ -6,6 +6,7 @@ survives every request.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import errno
 import gc
 import mmap
@@ -305,30 +306,18 @@ def test_a_forged_token_never_stands_for_an_unsent_array_of_our_slab():
         _rebuild(forged, nbytes)
 
 
+def send_two_arrays_and_wait(conn):
+    arrays = [pyshm.zeros(1 << 17, np.uint8, shared=True) for _ in range(2)]
+    for i, a in enumerate(arrays):
+        a[:] = i + 1
+    conn.send_bytes(ForkingPickler.dumps(arrays))
+    conn.recv()  # the parent fetched: exit
+
+
 def test_a_forged_token_never_stands_for_memory_we_received():
-    r, w = os.pipe()
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.close(go_w)
-            arrays = [pyshm.zeros(1 << 17, np.uint8, shared=True) for _ in range(2)]
-            for i, a in enumerate(arrays):
-                a[:] = i + 1
-            payload = bytes(ForkingPickler.dumps(arrays))
-            os.write(w, len(payload).to_bytes(8, "little") + payload)
-            os.read(go_r, 1)  # the parent fetched: exit
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    os.close(go_r)
+    here, child = start_with_pipe(mp.get_context("fork"), send_two_arrays_and_wait)
     try:
-        with os.fdopen(r, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            payload = f.read(size)
+        payload = here.recv_bytes()
         # the message's batch and tokens, as the receiver holds them
         captured = []
         real = reduction.rebuild_ndarray
@@ -351,9 +340,8 @@ def test_a_forged_token_never_stands_for_memory_we_received():
         arrays = [_rebuild(t, 1 << 17) for t in (first, second)]
         assert [int(a[0]) for a in arrays] == [1, 2]
     finally:
-        os.write(go_w, b"x")
-        os.close(go_w)
-        os.waitpid(pid, 0)
+        here.send(None)
+        child.join(30)
     # sender gone: a forged token for memory mapped here still stands for nothing
     with pytest.raises(pyshm.DeliveryError):
         _rebuild(_forged(fields[0]), 1 << 17)
@@ -980,20 +968,13 @@ def fill_fds_and_send(conn):
     conn.recv()  # (holds the memory until the receiver is done)
 
 
-def test_a_sender_with_no_fd_left_still_serves():
-    # a sender whose fds all went into its memfds (its next share refused with EMFILE) must
-    # still accept its receivers' connections: before, each waited 30 s and got DeliveryError
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=fill_fds_and_send, args=(there,))
-    proc.start()
+@contextlib.contextmanager
+def _spawned_sender(target):
+    """(parent's end of a pipe, process) of `target(child_end)` in a spawned process, which
+    must exit 0 once told (here.send(None)); killed if the test fails first."""
+    here, proc = start_with_pipe(mp.get_context("spawn"), target)
     try:
-        here.recv()
-        assert here.poll(60)
-        started = time.monotonic()
-        arrays = here.recv()
-        assert time.monotonic() - started < 10
-        assert int(arrays[0][0]) == 7 and len(arrays) == 3
+        yield here, proc
         here.send(None)
         proc.join(30)
         assert proc.exitcode == 0
@@ -1003,17 +984,25 @@ def test_a_sender_with_no_fd_left_still_serves():
             proc.join()
 
 
+def test_a_sender_with_no_fd_left_still_serves():
+    # a sender whose fds all went into its memfds (its next share refused with EMFILE) must
+    # still accept its receivers' connections: before, each waited 30 s and got DeliveryError
+    with _spawned_sender(fill_fds_and_send) as (here, proc):
+        here.recv()
+        assert here.poll(60)
+        started = time.monotonic()
+        arrays = here.recv()
+        assert time.monotonic() - started < 10
+        assert int(arrays[0][0]) == 7 and len(arrays) == 3
+
+
 def send_and_wait(conn):
     conn.send_bytes(ForkingPickler.dumps(pyshm.zeros(1 << 17, np.uint8, shared=True)))
     conn.recv()
 
 
 def test_a_receiver_with_no_fd_left_is_told_so_not_that_its_sender_is_gone():
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=send_and_wait, args=(there,))
-    proc.start()
-    try:
+    with _spawned_sender(send_and_wait) as (here, proc):
         payload = here.recv_bytes()
         filler = []
         try:
@@ -1027,12 +1016,6 @@ def test_a_receiver_with_no_fd_left_is_told_so_not_that_its_sender_is_gone():
                 os.close(fd)
         assert "no socket left in this process" in str(info.value)
         assert pickle.loads(payload).nbytes == 1 << 17  # (the sender was there all along)
-        here.send(None)
-        proc.join(30)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 def send_and_die(conn):
