@@ -416,11 +416,10 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
     return mapping
 
 
-def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
-                mapping: Optional[_Mapping] = None) -> tuple:
-    """(a storage of this process for that byte range of memfd `key` (a new reference the
-    caller releases) or None, its (flags, data, nbytes) if known): memory that left from here
-    coming back (lock held). `mapping`: the cached mapping of `key`, if any."""
+def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
+                 mapping: Optional[_Mapping]) -> tuple:
+    """_own_memory's find: the storage itself, or a view of the memfd (read-only if
+    `readonly`)."""
     # (ranges and the channel's holders only know memfds exported from here, which all have
     # secrets: a memfd received from elsewhere skips both)
     exported = key in _state.secrets
@@ -451,13 +450,15 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
     return None, None
 
 
-def _own_memory_for(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
-                    mapping: Optional[_Mapping]) -> tuple:
-    """_own_memory, whose storage a read-only token makes read-only arrays of (its facts say
-    so, whatever the token's array said): a read-only secret opens no more here than it
-    would in another process. (Memory of ours that has a read-only secret is sealed, so
-    sending such an array on gives read-only tokens too.)"""
-    handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
+                mapping: Optional[_Mapping]) -> tuple:
+    """(a storage of this process for that byte range of memfd `key` (a new reference the
+    caller releases) or None, its (flags, data, nbytes) if known): memory that left from here
+    coming back (lock held). `mapping`: the cached mapping of `key`, if any. With `readonly`
+    the facts say read-only whatever the storage is (a read-only secret opens no more here
+    than in another process; memory of ours with a read-only secret is sealed, so sending
+    such an array on gives read-only tokens too)."""
+    handle, facts = _own_storage(key, size, offset, nbytes, readonly, mapping)
     if handle is not None and readonly:
         if facts is None:
             facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
@@ -484,7 +485,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
         if trusted == _channel.READ_ONLY:
             readonly = True  # (whatever the token says: its secret opens no more)
         if trusted:
-            handle, facts = _own_memory_for(key, size, offset, nbytes, readonly, mapping)
+            handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
             if handle is not None:
                 if solo is not None:
                     _channel.queue_ack(address, solo)
@@ -501,7 +502,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                         mapping.sealed if fd is None else _sealed(fd))
                     _channel.vouch(key, secret, readonly)
                     trusted = True
-                    handle, facts = _own_memory_for(key, size, offset, nbytes, readonly, mapping)
+                    handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
                     if handle is not None:
                         return None, handle, facts
                     if mapping is None:
@@ -540,7 +541,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 readonly = readonly or _sealed(fd)  # (what the secret opened: see vouched)
                 _channel.vouch(key, secret, readonly)
                 mapping = _cache.mappings.get(key)  # another thread may have won the race
-                handle, facts = _own_memory_for(key, size, offset, nbytes, readonly, mapping)
+                handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
                 if handle is not None:
                     return None, handle, facts
                 if mapping is None:
