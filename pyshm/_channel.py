@@ -519,7 +519,8 @@ class Mark(_Reduced):
 class Ticket(_Reduced):
     """One memfd named in a token; its reduction enlists the memory in the current batch and
     becomes the token the receiver resolves. `fields`: the token (key, address, size, offset,
-    nbytes, readonly, secret, solo), solo None (no batch of its own; see _reduce)."""
+    nbytes, readonly, secret, solo), solo None (no batch of its own; see _reduce). `holder`
+    None: a token of another process sent on as it is (no batch holds anything for it)."""
 
     __slots__ = ("key", "holder", "readonly", "fields")
 
@@ -527,6 +528,12 @@ class Ticket(_Reduced):
         self.key, self.holder, self.readonly, self.fields = key, holder, readonly, fields
 
     def _reduce(self, frame: int, out_of_band: bool):
+        if self.holder is None:  # a token of another process, sent on (reduction._forwarded):
+            # its memory is that process's to hand over, not this one's to hold
+            if not out_of_band:
+                return tuple, (self.fields,)
+            *head, secret, _ = self.fields
+            return tuple, ((*head, _secret_out(secret, True), None),)
         batch = getattr(state.local, "batch", None)
         solo = None
         # (no lock on this path: only this thread adds to its current batch, and nobody can
@@ -1140,25 +1147,30 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         if acks and state.ack_failures:  # (none failed before: nothing to forget, no lock)
             _ack_delivered(address, acks)
         received.extend(fds)
-        if flags & socket.MSG_CTRUNC:
-            raise _WantHere(f"pyshm: fds sent by another process were dropped: no fd left in "
-                            f"this process (RLIMIT_NOFILE, {errno.errorcode[errno.EMFILE]})")
+        truncated = bool(flags & socket.MSG_CTRUNC)  # (no fd left here: the kernel dropped some)
         n = len(fetches)
         tail = reply[n + 1 :]
         if len(reply) < n + 1 or len(tail) % _EXTRA.size or len(tail) > max_extras * _EXTRA.size:
             raise DeliveryError("pyshm: malformed reply from the sending process")
         status, released = reply[:n], bool(reply[n] & RELEASED)
         extra_info = [_EXTRA.unpack_from(tail, i) for i in range(0, len(tail), _EXTRA.size)]
-        wanted = sum(1 for ok in status if ok) + len(extra_info)
-        while len(received) < wanted:
+        needed = sum(1 for ok in status if ok)  # (the fds asked for come first, then extras)
+        wanted = needed + len(extra_info)
+        while len(received) < wanted and not truncated:
             _, more, flags, _ = socket.recv_fds(sock, 16, _MAX_FDS_PER_MESSAGE,
                                                 socket.MSG_CMSG_CLOEXEC)
             received.extend(more)
-            if not more or flags & socket.MSG_CTRUNC:
-                raise DeliveryError("pyshm: fds from the sending process were dropped (no fd "
-                                    "left in this process, or the sender went away)")
-        if len(received) != wanted:
+            truncated = bool(flags & socket.MSG_CTRUNC)
+            if not more and not truncated:
+                raise DeliveryError("pyshm: fds from the sending process were dropped (the "
+                                    "sender went away)")
+        if len(received) > wanted or (len(received) < wanted and not truncated):
             raise DeliveryError("pyshm: malformed reply from the sending process")
+        if len(received) < needed:
+            raise _WantHere(f"pyshm: fds sent by another process were dropped: no fd left in "
+                            f"this process (RLIMIT_NOFILE, {errno.errorcode[errno.EMFILE]})")
+        # the fds asked for all came; extras the kernel dropped are only missed: their tokens
+        # fetch them again
         it = iter(received)
         asked = [next(it) if ok else None for ok in status]
         extras = [((dev, ino), bool(ro), fd) for (dev, ino, ro), fd in zip(extra_info, it)]

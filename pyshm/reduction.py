@@ -60,9 +60,14 @@ fd and mapping policy (why 100,000 small arrays work under ``ulimit -n 1024``)
   mapping each. What a receiver of one slab array can read is said in the README ("What a
   receiver of a slab array can read").
 * A receiver keeps each received memfd's fd (so it can send the array on) while it holds fewer
-  than ``max(64, RLIMIT_NOFILE // 2)`` of them; beyond that it closes the fd right after mapping
-  (``lshm_segment_close_fd``) and such an array can no longer be sent on (pickling it raises).
-  Extras handed out with a fetch (above) wait as fds, at most ``RLIMIT_NOFILE // 4`` of them.
+  than ``RLIMIT_NOFILE // 2`` of them and more than ``FD_RESERVE`` (8) fds stay free; beyond
+  that it closes the fd right after mapping (``lshm_segment_close_fd``). Such an array is sent
+  on as a token of the process it came from, which the next receiver then asks for it: it
+  arrives while that process still holds the memory (its own memory comes back to it with no
+  fetch), and raises ``DeliveryError`` once it does not. Extras handed out with a fetch (above)
+  wait as fds, at most ``RLIMIT_NOFILE // 4`` of them, and a fetch asks for no more than the fds
+  free less ``FD_RESERVE``. Under a limit of 4096 the fds free are counted (``/proc/self/fd``),
+  so a receiver that starts with few fds left gets its arrays one fetch at a time, not an error.
 * Mappings: one per memfd, and ``vm.max_map_count`` (65,530 by default) bounds them, so a
   receiver can hold at most ~65,000 distinct memfds at once (about 256 GiB of slabs, or 65,000
   in-place-shared arrays). Slabs are what make 100,000+ small arrays possible.
@@ -149,12 +154,16 @@ class _Mapping(HandleLifetime):
     long as something uses the mapping.
     """
 
-    __slots__ = ("segment", "key", "size", "fd_kept", "sealed", "data", "flags", "ours")
+    __slots__ = ("segment", "key", "size", "fd_kept", "sealed", "data", "flags", "ours",
+                 "origin")
 
     def __init__(self, segment: _ffi.SegmentHandle, key: tuple, fd_kept: bool,
-                 sealed: bool) -> None:
+                 sealed: bool, origin: Optional[tuple] = None) -> None:
         self.segment = segment
         self.key = key
+        # (address, secret) of the token whose sender handed this memfd over: what its
+        # arrays are sent on as once its fd is closed (_forwarded)
+        self.origin = origin
         self.size = lib.lshm_segment_size(segment)
         self.fd_kept = fd_kept
         # sealed against writes when it came; for good: a writable fd is handed out with
@@ -196,11 +205,52 @@ def _drop_segment(segment: _ffi.SegmentHandle, fd_kept: bool) -> None:
     lib.lshm_segment_release(segment)
 
 
-def _fd_budget() -> int:
+_COUNT_FDS_BELOW = 4096  # under this RLIMIT_NOFILE, the fds open are counted (_free_fds)
+FD_RESERVE = 8  # fds left free for the program by the fds pyshm keeps and asks for
+
+
+def _fd_limit() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 20
-    return max(1, soft // 2)  # (a floor above the limit would ask for fds there is no room for)
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def _fd_budget() -> int:
+    """How many fds of received memfds pyshm may keep open at most (half the limit)."""
+    return max(1, _fd_limit() // 2)  # (a floor above the limit would ask for fds not there)
+
+
+def _free_fds() -> Optional[int]:
+    """How many more fds this process can open now, or None for "plenty" (a limit of
+    _COUNT_FDS_BELOW or more: counting costs about 0.4 us per fd open, so it is done only
+    where the limit is small enough for pyshm's fds to matter; or no /proc)."""
+    limit = _fd_limit()
+    if limit >= _COUNT_FDS_BELOW:
+        return None
+    try:
+        open_now = len(os.listdir("/proc/self/fd")) - 1  # (the listing's own fd)
+    except OSError as exc:
+        return 0 if exc.errno in (errno.EMFILE, errno.ENFILE) else None
+    return max(0, limit - open_now)
+
+
+def _may_keep_fd() -> bool:
+    """Whether a received memfd's fd may stay open (without it, the memfd's arrays are sent
+    on as tokens of their sender: _forwarded), leaving FD_RESERVE free for the program."""
+    if _cache.kept_fds >= _fd_budget():
+        return False
+    free = _free_fds()
+    return free is None or free > FD_RESERVE
+
+
+def _extras_room() -> int:
+    """How many extra fds a fetch may ask for beyond the one it needs: at most half the
+    budget less those waiting already, and no more than the fds free now, less the fetch's
+    socket and the fd it asks for and FD_RESERVE (the kernel drops fds that do not fit)."""
+    room = min(_channel.MAX_EXTRAS, _fd_budget() // 2 - len(_state.prefetched))
+    free = _free_fds()
+    if free is not None:
+        room = min(room, free - 2 - FD_RESERVE)
+    return max(0, room)
 
 
 def segment_count() -> int:
@@ -253,15 +303,12 @@ def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket
         # memory received, sent on: all its export info is known already
         # (lshm_storage_export would make three syscalls to find it again); a view of the
         # whole-memfd mapping, whose flags, data and size its array may know (rebuild_ndarray)
-        facts = getattr(holder, "facts", None)
-        if facts is None:
-            handle = handle_of(holder)
-            facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
-                     lib.lshm_storage_nbytes(handle))
-        flags, data, nbytes = facts
+        flags, data, nbytes = _facts_of(holder)
         if mapping.sealed or not flags & _ffi.STORAGE_READONLY:
             return _ticket(holder, flags, data, nbytes, mapping.key, mapping.size,
                            data - mapping.data, mapping.sealed)
+    if mapping is not None and not mapping.fd_kept and mapping.origin is not None:
+        return _forwarded(holder, mapping)
     handle = handle_of(holder)
     rc, info = _ffi.export(handle)
     if rc == -errno.ENODATA:
@@ -289,6 +336,45 @@ def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket
     else:
         key, size = (dev, ino), file_size
     return _ticket(holder, flags, data or 0, nbytes, key, size, offset, readonly)
+
+
+def _facts_of(holder: Any) -> tuple:
+    """(flags, data, nbytes) of the storage of `holder`, a view of a received memfd: what its
+    array knows already (rebuild_ndarray), else libshm's."""
+    facts = getattr(holder, "facts", None)
+    if facts is None:
+        handle = handle_of(holder)
+        facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
+                 lib.lshm_storage_nbytes(handle))
+    return facts
+
+
+_NOT_REGISTERED = object()  # (a forwarded token's range is not the channel's: see _forwarded)
+
+
+def _forwarded(holder: Any, mapping: _Mapping) -> "_channel.Ticket":
+    """The ticket of memory received whose fd this process closed (_may_keep_fd), sent on:
+    a token of the process it came from (mapping.origin: its address, and the secret its
+    token carried), which the next receiver asks for that memfd, as if it had been sent
+    that process's pickle itself. That sender hands it over while it holds the memory, and
+    its own memory comes back to it with no fetch; this process cannot hand it over, as it
+    has no fd for it, so no batch of its holds it (nor waits at exit for its receivers)."""
+    flags, data, nbytes = _facts_of(holder)
+    readonly = mapping.sealed or bool(flags & _ffi.STORAGE_READONLY)
+    if readonly and not mapping.sealed:  # (its secret opens it writable: see _export)
+        raise pickle.PicklingError(
+            "pyshm: this memory is read-only here but its memfd is not sealed against writes, "
+            "so its token would let a receiver write to it; send a sealed copy instead: "
+            "pyshm.share_readonly(pyshm.copy(array))"
+        )
+    address, secret = mapping.origin
+    key, size, offset = mapping.key, mapping.size, data - mapping.data
+    fields = (key, address, size, offset, nbytes, readonly, secret, None)
+    ticket = _channel.Ticket(key, None, readonly, fields)
+    if isinstance(holder, ArrayOwner):  # (a new ticket each send: see reduce_ndarray)
+        holder.token = (flags, (key, size, offset, nbytes), _NOT_REGISTERED, data, key,
+                        readonly, fields)
+    return ticket
 
 
 def _share_for_sending(handle: _ffi.StorageHandle) -> None:
@@ -387,10 +473,12 @@ def _check_token(token: Any) -> tuple:
     return key, address, size, offset, nbytes, readonly, secret, solo
 
 
-def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapping:
+def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False,
+            origin: Optional[tuple] = None) -> _Mapping:
     """Map a received memfd whole (validated by libshm) and cache it (lock held).
 
-    `checked`: the fd is known to be the memfd `key` names (an extra checked on arrival)."""
+    `checked`: the fd is known to be the memfd `key` names (an extra checked on arrival).
+    `origin`: (sender address, secret) of the token it was handed over for."""
     if not checked and _key_of(fd) != key:
         raise pickle.UnpicklingError("pyshm: the fd received is not the memfd that was named")
     try:
@@ -401,12 +489,12 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False) -> _Mapp
     readonly = readonly or sealed
     out = _ffi.SegmentHandle()
     lib.lshm_segment_attach(fd, _ffi.STORAGE_READONLY if readonly else 0, byref(out))
-    keep = _cache.kept_fds < _fd_budget()
+    keep = _may_keep_fd()
     if keep:
         _cache.kept_fds += 1
     else:
         lib.lshm_segment_close_fd(out)
-    mapping = _Mapping(out, key, fd_kept=keep, sealed=sealed)
+    mapping = _Mapping(out, key, fd_kept=keep, sealed=sealed, origin=origin)
     _cache.mappings[key] = mapping
     if _memory.tracking:
         _memory.note_new_owner(weakref.ref(mapping))
@@ -506,15 +594,15 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                     if handle is not None:
                         return None, handle, facts
                     if mapping is None:
-                        mapping = _attach(fd, key, readonly, checked=True)
+                        mapping = _attach(fd, key, readonly, checked=True,
+                                          origin=(address, secret))
                 finally:
                     if fd is not None:
                         os.close(fd)
                 fd = None
             else:
                 acks = _channel.take_acks(address)
-                room = 0 if solo is not None else max(
-                    0, min(_channel.MAX_EXTRAS, _fd_budget() // 2 - len(_state.prefetched)))
+                room = 0 if solo is not None else _extras_room()
         if trusted and mapping is not None and solo is not None:
             _channel.queue_ack(address, solo)
     if mapping is None or not trusted:
@@ -545,7 +633,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 if handle is not None:
                     return None, handle, facts
                 if mapping is None:
-                    mapping = _attach(fd, key, readonly, checked=True)
+                    mapping = _attach(fd, key, readonly, checked=True, origin=(address, secret))
         finally:
             if fd is not None:
                 os.close(fd)
