@@ -73,7 +73,7 @@ import time
 import warnings
 import weakref
 from multiprocessing import util as _mp_util
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ._memory import storage_fd
 
@@ -430,13 +430,34 @@ _MAX_VOUCHED = 4  # secrets remembered per memfd (vouch)
 _MAX_VOUCHED_KEYS = 1 << 16  # memfds remembered (a process maps at most ~65,000: README)
 
 
+def _never_mapped(key: tuple) -> bool:
+    return False
+
+
+# whether memfd `key` is mapped here still: pyshm.reduction's cache of mappings says
+mapped_here: Callable[[tuple], bool] = _never_mapped
+
+
+def _make_room_to_vouch() -> None:
+    """Forget the secrets of memfds no longer mapped here (state.vouched is full, lock held):
+    a token of one needs a fetch anyway, its memory being gone. Only if that frees less than
+    a sixteenth, the oldest of those still mapped go too (a later token of one is fetched
+    again), so that a full table costs one pass per sixteenth of it, not one per vouch."""
+    vouched = state.vouched
+    for key in [key for key in vouched if not mapped_here(key)]:
+        del vouched[key]
+    target = _MAX_VOUCHED_KEYS - max(1, _MAX_VOUCHED_KEYS // 16)
+    while len(vouched) > target:
+        del vouched[next(iter(vouched))]
+
+
 def vouch(key: tuple, secret: bytes, readonly: bool) -> None:
     """Remember that `secret` opens memfd `key`: its sender handed over that memfd for a token
     carrying it (the fd was checked to be that memfd). Lock held."""
     known = state.vouched.get(key)
     if known is None:
-        if len(state.vouched) >= _MAX_VOUCHED_KEYS:  # (the oldest goes: a token of it that
-            del state.vouched[next(iter(state.vouched))]  # is not ours is fetched again)
+        if len(state.vouched) >= _MAX_VOUCHED_KEYS:
+            _make_room_to_vouch()
         known = state.vouched[key] = []
     elif any(hmac.compare_digest(s, secret) for s, _ in known):
         return

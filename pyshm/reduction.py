@@ -199,6 +199,13 @@ class _Cache:
 _cache = _Cache()
 
 
+def _mapped_here(key: tuple) -> bool:
+    return key in _cache.mappings
+
+
+_channel.mapped_here = _mapped_here  # (what the vouched secrets are pruned by)
+
+
 def _drop_segment(segment: _ffi.SegmentHandle, fd_kept: bool) -> None:
     if fd_kept:
         _cache.kept_fds -= 1

@@ -753,6 +753,43 @@ def test_arrays_sent_on_without_their_fd_reach_a_third_process_from_their_sender
     assert c.stdout.decode().startswith("DeliveryError")
 
 
+VOUCHED_RECEIVER = textwrap.dedent(
+    """
+    import gc, pickle, sys, numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel
+    _channel._MAX_VOUCHED_KEYS = 32
+    first, *others, again = pickle.loads(sys.stdin.buffer.read())
+    kept = ForkingPickler.loads(first)
+    for message in others:  # (each mapped, then dropped)
+        ForkingPickler.loads(message)
+        gc.collect()
+    fetches = _channel.fetch_count()
+    back = ForkingPickler.loads(again)
+    assert back.__array_interface__["data"] == kept.__array_interface__["data"]
+    print(_channel.fetch_count() - fetches, len(_channel.state.vouched))
+    """
+)
+
+
+def test_a_full_table_of_vouched_secrets_forgets_memfds_no_longer_mapped_first():
+    # a receiver remembers which secrets opened which memfd (vouch), a bounded table: full,
+    # it forgot the oldest memfd, mapped or not, so a later token of memory it still mapped
+    # needed a fetch (which fails once its sender is gone); now memfds no longer mapped go
+    # first. 40 memfds received and dropped after one still mapped, in a table of 32: its
+    # token needs no fetch
+    kept = pyshm.zeros(100_000, np.uint8, shared=True)
+    others = [pyshm.zeros(100_000, np.uint8, shared=True) for _ in range(40)]
+    messages = [bytes(ForkingPickler.dumps(a)) for a in [kept, *others, kept]]
+    done = subprocess.run([sys.executable, "-c", VOUCHED_RECEIVER],
+                          input=pickle.dumps(messages), capture_output=True, timeout=120,
+                          env=_env())
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    fetched, remembered = map(int, done.stdout.split())
+    assert fetched == 0
+    assert remembered <= 32
+
+
 def _sweep_until(stop: threading.Event, errors: list) -> None:
     """Sweep the channel's state again and again (lock held, as the server does) until
     ``stop``; an exception is noted in ``errors`` and ends it."""
