@@ -64,6 +64,7 @@ import multiprocessing
 import os
 import pickle
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -91,7 +92,8 @@ _REQUEST_SECONDS = 5.0  # a connection must send its request by then
 _MAX_WAITING = 64  # connections the fd server keeps waiting for their request at once
 _BACKOFF_SECONDS = 0.05  # the fd server's pause after an error of its own (no fd left)
 _EVICT_SECONDS = 0.5  # a waiting connection dropped for a newer one has waited this long
-_REPLY_TIMEOUT = 30.0
+_REPLY_TIMEOUT = 30.0  # a receiver looks this often whether a silent sender still lives
+_PATIENCE_SECONDS = 600.0  # how long a receiver waits for a sender alive but silent
 _ADDRESS_PREFIX = b"\0pyshm-"
 _ADDRESS_MAX = 108  # (sun_path's size: no longer name can be bound)
 
@@ -1136,7 +1138,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         raise pickle.UnpicklingError(f"bad pyshm sender address {address!r}")
     received: list = []
     answered = False  # (the sender replied: it has read the acknowledgements)
-    sock = None
+    sock = peer = None
     try:
         try:
             sock = _client_socket()
@@ -1152,15 +1154,14 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
                 f"process fetched it ({exc.strerror}); a sender that exits normally waits for its "
                 "receivers, one that is killed cannot"
             ) from None
-        _check_peer_user(sock)
+        # (an acknowledgement alone is not worth waiting for: the janitor sends them all)
+        peer = _Peer(_check_peer_user(sock) if fetches else 0)
         note_reached(address)
         state.round_trips += 1
         if fetches:
             state.fetches += 1
         sock.sendall(build_request(proof, fetches, list(acks), max_extras))
-        reply, fds, flags, _ = socket.recv_fds(
-            sock, 65536, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
-        )
+        reply, fds, flags, _ = peer.recv_fds(sock, 65536)
         if not reply:
             raise DeliveryError("pyshm: the sending process closed the connection without an "
                                 "answer (it is overloaded, or stopping)")
@@ -1178,8 +1179,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         needed = sum(1 for ok in status if ok)  # (the fds asked for come first, then extras)
         wanted = needed + len(extra_info)
         while len(received) < wanted and not truncated:
-            _, more, flags, _ = socket.recv_fds(sock, 16, _MAX_FDS_PER_MESSAGE,
-                                                socket.MSG_CMSG_CLOEXEC)
+            _, more, flags, _ = peer.recv_fds(sock, 16)
             received.extend(more)
             truncated = bool(flags & socket.MSG_CTRUNC)
             if not more and not truncated:
@@ -1208,6 +1208,8 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
     finally:
         if sock is not None:
             sock.close()
+        if peer is not None:
+            peer.close()
         if acks and not answered and own_acks:
             _ack_failed(address, acks, _worth_again(started, sys.exc_info()[1]))
 
@@ -1241,19 +1243,72 @@ def _worth_again(started: float, error: Optional[BaseException]) -> bool:
             and _monotonic() - started < 5 * JANITOR_SECONDS)
 
 
-def _check_peer_user(sock: socket.socket) -> None:
+def _check_peer_user(sock: socket.socket) -> int:
     """DeliveryError, said as it is, when the sender runs as another user: its server hands
-    nothing to a peer of another uid (it drops the connection unanswered)."""
+    nothing to a peer of another uid (it drops the connection unanswered). Returns the
+    sender's pid (0: not known, e.g. in another pid namespace)."""
     try:
-        _pid, peer_uid, _gid = struct.unpack(
+        pid, peer_uid, _gid = struct.unpack(
             "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     except OSError:
-        return  # (the request itself then says what went wrong)
+        return 0  # (the request itself then says what went wrong)
     if peer_uid != os.getuid():
         raise DeliveryError(
             f"pyshm: this memory was sent by a process of another user (uid {peer_uid}; this "
             f"process runs as uid {os.getuid()}): a sender hands its memory only to processes "
             "of its own user. Send it by value (numpy's pickling), or run both as one user")
+    return pid
+
+
+class _Peer:
+    """The sender a fetch waits for: its answers are awaited while it lives, up to
+    _PATIENCE_SECONDS. Its fd server is a Python thread, which a thread holding the GIL in C
+    (or a SIGSTOP, a debugger) keeps silent however long that lasts: a receiver that gave up
+    after _REPLY_TIMEOUT lost memory a live sender would have handed over. One that exited
+    closed the connection (an error at once), unless a child of its holds its socket: then
+    it is found dead at the next look. pid 0: not waited for (not known, or not worth it)."""
+
+    __slots__ = ("pid", "pidfd")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.pidfd: Optional[int] = None  # (opened at the first silence: no fd otherwise)
+
+    def alive(self) -> bool:
+        if self.pid <= 0:
+            return False
+        if self.pidfd is None:
+            try:
+                self.pidfd = os.pidfd_open(self.pid)  # (close-on-exec)
+            except ProcessLookupError:
+                return False
+            except (OSError, AttributeError):  # (no fd left, an old kernel: kill(pid, 0))
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:
+                    return False
+                except OSError:
+                    pass
+                return True
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return not poller.poll(0)  # (readable once it exited, a zombie too)
+
+    def recv_fds(self, sock: socket.socket, size: int) -> tuple:
+        """socket.recv_fds of the next answer, waiting while the sender lives."""
+        deadline = _monotonic() + _PATIENCE_SECONDS
+        while True:
+            try:
+                return socket.recv_fds(sock, size, _MAX_FDS_PER_MESSAGE,
+                                       socket.MSG_CMSG_CLOEXEC)
+            except TimeoutError:
+                if _monotonic() >= deadline or not self.alive():
+                    raise
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def _connect(sock: socket.socket, address: bytes) -> None:

@@ -790,6 +790,62 @@ def test_a_full_table_of_vouched_secrets_forgets_memfds_no_longer_mapped_first()
     assert remembered <= 32
 
 
+GIL_HOLDING_SENDER = textwrap.dedent(
+    """
+    import ctypes, os, sys, numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    a = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    a[0] = 5
+    sys.stdout.buffer.write(bytes(ForkingPickler.dumps(a)))
+    sys.stdout.buffer.flush()
+    os.close(1)
+    # a call into C that keeps the GIL (ctypes.PyDLL): the fd server thread cannot answer
+    ctypes.PyDLL(None).sleep(int(sys.argv[1]))
+    sys.stdin.read()  # (then it serves, until told to end)
+    """
+)
+
+
+def _silent_sender(seconds):
+    sender = subprocess.Popen([sys.executable, "-c", GIL_HOLDING_SENDER, str(seconds)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env())
+    return sender, sender.stdout.read()
+
+
+def test_a_receiver_waits_for_a_sender_that_lives_but_cannot_answer_yet(monkeypatch):
+    # a sender whose thread holds the GIL in C longer than a receiver's look (_REPLY_TIMEOUT,
+    # 30 s; 1 s here) cannot answer from its Python fd server; the receiver gave up then,
+    # and the memory of a live sender was lost (DeliveryError); now it waits while the
+    # sender lives, and gets the array once the sender answers
+    monkeypatch.setattr(_channel, "_REPLY_TIMEOUT", 1.0)
+    sender, pickled = _silent_sender(4)
+    try:
+        started = time.monotonic()
+        a = ForkingPickler.loads(pickled)
+        assert time.monotonic() - started > 2.5  # (it did wait for the sender)
+        assert int(a[0]) == 5 and pyshm.is_shared(a)
+        sender.stdin.close()
+        assert sender.wait(timeout=60) == 0
+    finally:
+        sender.kill()
+        sender.wait()
+
+
+def test_a_receiver_waits_for_a_silent_sender_only_so_long(monkeypatch):
+    # ... up to _PATIENCE_SECONDS (600; 2 s here): then DeliveryError, no hang
+    monkeypatch.setattr(_channel, "_REPLY_TIMEOUT", 1.0)
+    monkeypatch.setattr(_channel, "_PATIENCE_SECONDS", 2.0)
+    sender, pickled = _silent_sender(30)
+    try:
+        started = time.monotonic()
+        with pytest.raises(pyshm.DeliveryError, match="stopped answering"):
+            ForkingPickler.loads(pickled)
+        assert time.monotonic() - started < 10
+    finally:
+        sender.kill()
+        sender.wait()
+
+
 def _sweep_until(stop: threading.Event, errors: list) -> None:
     """Sweep the channel's state again and again (lock held, as the server does) until
     ``stop``; an exception is noted in ``errors`` and ends it."""
