@@ -201,8 +201,9 @@ LSHM_API int lshm_storage_init_foreign(void *mem, void *data, size_t nbytes,
 
 /* Finalise a storage initialised in place: drops the caller's reference, frees the bytes, and
  * leaves `mem` free for reuse. Refuses with -EBUSY (changing nothing) while other references
- * exist. -EINVAL for a heap storage (use lshm_storage_release) and for one finalised already
- * (until `mem` is initialised again). NULL is accepted (returns 0). */
+ * exist. -EINVAL for a heap storage (use lshm_storage_release), for one finalised already
+ * (until `mem` is initialised again) and for an arena's storage (lshm_arena_storage,
+ * lshm_arena_alloc: the arena finalises it). NULL is accepted (returns 0). */
 LSHM_API int lshm_storage_fini(lshm_storage *s);
 
 /* Heap-allocating conveniences: the struct is malloced, the caller holds one reference, and the

@@ -162,6 +162,7 @@ static int slot_init(lshm_arena *a, size_t i, size_t nbytes) {
                                        nbytes, NULL, NULL, 0, &s);
     if (rc != 0)
         return rc;
+    s->in_arena = 1; /* (lshm_storage_fini refuses it: the arena's bookkeeping would be stale) */
     a->live_list[a->live_count++] = i;
     a->live_pos[i] = a->live_count;
     return 0;
@@ -170,6 +171,7 @@ static int slot_init(lshm_arena *a, size_t i, size_t nbytes) {
 /* Finalise slot i in place; the caller checked that only the arena's reference is left. */
 static void slot_fini(lshm_arena *a, size_t i) {
     assert(a->live_pos[i] != 0);
+    slot_storage(a, i)->in_arena = 0;
     int rc = lshm_storage_fini(slot_storage(a, i));
     assert(rc == 0);
     (void)rc;

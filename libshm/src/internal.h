@@ -227,6 +227,7 @@ struct lshm_storage {
     size_t capacity;          /* PAGES / WHOLE_PAGES allocator: nbytes rounded up to a page
                                  (the range owned, and shared in place); else nbytes */
     unsigned char origin;     /* enum lshm__origin */
+    unsigned char in_arena;   /* a slot of an arena's slab: only the arena finalises it */
     lshm_allocator allocator; /* ORIGIN_ALLOCATOR: copy of the caller's allocator */
     lshm_release_fn release;  /* ORIGIN_FOREIGN: may be NULL (borrowed memory) */
     void *release_ctx;

@@ -254,6 +254,9 @@ int lshm_storage_fini(lshm_storage *s) {
     if (on_heap(s))
         return LSHM_FAIL(-EINVAL, "storage %p was created on the heap: use lshm_storage_release",
                          (void *)s);
+    if (s->in_arena)
+        return LSHM_FAIL(-EINVAL, "storage %p belongs to an arena: lshm_arena_free, "
+                         "lshm_arena_deallocate or lshm_arena_destroy finalises it", (void *)s);
     size_t expected = 1;
     /* Only the caller's reference may be left; taking it to 0 atomically means a concurrent
      * retain cannot slip in between the check and the teardown. */

@@ -567,6 +567,41 @@ static void test_buffer_reference_outlives_replan_and_trim(void) {
     ASSERT_EQ(count_mappings(base, size, 0), 0);
 }
 
+/* lshm_storage_fini of an arena's storage (a slot of its slab, lshm_storage_init'ed in place
+ * like a caller's) finalised it behind the arena's back: the arena's own finalisation at
+ * deallocate (or free) then found it finalised already (an assert, or in a release build a
+ * slot counted live whose storage was gone). Now refused, changing nothing. */
+static void test_fini_of_an_arena_storage_is_refused(void) {
+    lshm_arena *a = make(0);
+    ASSERT_OK(lshm_arena_allocate(a));
+    lshm_storage *s = NULL;
+    ASSERT_OK(lshm_arena_storage(a, 1, &s));
+    void *data = lshm_storage_data(s);
+    ASSERT_ERR(lshm_storage_fini(s), -EINVAL);
+    ASSERT(strstr(lshm_last_error(), "belongs to an arena") != NULL);
+    ASSERT_EQ(lshm_storage_refcount(s), 1);
+    ASSERT_PTR_EQ(lshm_storage_data(s), data);
+    ASSERT_OK(lshm_arena_deallocate(a));
+    ASSERT_OK(lshm_arena_allocate(a)); /* (slot 1 initialised again: refused again) */
+    ASSERT_OK(lshm_arena_storage(a, 1, &s));
+    ASSERT_ERR(lshm_storage_fini(s), -EINVAL);
+    ASSERT_OK(lshm_arena_destroy(a));
+
+    /* a recording arena's storage on its buffer (the second iteration replays the plan) */
+    ASSERT_OK(lshm_arena_create_recording(NULL, 0, &a));
+    for (int it = 0; it < 2; it++) {
+        ASSERT_OK(lshm_arena_alloc(a, 4096, &s));
+        ASSERT_ERR(lshm_storage_fini(s), -EINVAL); /* (the first: an ordinary heap storage) */
+        ASSERT(strstr(lshm_last_error(), it == 0 ? "heap" : "belongs to an arena") != NULL);
+        ASSERT_OK(lshm_arena_free(a, s));
+        ASSERT_OK(lshm_arena_end_iteration(a));
+    }
+    lshm_arena_counters st;
+    ASSERT_OK(lshm_arena_stats(a, &st));
+    ASSERT_UINT_EQ(st.reuse_count, 1);
+    ASSERT_OK(lshm_arena_destroy(a));
+}
+
 int main(void) {
     RUN_TEST(test_slab_in_place);
     RUN_TEST(test_cycles_reuse_and_trim);
@@ -578,5 +613,6 @@ int main(void) {
     RUN_TEST(test_bad_input);
     RUN_TEST(test_ordinary_frees_any_order);
     RUN_TEST(test_buffer_reference_outlives_replan_and_trim);
+    RUN_TEST(test_fini_of_an_arena_storage_is_refused);
     return 0;
 }
