@@ -24,11 +24,16 @@ def _release(handle: _ffi.StorageHandle) -> None:
 # Guards every Storage's count of calls in flight (_pins) against close() on another thread
 # (held for a few bytecodes only, never across a C call).
 _PIN_LOCK = threading.Lock()
+# Which process the pins count calls of: a forked child counts none of its parent's (the
+# threads that made them are not in the child), so a Storage pinned at the fork is released
+# by its close() there, not only by garbage collection.
+_PIN_EPOCH = 0
 
 
 def _new_pin_lock_in_child() -> None:
-    global _PIN_LOCK
+    global _PIN_LOCK, _PIN_EPOCH
     _PIN_LOCK = threading.Lock()  # (a thread that held it at the fork is not in the child)
+    _PIN_EPOCH += 1
 
 
 os.register_at_fork(after_in_child=_new_pin_lock_in_child)
@@ -55,8 +60,9 @@ class Storage(HandleLifetime):
     """
 
     # _keep: what the memory depends on (a mapping received from another process), or None
-    # _pins: calls in flight on _handle (see _pin): close() leaves the release to the last
-    __slots__ = ("_handle", "_key", "_keep", "_pins")
+    # _pins: calls in flight on _handle (see _pin): close() leaves the release to the last;
+    # _pin_epoch: the _PIN_EPOCH they were counted in
+    __slots__ = ("_handle", "_key", "_keep", "_pins", "_pin_epoch")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
         self._adopt(create(nbytes, shared, resizable))
@@ -65,6 +71,7 @@ class Storage(HandleLifetime):
         self._handle = handle
         self._keep = None
         self._pins = 0
+        self._pin_epoch = _PIN_EPOCH
         self._key = _ffi.address(handle)  # the identity, kept after close for a stable hash
         self._release_with(_release, handle)
 
@@ -125,6 +132,8 @@ class Storage(HandleLifetime):
         with _PIN_LOCK:  # (nothing allocated under it: no garbage collection, no finalizer)
             handle = self._handle
             if handle is not None:
+                if self._pin_epoch != _PIN_EPOCH:  # (pins of the parent's calls: not ours)
+                    self._pins, self._pin_epoch = 0, _PIN_EPOCH
                 self._pins += 1
         if handle is None:
             raise ValueError("operation on a closed pyshm.Storage")
@@ -150,7 +159,7 @@ class Storage(HandleLifetime):
             if self._handle is None:
                 return
             self._handle = None
-            if self._pins:
+            if self._pins and self._pin_epoch == _PIN_EPOCH:
                 return  # the last call in flight gives the reference back
         self._release_now()
 

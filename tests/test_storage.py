@@ -768,3 +768,29 @@ def test_close_while_pinned_defers_the_release():
     assert handle.refcount == 2  # the last call out gives the reference back
     storage.close()
     assert handle.refcount == 2
+
+
+def test_a_storage_pinned_at_fork_is_released_by_close_in_the_child():
+    # a call in flight on another thread at fork() (its pin) is not in the child: a close()
+    # there used to wait for that call's unpin, which never comes (only garbage collection
+    # gave the reference back); now it gives it back at once
+    storage = pyshm.Storage(100)
+    array = storage.asarray()
+    handle = pyshm.storage_of(array)
+    storage._pin()  # (a call in flight on another thread)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                storage.close()
+                code = 0 if handle.refcount == 2 else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        storage.close()
+        assert handle.refcount == 3  # (here the call is still in flight)
+    finally:
+        storage._unpin()
+    assert handle.refcount == 2
