@@ -314,7 +314,10 @@ def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket
         if mapping.sealed or not flags & _ffi.STORAGE_READONLY:
             return _ticket(holder, flags, data, nbytes, mapping.key, mapping.size,
                            data - mapping.data, mapping.sealed)
-    if mapping is not None and not mapping.fd_kept and mapping.origin is not None:
+    if (mapping is not None and not mapping.fd_kept and mapping.origin is not None
+            and isinstance(holder, ArrayOwner)):
+        # (an array's only: the holder a Storage's send registers in its sender is gone once
+        # the Storage is fetched, so a token naming that sender would find nothing there)
         return _forwarded(holder, mapping)
     handle = handle_of(holder)
     rc, info = _ffi.export(handle)
@@ -571,7 +574,11 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
     memfd handed over by its sender (fetched, or as an extra of its own message's fetch),
     which proves the sender had it, before it stands for anything here."""
     key, address, size, offset, nbytes, readonly, secret, solo = fields
-    proof = solo if solo is not None else (batch.proof if batch is not None else None)
+    # (a message's batch proof goes only to the process that sent the message: a token of
+    # another process in it, sent on (_forwarded), is fetched without it, as that process
+    # could fetch the message's other memfds with it)
+    proof = solo if solo is not None else (
+        batch.proof if batch is not None and batch.address == address else None)
     message = (address, proof)  # (what extras are handed out for: see _keep_extras)
     fd = None
     with _state.lock:

@@ -16,6 +16,7 @@ import pickle
 import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -695,6 +696,27 @@ def test_arrays_a_worker_could_keep_no_fd_for_come_back_as_the_senders_own():
         assert int(a[1]) == 7
 
 
+def _return_last(items):
+    return items[-1]
+
+
+def test_a_storage_a_worker_could_keep_no_fd_for_is_not_lost_on_its_way_back():
+    # a Storage's send registers a holder of its own that is gone once the worker fetched it:
+    # a token naming the parent for it (an array's way back, above) finds nothing there, and
+    # the parent got a stand-in saying it "does not hold it any more" for the Storage it
+    # holds; the worker must refuse to send it (as before), or it must come back whole
+    storage = pyshm.Storage(100_000, shared=True)
+    arrays = [pyshm.zeros(100_000, np.uint8, shared=True) for _ in range(20)]
+    with mp.get_context("spawn").Pool(1, initializer=_leave_few_fds, initargs=(14,)) as pool:
+        try:
+            back = pool.apply(_return_last, (arrays + [storage],))
+        except mp.pool.MaybeEncodingError as error:
+            assert "cannot be sent on" in str(error)
+        else:
+            assert not isinstance(back, _channel.Undelivered)
+            assert back.nbytes == storage.nbytes
+
+
 SEND_ON_WITHOUT_FDS = textwrap.dedent(
     """
     import os, resource, sys, numpy as np, pyshm
@@ -806,6 +828,38 @@ GIL_HOLDING_SENDER = textwrap.dedent(
 )
 
 
+SEND_ON_BESIDE_OWN_MEMORY = textwrap.dedent(
+    """
+    import os, pickle, resource, struct, sys, numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel, reduction
+    stdin, out = sys.stdin.buffer, sys.stdout.buffer
+    kept = pickle.load(stdin)  # (fds to spare: its fd kept, so this process exports it)
+    private = pyshm.zeros(100_000, np.uint8, shared=True)  # this process's own, for C only
+    private[:] = 42
+    open_now = len(os.listdir("/proc/self/fd")) - 1
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 8, hard))  # (no fd kept: 8 free)
+    sent_on = pickle.load(stdin)
+    assert reduction._cache.kept_fds == 1
+    message = bytes(ForkingPickler.dumps([sent_on[0], kept, private]))
+    address = _channel.own_address()
+    out.write(struct.pack("=II", len(address), len(message)) + address + message)
+    out.flush()
+    stdin.readline()  # (holds its memory until told to exit)
+    """
+)
+
+THIRD_PROCESS_LOADS = textwrap.dedent(
+    """
+    import sys, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    arrays = ForkingPickler.loads(sys.stdin.buffer.read())
+    print(all(pyshm.is_shared(a) for a in arrays) and int(arrays[2][0]) == 42)
+    """
+)
+
+
 def _silent_sender(seconds):
     sender = subprocess.Popen([sys.executable, "-c", GIL_HOLDING_SENDER, str(seconds)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env())
@@ -844,6 +898,55 @@ def test_a_receiver_waits_for_a_silent_sender_only_so_long(monkeypatch):
     finally:
         sender.kill()
         sender.wait()
+
+
+def test_a_token_sent_on_does_not_show_its_origin_the_message_it_came_in(monkeypatch):
+    # B sends C a message of its own memory and an array of A's whose fd it closed (a token
+    # naming A); C fetches that one from A, and must not show A the message's batch secret,
+    # which fetches the message's other memfds from B: A was never sent B's own memory
+    kept = pyshm.zeros(100_000, np.uint8, shared=True)
+    sent = [pyshm.zeros(100_000, np.uint8, shared=True) for _ in range(4)]
+    key, _, secret = _token_of(kept)  # (B's tokens of memory received reuse its secrets)
+    b_address, stolen, proofs = [], [], []
+    serve = _channel.serve
+
+    def serve_and_look(request):  # (A, hostile: it tries every proof it is shown on B)
+        proof = _channel.parse_request(request)[0]
+        if proof is not None and b_address:
+            proofs.append(proof)
+            try:
+                (fd,), extras, _ = _channel.fetch(b_address[0], [(key, secret)], proof, 8)
+            except pickle.UnpicklingError:
+                pass
+            else:
+                for fd in [fd] + [extra for _, _, extra in extras]:
+                    if fd is not None:
+                        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as pages:
+                            stolen.append(pages[0])
+                        os.close(fd)
+        return serve(request)
+
+    monkeypatch.setattr(_channel, "serve", serve_and_look)
+    b = subprocess.Popen([sys.executable, "-c", SEND_ON_BESIDE_OWN_MEMORY], env=_env(),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        b.stdin.write(bytes(ForkingPickler.dumps(kept)) + bytes(ForkingPickler.dumps(sent)))
+        b.stdin.flush()
+        head = b.stdout.read(8)
+        assert len(head) == 8, b.communicate(timeout=60)[1].decode()[-3000:]
+        length, size = struct.unpack("=II", head)
+        b_address.append(b.stdout.read(length))
+        message = b.stdout.read(size)
+        c = subprocess.run([sys.executable, "-c", THIRD_PROCESS_LOADS], input=message,
+                           capture_output=True, timeout=120, env=_env())
+        assert c.returncode == 0, c.stderr.decode()[-3000:]
+        assert c.stdout.decode().strip() == "True"
+    finally:
+        b.stdin.close()
+        if b.wait(timeout=60) != 0:
+            pytest.fail(b.stderr.read().decode()[-3000:])
+    assert 42 not in stolen
+    assert proofs == []
 
 
 def _sweep_until(stop: threading.Event, errors: list) -> None:
