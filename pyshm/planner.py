@@ -48,7 +48,7 @@ def plan(
     ``time_limit=0`` it is deterministic; a time limit bounds its search by the clock, so a
     busier machine may return another (valid) plan. It takes about O(n log n) on lifetimes
     that overlap little, and up to O(n * k) where each tensor overlaps k others (nested
-    lifetimes of 10,000 tensors, every one alive at the midpoint: about 10 s).
+    lifetimes of 10,000 tensors, every one alive at the midpoint: about 1 s).
     """
     n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
     opts = options(alignment, inclusive, time_limit, capacity)

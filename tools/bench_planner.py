@@ -14,7 +14,7 @@ and our planning time (min over repeats). It says so when our arena is worse tha
     python3 tools/bench_planner.py                      # ../shared/traces, heuristics only
     python3 tools/bench_planner.py --time-limit 10      # with local search + exact tail
     python3 tools/bench_planner.py ../shared/traces/minimalloc --time-limit 10 --capacity 1048576
-    python3 tools/bench_planner.py --scaling            # 1k / 10k / 100k random tensors
+    python3 tools/bench_planner.py --scaling            # 1k / 10k / 100k random tensors, nested
     python3 tools/bench_planner.py --json out.json
 
 Library: $PYSHM_LIBRARY, else pyshm._ffi.lib if importable, else ./build*/liblshm.so.
@@ -266,6 +266,17 @@ def scaling(lib):
         print(f"{n:7d} {dt * 1e3:17.2f} {res.arena_size / res.lower_bound:9.4f}  "
               f"{res.strategy.decode():10}  <= {bars[n]} ms {'ok' if dt * 1e3 <= bars[n] else 'MISSED'}"
               f"{'' if ok else ' INVALID'}")
+    # nested lifetimes (freed in the reverse order of their making: every tensor alive at the
+    # midpoint, each overlapping all others) with sizes that are no multiple of the alignment:
+    # the worst case of the placement engine, where each query meets every placed tensor
+    print(f"{'nested':>7} {'ms (one run)':>17} {'arena/LB':>9}  strategy")
+    for n in (5000, 10000, 20000):
+        size = rng.integers(1, 100_000, n).astype(np.uint64)
+        lo = np.arange(n, dtype=np.int64)
+        up = 2 * n - lo
+        res, dt, ok = run_ours(lib, size, lo, up, 0.0, 1)
+        print(f"{n:7d} {dt * 1e3:17.2f} {res.arena_size / res.lower_bound:9.4f}  "
+              f"{res.strategy.decode():10}{'' if ok else ' INVALID'}")
 
 
 def main():
@@ -278,7 +289,7 @@ def main():
                     help="target arena bytes (0: minimise); exact search decides feasibility")
     ap.add_argument("--max-anchor-n", type=int, default=20000,
                     help="skip the O(n^2) numpy best-fit anchors above this n")
-    ap.add_argument("--scaling", action="store_true", help="time 1k/10k/100k random tensors")
+    ap.add_argument("--scaling", action="store_true", help="time 1k/10k/100k random tensors and 5k-20k nested lifetimes")
     ap.add_argument("--json", help="write per-trace rows to this file")
     args = ap.parse_args()
     lib = load_library()

@@ -129,9 +129,25 @@ static void dense_insert(engine *e, uint32_t i, uint64_t lo, uint64_t hi) {
     }
 }
 
-/* Merges the coalesced set s into the coalesced, sorted e->blocks[0..*k) (scratch after it). */
+/* Whether one of the coalesced, sorted blocks b[0..k) covers [lo, hi). */
+static int covered_by(const block *b, size_t k, uint64_t lo, uint64_t hi) {
+    size_t first = 0, end = k; /* the first block starting after lo */
+    while (first < end) {
+        size_t mid = first + (end - first) / 2;
+        if (b[mid].lo <= lo)
+            first = mid + 1;
+        else
+            end = mid;
+    }
+    return first > 0 && b[first - 1].hi >= hi;
+}
+
+/* Merges the coalesced set s into the coalesced, sorted e->blocks[0..*k) (scratch after it).
+ * A set within one block already (its first range's start to its last range's end) adds
+ * nothing and is not walked: where lifetimes nest, the ranges of a node high in the tree are
+ * many and scattered, but all inside the stack the query has collected already. */
 static int dense_merge(engine *e, size_t *k, const interval_set *s) {
-    if (!s->len)
+    if (!s->len || (*k && covered_by(e->blocks, *k, s->ranges[0].lo, s->ranges[s->len - 1].hi)))
         return 0;
     size_t need = 2 * (*k + s->len);
     if (need > e->blocks_cap) {
@@ -161,17 +177,26 @@ static int dense_merge(engine *e, size_t *k, const interval_set *s) {
     return 0;
 }
 
+/* The span of a non-empty set: from its first range's start to its last range's end. */
+static uint64_t set_span(const interval_set *s) {
+    return s->ranges[s->len - 1].hi - s->ranges[0].lo;
+}
+
 /* Collects into e->blocks the union (coalesced, sorted) of the occupied ranges meeting tensor
- * i's slots; returns how many ranges. */
+ * i's slots; returns how many ranges. The sets are merged widest first: a set inside what
+ * the query holds already is skipped without a walk (dense_merge), and where lifetimes nest,
+ * the set of the node holding the time they all share spans the whole stack in one range,
+ * while the others are many scattered ranges inside it. */
 static size_t dense_query(engine *e, uint32_t i) {
-    size_t k = 0;
+    const interval_set *sets[4 * 32 + 4]; /* (at most 2 per level on each of two walks) */
+    size_t count = 0, k = 0;
     const uint32_t first_slot = e->slot_lo[i], end_slot = e->slot_hi[i];
     uint32_t l = first_slot + e->leaves, r = end_slot + e->leaves;
     for (; l < r; l >>= 1, r >>= 1) {
         if (l & 1)
-            dense_merge(e, &k, &e->sub[l++]);
+            sets[count++] = &e->sub[l++];
         if (r & 1)
-            dense_merge(e, &k, &e->sub[--r]);
+            sets[count++] = &e->sub[--r];
     }
     /* here[] of the nodes on the two leaf-to-root paths that stick out of
      * [first_slot, end_slot) (nodes inside it are below a canonical node, whose sub[] already
@@ -183,11 +208,25 @@ static size_t dense_query(engine *e, uint32_t i) {
         uint32_t left_first = (left_node << height) - e->leaves;
         uint32_t right_first = (right_node << height) - e->leaves;
         if (left_first < first_slot || left_first + (1u << height) > end_slot)
-            dense_merge(e, &k, &e->here[left_node]);
+            sets[count++] = &e->here[left_node];
         if (right_node != left_node &&
             (right_first < first_slot || right_first + (1u << height) > end_slot))
-            dense_merge(e, &k, &e->here[right_node]);
+            sets[count++] = &e->here[right_node];
     }
+    size_t kept = 0; /* the non-empty ones, then widest first (insertion sort: a few dozen) */
+    for (size_t j = 0; j < count; j++)
+        if (sets[j]->len)
+            sets[kept++] = sets[j];
+    for (size_t j = 1; j < kept; j++) {
+        const interval_set *t = sets[j];
+        uint64_t span = set_span(t);
+        size_t h = j;
+        for (; h > 0 && set_span(sets[h - 1]) < span; h--)
+            sets[h] = sets[h - 1];
+        sets[h] = t;
+    }
+    for (size_t j = 0; j < kept; j++)
+        dense_merge(e, &k, sets[j]);
     return e->nomem ? 0 : k;
 }
 
@@ -317,7 +356,11 @@ static size_t engine_query(engine *e, uint32_t from, uint32_t to) {
 
 static void engine_insert(engine *e, uint32_t i, uint64_t offset) {
     if (e->dense) {
-        dense_insert(e, i, offset, offset + e->size[i]);
+        /* (its end rounded up to the alignment: the bytes up to the next aligned offset can
+         * hold no tensor, every offset being aligned, so the ranges of tensors packed one
+         * after the other coalesce into one, which keeps dense queries short where lifetimes
+         * nest; every gap and choice in engine_choose stays the same) */
+        dense_insert(e, i, offset, align_up(offset + e->size[i], e->alignment));
         return;
     }
     uint32_t position = e->pos[i], lo = 0, hi = (uint32_t)e->m, end = e->end[i];
