@@ -289,7 +289,8 @@ def main():
                     help="target arena bytes (0: minimise); exact search decides feasibility")
     ap.add_argument("--max-anchor-n", type=int, default=20000,
                     help="skip the O(n^2) numpy best-fit anchors above this n")
-    ap.add_argument("--scaling", action="store_true", help="time 1k/10k/100k random tensors and 5k-20k nested lifetimes")
+    ap.add_argument("--scaling", action="store_true",
+                    help="time 1k/10k/100k random tensors and 5k-20k nested lifetimes")
     ap.add_argument("--json", help="write per-trace rows to this file")
     args = ap.parse_args()
     lib = load_library()
