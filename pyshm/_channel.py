@@ -96,6 +96,7 @@ _REPLY_TIMEOUT = 30.0  # a receiver looks this often whether a silent sender sti
 _PATIENCE_SECONDS = 600.0  # how long a receiver waits for a sender alive but silent
 _ADDRESS_PREFIX = b"\0pyshm-"
 _ADDRESS_MAX = 108  # (sun_path's size: no longer name can be bound)
+_VOUCHED_FLOOR = 1024  # received memfds' secrets kept before a prune (vouch)
 
 _reached: dict = {}  # fd server addresses this process reached (bounded: see reachable)
 
@@ -320,6 +321,7 @@ class _State:
         # (vouch); such a token may stand for memory here without a fetch, and our own
         # tokens for that memory carry them (export)
         self.vouched: dict = {}
+        self.vouch_limit = _VOUCHED_FLOOR  # (vouched is pruned when it reaches this size)
         self.acks: dict = {}  # sender address -> [(batch id, secret)] to acknowledge
         self.ack_failures: dict = {}  # (sender address, batch id) -> requests failed so far
         self.janitor: Optional[threading.Thread] = None
@@ -441,16 +443,21 @@ mapped_here: Callable[[tuple], bool] = _never_mapped
 
 
 def _make_room_to_vouch() -> None:
-    """Forget the secrets of memfds no longer mapped here (state.vouched is full, lock held):
-    a token of one needs a fetch anyway, its memory being gone. Only if that frees less than
-    a sixteenth, the oldest of those still mapped go too (a later token of one is fetched
-    again), so that a full table costs one pass per sixteenth of it, not one per vouch."""
+    """Forget the secrets of memfds no longer mapped here nor exported from here
+    (state.vouched reached state.vouch_limit, lock held): a token of one needs a fetch
+    anyway, its memory being gone. Only if that frees less than a sixteenth of a full table,
+    the oldest of those still mapped go too (a later token of one is fetched again). The
+    next pass comes once the table doubled (from _VOUCHED_FLOOR up to full): a receiver of
+    ever new memfds keeps about as many secrets as it maps, not 65,536 of them (about 30 MB),
+    and each pass costs no more than the vouches that filled the table since the last."""
     vouched = state.vouched
-    for key in [key for key in vouched if not mapped_here(key)]:
+    exported = state.secrets
+    for key in [key for key in vouched if not mapped_here(key) and key not in exported]:
         del vouched[key]
     target = _MAX_VOUCHED_KEYS - max(1, _MAX_VOUCHED_KEYS // 16)
     while len(vouched) > target:
         del vouched[next(iter(vouched))]
+    state.vouch_limit = min(_MAX_VOUCHED_KEYS, max(_VOUCHED_FLOOR, 2 * len(vouched)))
 
 
 def vouch(key: tuple, secret: bytes, readonly: bool) -> None:
@@ -458,7 +465,7 @@ def vouch(key: tuple, secret: bytes, readonly: bool) -> None:
     carrying it (the fd was checked to be that memfd). Lock held."""
     known = state.vouched.get(key)
     if known is None:
-        if len(state.vouched) >= _MAX_VOUCHED_KEYS:
+        if len(state.vouched) >= min(state.vouch_limit, _MAX_VOUCHED_KEYS):
             _make_room_to_vouch()
         known = state.vouched[key] = []
     elif any(hmac.compare_digest(s, secret) for s, _ in known):
@@ -623,6 +630,7 @@ def _sweep(now: float) -> None:
         for key in unheld:
             if key not in held:
                 del state.secrets[key]
+                state.shared_keys.discard(key)  # (lookup asks only for keys with secrets)
 
 
 def _drop(batch_id: int) -> None:
@@ -1039,9 +1047,10 @@ def _received_batch(address, batch_id, secret) -> ReceivedBatch:
     if not (isinstance(address, bytes) and isinstance(batch_id, int) and secret is not None):
         raise pickle.UnpicklingError("bad pyshm batch in the pickle")
     batch = ReceivedBatch(address, batch_id, secret)
-    # (its message unpickled: acknowledged unless released already, see settle)
-    done = weakref.finalize(batch, queue_ack, address, (batch_id, secret))
-    done.atexit = False  # (at exit there is nobody left to acknowledge to)
+    if address:  # (b"": a sender with no fd server, whose tokens all name other processes)
+        # (its message unpickled: acknowledged unless released already, see settle)
+        done = weakref.finalize(batch, queue_ack, address, (batch_id, secret))
+        done.atexit = False  # (at exit there is nobody left to acknowledge to)
     return batch
 
 

@@ -2090,6 +2090,49 @@ def test_memory_nobody_fetches_is_freed_after_the_keepalive(monkeypatch):
     assert owner() is None
 
 
+def test_the_keys_of_memfds_gone_are_swept_from_the_shared_keys():
+    # a memfd sent from two holders (an array and its Storage here; arrays of one slab) is
+    # noted in shared_keys; the sweep forgot its secrets once nobody held it, but the key
+    # stayed: one key more for ever per such memfd (a slab emptied and made anew, every
+    # message of a soak of small arrays). 300 memfds sent and dropped: at most a few remain
+    def sweep():
+        gc.collect()
+        with _channel.state.lock:
+            _channel.state.next_sweep = 0.0  # (now, not in a second)
+            _channel._sweep(time.monotonic())
+
+    sweep()
+    before = len(_channel.state.shared_keys)
+    for _ in range(300):
+        a = pyshm.zeros(2 << 20, np.uint8, shared=True)  # (a memfd of its own, not pooled)
+        ForkingPickler.dumps((a, pyshm.storage_of(a)))
+        del a
+        _channel.drop_holds()
+    sweep()
+    assert len(_channel.state.secrets) <= 4
+    assert len(_channel.state.shared_keys) - before <= 4
+
+
+def vouched_count(a):
+    return len(_channel.state.vouched), len(reduction._cache.mappings)
+
+
+def test_a_receiver_of_ever_new_memfds_keeps_their_secrets_bounded():
+    # a receiver remembers the secrets that opened each memfd it got (vouch) in a table it
+    # pruned of memfds no longer mapped only once full: 65,536 memfds, about 30 MB in each
+    # Pool worker and receiver after a soak of new arrays. Now it is pruned whenever it
+    # doubled: 2,500 new memfds received and dropped leave at most 2 x _VOUCHED_FLOOR
+    pool = mp.get_context("fork").Pool(1)
+    try:
+        for _ in range(2500):
+            counts = pool.apply(vouched_count, (pyshm.zeros(1 << 20, np.uint8, shared=True),))
+    finally:
+        pool.terminate()
+        pool.join()
+    remembered, mapped = counts
+    assert mapped <= 64
+    assert remembered <= 2 * 1024, remembered
+
 
 def sum_of(x):
     return float(np.asarray(x).sum())
