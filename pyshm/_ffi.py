@@ -403,6 +403,7 @@ _TABLE = [
         ],
         True,
     ),
+    ("lshm_plan_interrupt", c_int, [POINTER(PlanOptions)], True),
     (
         "lshm_plan_validate",
         c_int,

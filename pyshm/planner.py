@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import ctypes
+import functools
+import threading
 from typing import Optional, Sequence
 
 import numpy as np
@@ -44,7 +46,9 @@ def plan(
     ``capacity > 0`` makes the goal a plan that fits in ``capacity`` bytes: the exact search
     decides feasibility at that capacity within ``time_limit``; when no plan fits, the best plan
     found is returned with ``arena_size > capacity`` (not an error; check it).
-    The call runs in C without the GIL (and cannot be interrupted meanwhile). With
+    The call runs in C without the GIL; one of 2,000 tensors or more, or with a
+    ``time_limit`` of 0.5 s or more, runs on a helper thread while the calling thread waits,
+    so that Ctrl-C stops it (KeyboardInterrupt, within milliseconds). With
     ``time_limit=0`` it is deterministic; a time limit bounds its search by the clock, so a
     busier machine may return another (valid) plan. It takes about O(n log n) on lifetimes
     that overlap little, and up to O(n * k) where each tensor overlaps k others (nested
@@ -59,7 +63,8 @@ def plan(
             raise ValueError(f"fixed_offsets has {len(fixed_a)} entries for {n} tensors")
     offsets = np.zeros(n, dtype=np.uint64)
     result = _ffi.PlanResult()
-    lib.lshm_plan(
+    call = functools.partial(
+        lib.lshm_plan,
         n,
         *lifetime_pointers(sizes_a, firsts_a, lasts_a),
         pointer(fixed_a, I64Pointer),
@@ -67,7 +72,51 @@ def plan(
         pointer(offsets, U64Pointer),
         ctypes.byref(result),
     )
+    if n >= _WAIT_APART_FROM or time_limit >= _WAIT_APART_SECONDS:
+        _interruptible(call, opts)
+    else:
+        call()
     return plan_from_result(offsets, result, int(opts.alignment), bool(inclusive))
+
+
+_WAIT_APART_FROM = 2000  # tensors: a plan this big (or with this budget) is waited for apart,
+_WAIT_APART_SECONDS = 0.5  # so that Ctrl-C interrupts it (a smaller one takes a few ms)
+
+
+def _interruptible(call, opts) -> None:
+    """call() (an lshm_plan with `opts`) on a helper thread while this one waits, so that a
+    signal's exception (KeyboardInterrupt at Ctrl-C) interrupts it: lshm_plan_interrupt stops
+    the call, which gives nothing back, and the exception goes on. Off the main thread, which
+    gets no signals, the call runs right here."""
+    if threading.current_thread() is not threading.main_thread():
+        call()
+        return
+    outcome: list = []
+    finished = threading.Event()  # (waited for, not the thread: an interrupted join in
+    # CPython 3.11 can mark a running thread stopped, bpo-45274's fix)
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - raised again by the waiting thread
+            outcome.append(exc)
+        finally:
+            finished.set()
+
+    worker = threading.Thread(target=run, name="pyshm-plan", daemon=True)
+    worker.start()
+    try:
+        while not finished.wait(0.1):
+            pass
+    except BaseException:
+        while not finished.is_set():  # (again until it took: the call may not have begun)
+            lib.lshm_plan_interrupt(ctypes.byref(opts))
+            finished.wait(0.01)
+        worker.join()
+        raise
+    worker.join()
+    if outcome:
+        raise outcome[0]
 
 
 def lower_bound(

@@ -470,3 +470,34 @@ def test_cli_plan_bad_numbers_name_the_line(tmp_path, rows, line, words):
     if "id 7" not in words:  # read_trace itself refuses the row, naming the same line
         with pytest.raises(ValueError, match=f"bad.csv:{line}: "):
             planner.read_trace(str(trace))
+
+
+INTERRUPTED_PLAN = """
+import os, signal, threading, time, numpy as np
+from pyshm import planner
+rng = np.random.default_rng(5)
+n = 40_000  # (lifetimes that overlap about half the others: tens of seconds to plan)
+firsts = rng.integers(0, n, n)
+lasts = firsts + 1 + rng.integers(0, n, n)
+sizes = rng.integers(1, 100_000, n)
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+started = time.monotonic()
+try:
+    planner.plan(sizes, firsts, lasts)
+except KeyboardInterrupt:
+    print("interrupted", time.monotonic() - started,
+          [t.name for t in threading.enumerate() if t.name == "pyshm-plan"])
+"""
+
+
+def test_ctrl_c_interrupts_a_big_plan():
+    # a plan of tens of seconds ran in C on the calling thread, where no signal handler runs
+    # until it returns: Ctrl-C did nothing until then. Now a big plan runs on a helper thread
+    # while the caller waits, and KeyboardInterrupt stops the C call too (lshm_plan_interrupt)
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_PLAN], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    word, seconds, threads = done.stdout.split(maxsplit=2)
+    assert word == "interrupted"
+    assert float(seconds) < 5.0
+    assert threads.strip() == "[]"  # (the helper thread ended: its call stopped)

@@ -514,6 +514,14 @@ LSHM_API int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts,
                        const lshm_plan_options *opts, uint64_t *offsets,
                        lshm_plan_result *result);
 
+/* Interrupt the lshm_plan calls running (on other threads) with these very options (the same
+ * address): each stops soon (the placement engine looks every 256 tensors, the searches
+ * where they look at the clock) and returns -ECANCELED, writing neither offsets nor result.
+ * Returns how many calls it interrupted (0: none runs with `opts`; a call that ends meanwhile
+ * may still return its plan). Only calls given options of the caller's can be interrupted
+ * (NULL options: -EINVAL). Thread-safe; async-signal-unsafe (it takes a lock). */
+LSHM_API int lshm_plan_interrupt(const lshm_plan_options *opts);
+
 /* Check a plan: no two tensors live at the same time overlap, every offset aligned, and
  * arena_size >= every end. Returns 0, -EINVAL with lshm_last_error() naming the first
  * offending pair (or bad input, as lshm_plan), or -EOVERFLOW when an offset + size passes

@@ -56,10 +56,12 @@ static void prepare_fork(void) {
     }
     lshm__slab_prepare_fork(); /* a share takes the slab lock inside its read section too */
     lshm__pool_prepare_fork();
-    lshm__os_prepare_fork(); /* (taken last: unmaps take it inside the others) */
+    lshm__os_prepare_fork(); /* (taken last but one: unmaps take it inside the others) */
+    lshm__plan_prepare_fork(); /* (held alone, never inside another) */
 }
 
 static void parent_after_fork(void) {
+    lshm__plan_after_fork(0);
     lshm__os_after_fork();
     lshm__pool_after_fork();
     lshm__slab_after_fork_parent();
@@ -71,6 +73,7 @@ static void parent_after_fork(void) {
 
 static void child_after_fork(void) {
     atomic_store_explicit(&forked_child, 1, memory_order_relaxed);
+    lshm__plan_after_fork(1);
     lshm__os_after_fork();
     lshm__pool_after_fork();
     lshm__slab_after_fork_child();

@@ -184,6 +184,8 @@ int lshm__storage_in_callback(const lshm_storage *s);
 /* fork() handlers of the list of ranges lshm__os_unmap could not unmap yet (fork.c). */
 void lshm__os_prepare_fork(void);
 void lshm__os_after_fork(void);
+void lshm__plan_prepare_fork(void); /* (planner.c: the list of calls to interrupt) */
+void lshm__plan_after_fork(int child);
 void lshm__os_close(int fd);
 int lshm__os_dup_cloexec(int fd, int *out);
 

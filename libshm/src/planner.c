@@ -39,6 +39,7 @@
 
 #include <assert.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -256,6 +257,7 @@ static int check_pinned(const plan_input *in) {
  * The stages (portfolio, exact set-up, local search, exact bisection, self-check) return 0, or
  * OUT_OF_MEMORY (lshm_plan turns it into the error), or another -errno with its message. */
 #define OUT_OF_MEMORY (-ENOMEM)
+#define CANCELLED (-ECANCELED) /* (lshm_plan_interrupt; its message is set at the end) */
 typedef struct plan_run {
     const plan_input *in;
     const lshm_plan_options *opts;
@@ -354,7 +356,7 @@ static int run_portfolio(plan_run *r) {
     const strategy *portfolio_used = m > PORTFOLIO_LARGE ? portfolio_large : portfolio;
     size_t strategies = m > PORTFOLIO_LARGE ? PORTFOLIO_LARGE_SIZE : PORTFOLIO_SIZE;
     for (size_t s = 0; s < strategies && m && r->best > r->lower_bound &&
-                       !meets_capacity(r->best, r->target);
+                       !meets_capacity(r->best, r->target) && !lshm__plan_cancelled();
          s++) {
         const strategy *candidate = &portfolio_used[s];
         double began = lshm__plan_now();
@@ -474,7 +476,7 @@ static int local_search(plan_run *r) {
     int improved = 0;
     for (unsigned iter = 0; r->best > r->lower_bound && !meets_capacity(r->best, r->target);
          iter++) {
-        if ((iter & 7) == 0 && lshm__plan_now() > until)
+        if ((iter & 7) == 0 && (lshm__plan_now() > until || lshm__plan_cancelled()))
             break;
         size_t top_count = 0; /* positions in order of tensors whose block touches the top */
         for (size_t j = 0; j < count; j++)
@@ -546,7 +548,7 @@ static int exact_bisection(plan_run *r) {
     double slice = 0;
     while (low < high) {
         double now = lshm__plan_now();
-        if (now >= r->deadline)
+        if (now >= r->deadline || lshm__plan_cancelled())
             break;
         uint64_t capacity;
         double until;
@@ -610,9 +612,86 @@ static int self_check(plan_run *r) {
     return 0;
 }
 
+/* ---- interruption (lshm_plan_interrupt) ---------------------------------------------------- */
+
+/* The lshm_plan calls running now that were given the caller's options, each with the flag
+ * lshm_plan_interrupt sets (a node on the call's stack). running_lock is held around fork()
+ * (lshm__plan_prepare_fork), so a child never inherits it held; the child's list is empty
+ * (the threads of the calls are not there, and the forking thread is in none). */
+typedef struct running_call {
+    const lshm_plan_options *opts;
+    _Atomic int cancel;
+    struct running_call *next;
+} running_call;
+static pthread_mutex_t running_lock = PTHREAD_MUTEX_INITIALIZER;
+static running_call *running;
+_Thread_local _Atomic int *lshm__plan_cancel;
+
+void lshm__plan_prepare_fork(void) { pthread_mutex_lock(&running_lock); }
+
+void lshm__plan_after_fork(int child) {
+    if (child)
+        running = NULL;
+    pthread_mutex_unlock(&running_lock); /* (a normal mutex: any thread may, the child's too) */
+}
+
+static void running_add(running_call *call, const lshm_plan_options *opts) {
+    call->opts = opts;
+    atomic_init(&call->cancel, 0);
+    pthread_mutex_lock(&running_lock);
+    call->next = running;
+    running = call;
+    pthread_mutex_unlock(&running_lock);
+    lshm__plan_cancel = &call->cancel;
+}
+
+static void running_remove(running_call *call) {
+    lshm__plan_cancel = NULL;
+    pthread_mutex_lock(&running_lock);
+    for (running_call **at = &running; *at; at = &(*at)->next)
+        if (*at == call) {
+            *at = call->next;
+            break;
+        }
+    pthread_mutex_unlock(&running_lock);
+}
+
+int lshm_plan_interrupt(const lshm_plan_options *opts) {
+    if (opts == NULL)
+        return LSHM_FAIL(-EINVAL, "lshm_plan_interrupt: NULL options (a call made with NULL "
+                                  "options cannot be interrupted)");
+    int found = 0;
+    pthread_mutex_lock(&running_lock);
+    for (running_call *call = running; call; call = call->next)
+        if (call->opts == opts) {
+            atomic_store_explicit(&call->cancel, 1, memory_order_relaxed);
+            found++;
+        }
+    pthread_mutex_unlock(&running_lock);
+    return found;
+}
+
+static int plan_call(size_t n, const uint64_t *sizes, const int64_t *firsts,
+                     const int64_t *lasts, const int64_t *fixed_offsets,
+                     const lshm_plan_options *opts, uint64_t *offsets,
+                     lshm_plan_result *result);
+
 int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int64_t *lasts,
               const int64_t *fixed_offsets, const lshm_plan_options *opts, uint64_t *offsets,
               lshm_plan_result *result) {
+    if (opts == NULL || lshm__plan_cancel != NULL) /* (none to interrupt it by; nested) */
+        return plan_call(n, sizes, firsts, lasts, fixed_offsets, opts, offsets, result);
+    running_call call;
+    running_add(&call, opts);
+    int rc = plan_call(n, sizes, firsts, lasts, fixed_offsets, opts, offsets, result);
+    running_remove(&call);
+    return rc;
+}
+
+static int plan_call(size_t n, const uint64_t *sizes, const int64_t *firsts,
+                     const int64_t *lasts, const int64_t *fixed_offsets,
+                     const lshm_plan_options *opts, uint64_t *offsets,
+                     lshm_plan_result *result) {
     double started = lshm__plan_now();
     const int debug = getenv("LSHM_PLAN_DEBUG") != NULL;
     if (n > 0 && !offsets)
@@ -636,14 +715,15 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
     }
     plan_run run;
     err = run_start(&run, &in, opts, firsts, lasts, started, debug, lower_bound);
-    if (!err)
-        err = run_portfolio(&run);
-    if (!err)
-        err = exact_prepare(&run);
-    if (!err)
-        err = local_search(&run);
-    if (!err)
-        err = exact_bisection(&run);
+    /* (each stage only if the call was not interrupted: a stage stopped short may leave no
+     * plan at all, e.g. the portfolio's first strategy cut off) */
+#define STAGE(call) (err ? err : lshm__plan_cancelled() ? CANCELLED : (call))
+    err = STAGE(run_portfolio(&run));
+    err = STAGE(exact_prepare(&run));
+    err = STAGE(local_search(&run));
+    err = STAGE(exact_bisection(&run));
+    err = STAGE(0);
+#undef STAGE
     if (!err) {
         if (run.used_exact)
             snprintf(run.name, sizeof run.name, "exact");
@@ -651,6 +731,8 @@ int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts, const int6
             run.optimal = 1;
         err = self_check(&run);
     }
+    if (err == CANCELLED) /* (nothing written: offsets and result untouched) */
+        err = LSHM_FAIL(-ECANCELED, "lshm_plan: interrupted (lshm_plan_interrupt)");
     if (err == OUT_OF_MEMORY)
         err = LSHM_FAIL(-ENOMEM, "planner: out of memory for %zu tensors", n);
     if (!err) {

@@ -430,6 +430,8 @@ uint64_t lshm__plan_engine_run(engine *e, const plan_input *in, const uint32_t *
             return UINT64_MAX;
     }
     for (size_t j = 0; j < count; j++) {
+        if ((j & 255) == 255 && lshm__plan_cancelled())
+            return UINT64_MAX; /* (interrupted: lshm_plan says so) */
         uint32_t i = order[j];
         uint64_t offset = engine_choose(e, i, fit);
         off[i] = offset;

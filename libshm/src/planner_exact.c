@@ -322,7 +322,8 @@ static int search(exact *x, const uint32_t *parent, size_t parent_count, uint32_
                   uint64_t max_total) {
     if (--x->nodes_left < 0)
         return -1;
-    if ((x->nodes_left & 255) == 0 && lshm__plan_now() > x->deadline) {
+    if ((x->nodes_left & 255) == 0 &&
+        (lshm__plan_now() > x->deadline || lshm__plan_cancelled())) {
         x->timed_out = 1;
         return -1;
     }

@@ -9,6 +9,7 @@
 #ifndef LSHM_PLANNER_INTERNAL_H
 #define LSHM_PLANNER_INTERNAL_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,6 +51,16 @@ int lshm__plan_exact(const lshm__plan_problem *p, uint64_t capacity, double dead
 
 /* Seconds on CLOCK_MONOTONIC. */
 double lshm__plan_now(void);
+
+/* The flag lshm_plan_interrupt sets for the lshm_plan call running on this thread (NULL
+ * outside one, or for a call without options of the caller's): every stage stops soon after
+ * it is set (the placement engine every 256 tensors, the searches where they look at the
+ * clock). */
+extern _Thread_local _Atomic int *lshm__plan_cancel;
+static inline int lshm__plan_cancelled(void) {
+    _Atomic int *flag = lshm__plan_cancel;
+    return flag != NULL && atomic_load_explicit(flag, memory_order_relaxed);
+}
 
 /* ---- shared by the planner's files (planner.c and its stages) ------------------------------ */
 

@@ -22,10 +22,13 @@
 #include "internal.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <time.h>
 
 #include "task.h"
 
@@ -1002,6 +1005,88 @@ static void test_engines_place_alike(void)
     }
 }
 
+/* A call of 40,000 tensors whose lifetimes overlap heavily (about half of them each: tens of
+ * seconds) run on another thread. */
+typedef struct {
+    size_t n;
+    uint64_t *size, *off;
+    int64_t *first, *last;
+    lshm_plan_options opts;
+    lshm_plan_result r;
+    int rc;
+    double seconds;
+    char error[256];
+} slow_call;
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void *run_slow_call(void *arg)
+{
+    slow_call *c = arg;
+    double t0 = now_seconds();
+    c->rc = lshm_plan(c->n, c->size, c->first, c->last, NULL, &c->opts, c->off, &c->r);
+    c->seconds = now_seconds() - t0;
+    snprintf(c->error, sizeof c->error, "%s", lshm_last_error());
+    return NULL;
+}
+
+static void test_interrupt(void)
+{
+    slow_call c = {.n = 40000};
+    c.size = malloc(c.n * 8), c.off = malloc(c.n * 8);
+    c.first = malloc(c.n * 8), c.last = malloc(c.n * 8);
+    ASSERT(c.size && c.off && c.first && c.last);
+    rng_state = 0x1A7E5ull;
+    for (size_t i = 0; i < c.n; i++) {
+        c.first[i] = (int64_t)(rnd() % c.n);
+        c.last[i] = c.first[i] + 1 + (int64_t)(rnd() % c.n);
+        c.size[i] = 1 + rnd() % 100000;
+    }
+    lshm_plan_options_init(&c.opts);
+    ASSERT_ERR(lshm_plan_interrupt(NULL), -EINVAL);
+    ASSERT_EQ(lshm_plan_interrupt(&c.opts), 0); /* (none running) */
+    /* interrupted at once, in its set-up, in its first strategy, later */
+    const useconds_t delays[] = {0, 2000, 20000, 100000, 300000};
+    for (size_t d = 0; d < sizeof delays / sizeof delays[0]; d++) {
+        memset(c.off, 0xAB, c.n * 8);
+        memset(&c.r, 0xCD, sizeof c.r);
+        pthread_t thread;
+        ASSERT_EQ(pthread_create(&thread, NULL, run_slow_call, &c), 0);
+        /* until the call runs (it registers first thing), then interrupt it */
+        double t0 = now_seconds();
+        usleep(delays[d]);
+        int found = 0;
+        while (!(found = lshm_plan_interrupt(&c.opts)) && now_seconds() - t0 < 10)
+            usleep(100);
+        ASSERT_EQ(found, 1);
+        if (d == 0) { /* a fork's child has no call running (its thread is not there) */
+            pid_t pid = fork();
+            ASSERT(pid >= 0);
+            if (pid == 0)
+                _exit(lshm_plan_interrupt(&c.opts) == 0 ? 0 : 3);
+            int status;
+            ASSERT_EQ(waitpid(pid, &status, 0), pid);
+            ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        }
+        ASSERT_EQ(pthread_join(thread, NULL), 0);
+        ASSERT_EQ(c.rc, -ECANCELED);
+        ASSERT(strstr(c.error, "interrupted") != NULL);
+        ASSERT_LT(c.seconds, 5.0); /* (uninterrupted: tens of seconds) */
+        for (size_t i = 0; i < c.n; i++) /* nothing written */
+            ASSERT_UINT_EQ(c.off[i], 0xABABABABABABABABull);
+        ASSERT_UINT_EQ(c.r.arena_size, 0xCDCDCDCDCDCDCDCDull);
+    }
+    ASSERT_EQ(lshm_plan_interrupt(&c.opts), 0); /* (ended) */
+    /* the same options plan again, uninterrupted (a small input) */
+    ASSERT_OK(lshm_plan(100, c.size, c.first, c.last, NULL, &c.opts, c.off, &c.r));
+    free(c.size), free(c.off), free(c.first), free(c.last);
+}
+
 int main(void)
 {
     RUN_TEST(test_framework_facts);
@@ -1018,5 +1103,6 @@ int main(void)
     RUN_TEST(test_extreme_lifetimes_exact);
     RUN_TEST(test_out_of_memory);
     RUN_TEST(test_engines_place_alike);
+    RUN_TEST(test_interrupt);
     return 0;
 }
