@@ -365,11 +365,7 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
         now = _monotonic()
         if now >= state.next_sweep:
             _sweep(now)
-        server = state.server
-        if server is None:
-            server = state.server = _Server()
-            for hook in _on_server_start:
-                hook()
+        server = _own_server()
         pair = state.secrets.get(key)
         if pair is None:
             parent = state.inherited.get(key)
@@ -391,6 +387,16 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
             state.shared_keys.add(key)
         state.ranges[(key, size, offset, nbytes)] = ref
         return server.address, pair[1 if readonly else 0], ref, pair[2]
+
+
+def _own_server() -> "_Server":
+    """This process's fd server, started if it is not yet (lock held)."""
+    server = state.server
+    if server is None:
+        server = state.server = _Server()
+        for hook in _on_server_start:
+            hook()
+    return server
 
 
 def forked_secret(parent_secret: bytes, address: bytes) -> bytes:
@@ -542,7 +548,11 @@ class Mark(_Reduced):
         with state.lock:
             batch = _new_batch(frame)
             state.local.batch = batch
-            address = state.server.address if state.server is not None else b""
+            # (started here if no export did yet: the message's first token may be one sent
+            # on (reduction._forwarded), and this process's own tokens after it must find
+            # their batch under its address, or they are fetched without the message's
+            # proof and stay held until KEEPALIVE_SECONDS, never acknowledged)
+            address = _own_server().address
         return _received_batch, (address, batch.id, _secret_out(batch.secret, out_of_band))
 
 
@@ -1164,7 +1174,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
                 "receivers, one that is killed cannot"
             ) from None
         # (an acknowledgement alone is not worth waiting for: the janitor sends them all)
-        peer = _Peer(_check_peer_user(sock) if fetches else 0)
+        peer = _Peer(_check_peer_user(sock) if fetches else 0, address)
         note_reached(address)
         state.round_trips += 1
         if fetches:
@@ -1269,18 +1279,27 @@ def _check_peer_user(sock: socket.socket) -> int:
     return pid
 
 
+# sender address -> (when fetches found it silent first, last) while its silence goes on
+# (_Peer): the patience is the sender's, not each fetch's (a Pool's result handler goes on to
+# the next token of a silent sender after a stand-in, and would wait _PATIENCE_SECONDS for
+# each, 50 minutes for a result of 5 arrays)
+_silent: dict = {}
+
+
 class _Peer:
     """The sender a fetch waits for: its answers are awaited while it lives, up to
-    _PATIENCE_SECONDS. Its fd server is a Python thread, which a thread holding the GIL in C
-    (or a SIGSTOP, a debugger) keeps silent however long that lasts: a receiver that gave up
+    _PATIENCE_SECONDS of silence (the sender's, over all fetches from it: _silent). Its fd
+    server is a Python thread, which a thread holding the GIL in C (or a SIGSTOP, a
+    debugger) keeps silent however long that lasts: a receiver that gave up
     after _REPLY_TIMEOUT lost memory a live sender would have handed over. One that exited
     closed the connection (an error at once), unless a child of its holds its socket: then
     it is found dead at the next look. pid 0: not waited for (not known, or not worth it)."""
 
-    __slots__ = ("pid", "pidfd")
+    __slots__ = ("pid", "pidfd", "address")
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, address: bytes) -> None:
         self.pid = pid
+        self.address = address
         self.pidfd: Optional[int] = None  # (opened at the first silence: no fd otherwise)
 
     def alive(self) -> bool:
@@ -1305,14 +1324,26 @@ class _Peer:
 
     def recv_fds(self, sock: socket.socket, size: int) -> tuple:
         """socket.recv_fds of the next answer, waiting while the sender lives."""
-        deadline = _monotonic() + _PATIENCE_SECONDS
         while True:
             try:
-                return socket.recv_fds(sock, size, _MAX_FDS_PER_MESSAGE,
-                                       socket.MSG_CMSG_CLOEXEC)
-            except TimeoutError:
-                if _monotonic() >= deadline or not self.alive():
+                received = socket.recv_fds(sock, size, _MAX_FDS_PER_MESSAGE,
+                                           socket.MSG_CMSG_CLOEXEC)
+            except socket.timeout:  # (TimeoutError from 3.10 on; not on 3.9)
+                if self.pid <= 0:
+                    raise  # (not waited for)
+                now = _monotonic()
+                since, last = _silent.get(self.address, (now, now))
+                if now - last > 2 * _REPLY_TIMEOUT:  # (not known silent all along)
+                    since = now
+                if len(_silent) >= 4096:
+                    _silent.clear()  # (bounded, as _reached)
+                _silent[self.address] = (since, now)
+                # (silent since the request at least: a _REPLY_TIMEOUT before the first look)
+                if now - since + _REPLY_TIMEOUT >= _PATIENCE_SECONDS or not self.alive():
                     raise
+                continue
+            _silent.pop(self.address, None)  # (it answers)
+            return received
 
     def close(self) -> None:
         if self.pidfd is not None:

@@ -900,6 +900,44 @@ def test_a_receiver_waits_for_a_silent_sender_only_so_long(monkeypatch):
         sender.wait()
 
 
+GIL_HOLDING_SENDER_OF_FIVE = GIL_HOLDING_SENDER.replace(
+    "a = pyshm.zeros(1 << 20, np.uint8, shared=True)\na[0] = 5",
+    "a = [pyshm.zeros(1 << 20, np.uint8, shared=True) for _ in range(5)]")
+
+
+def test_a_pool_result_of_many_arrays_waits_for_a_silent_sender_only_so_long(monkeypatch):
+    # A Pool's result handler gets an Undelivered for each array it cannot fetch and goes on
+    # to the next token of the same silent sender, which waited _PATIENCE_SECONDS (600 s)
+    # again: a result of 5 arrays from a worker stuck in C with the GIL wedged every result
+    # of the pool for 50 minutes (20 arrays: 3 h 20). Once a sender was given up on, the
+    # next fetch from it looks once (_REPLY_TIMEOUT), as before the patience came
+    monkeypatch.setattr(_channel, "_REPLY_TIMEOUT", 1.0)
+    monkeypatch.setattr(_channel, "_PATIENCE_SECONDS", 3.0)
+    sender = subprocess.Popen([sys.executable, "-c", GIL_HOLDING_SENDER_OF_FIVE, "60"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env())
+    pickled = sender.stdout.read()
+    got = []
+
+    def handle_results():  # (what stand_in() takes for the Pool's result-handler thread)
+        got.append(ForkingPickler.loads(pickled))
+
+    handle_results.__qualname__ = "Pool._handle_results"
+    try:
+        started = time.monotonic()
+        thread = threading.Thread(target=handle_results)
+        thread.start()
+        thread.join(60)
+        took = time.monotonic() - started
+        assert not thread.is_alive()
+        assert len(got[0]) == 5
+        assert all(isinstance(a, _channel.Undelivered) for a in got[0])
+        # (3 s of patience, then a look of 1 s for each of the 4 others; was 5 x 3 s)
+        assert took < 11, took
+    finally:
+        sender.kill()
+        sender.wait()
+
+
 def test_a_token_sent_on_does_not_show_its_origin_the_message_it_came_in(monkeypatch):
     # B sends C a message of its own memory and an array of A's whose fd it closed (a token
     # naming A); C fetches that one from A, and must not show A the message's batch secret,
@@ -947,6 +985,69 @@ def test_a_token_sent_on_does_not_show_its_origin_the_message_it_came_in(monkeyp
             pytest.fail(b.stderr.read().decode()[-3000:])
     assert 42 not in stolen
     assert proofs == []
+
+
+SEND_ON_FIRST_THEN_OWN = textwrap.dedent(
+    """
+    import os, pickle, resource, struct, sys, time, numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel, reduction
+    stdin, out = sys.stdin.buffer, sys.stdout.buffer
+    private = pyshm.zeros(100_000, np.uint8, shared=True)  # its own (no fd server yet)
+    private[:] = 42
+    open_now = len(os.listdir("/proc/self/fd")) - 1
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 8, hard))  # (no fd kept: 8 free)
+    sent_on = pickle.load(stdin)
+    assert reduction._cache.kept_fds == 0 and _channel.own_address() is None
+    message = bytes(ForkingPickler.dumps([sent_on[0], private]))  # (a token of A's first)
+    out.write(struct.pack("=I", len(message)) + message)
+    out.flush()
+    stdin.readline()  # (C has fetched)
+    deadline = time.monotonic() + 5.0
+    while _channel.held_batches() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(_channel.held_batches(), flush=True)
+    """
+)
+
+THIRD_PROCESS_OF_TWO = textwrap.dedent(
+    """
+    import sys, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    arrays = ForkingPickler.loads(sys.stdin.buffer.read())
+    print(all(pyshm.is_shared(a) for a in arrays) and int(arrays[1][0]) == 42)
+    """
+)
+
+
+def test_a_message_whose_first_token_is_sent_on_releases_the_senders_own_memory():
+    # B, with no fd server yet, sends C a token of A's memory it keeps no fd for (sent on)
+    # and then an array of its own. The message's batch was begun before B's own export
+    # started its server: it named no sender (b""), so C fetched B's array without the
+    # message's proof, which leaves it held in B's batch for KEEPALIVE_SECONDS (60 s; a
+    # multiprocessing child lingers that long at exit) and could never acknowledge it
+    arrays = [pyshm.zeros(100_000, np.uint8, shared=True) for _ in range(4)]
+    b = subprocess.Popen([sys.executable, "-c", SEND_ON_FIRST_THEN_OWN], env=_env(),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        b.stdin.write(bytes(ForkingPickler.dumps(arrays)))
+        b.stdin.flush()
+        head = b.stdout.read(4)
+        assert len(head) == 4, b.communicate(timeout=60)[1].decode()[-3000:]
+        message = b.stdout.read(struct.unpack("=I", head)[0])
+        c = subprocess.run([sys.executable, "-c", THIRD_PROCESS_OF_TWO], input=message,
+                           capture_output=True, timeout=120, env=_env())
+        assert c.returncode == 0, c.stderr.decode()[-3000:]
+        assert c.stdout.decode().strip() == "True"
+        b.stdin.write(b"\n")
+        b.stdin.flush()
+        held = b.stdout.readline().decode().strip()
+        assert held == "0", (held, b.communicate(timeout=60)[1].decode()[-3000:])
+    finally:
+        b.stdin.close()
+        b.kill()
+        b.wait()
 
 
 def _sweep_until(stop: threading.Event, errors: list) -> None:
@@ -2078,6 +2179,9 @@ def test_memory_sent_twice_and_dropped_is_freed_within_a_second():
 
 def test_memory_nobody_fetches_is_freed_after_the_keepalive(monkeypatch):
     monkeypatch.setattr(_channel, "KEEPALIVE_SECONDS", 0.5)
+    # (the sweep stops at the first batch not expired, batches being made in the order of
+    # their deadlines: one an earlier test left, held 60 s, would hide ours)
+    _channel.drop_holds()
     a = pyshm.share_memory_(pyshm.empty(100_000, np.uint8))
     ForkingPickler.dumps(a)  # pickled, never delivered
     owner = weakref.ref(_owner_of(a))
