@@ -446,6 +446,7 @@ _TABLE = [
     ("lshm_arena_buffer_data", c_void_p, [ArenaBufferHandle], False),
     ("lshm_arena_buffer_size", c_size_t, [ArenaBufferHandle], False),
     ("lshm_arena_stats", c_int, [ArenaHandle, POINTER(ArenaCounters)], True),
+    ("lshm_arena_interrupt", c_int, [ArenaHandle], True),
     ("lshm_arena_plan_result", c_int, [ArenaHandle, POINTER(PlanResult)], True),
     ("lshm_arena_alloc", c_int, [ArenaHandle, c_size_t, POINTER(StorageHandle)], True),
     ("lshm_arena_free", c_int, [ArenaHandle, StorageHandle], True),

@@ -5,8 +5,9 @@ library's result. Imports only the binding (``_ffi``)."""
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -101,3 +102,43 @@ def plan_from_result(
         alignment=alignment,
         inclusive=inclusive,
     )
+
+
+WAIT_APART_FROM = 2000  # tensors: a plan this big (or with this budget) is waited for apart,
+WAIT_APART_SECONDS = 0.5  # so that Ctrl-C interrupts it (a smaller one takes a few ms)
+
+
+def interruptibly(call: Callable[[], Any], interrupt: Callable[[], Any], apart: bool) -> None:
+    """call() (a C call that plans) and, if `apart`, on a helper thread while this one waits,
+    so that a signal's exception (KeyboardInterrupt at Ctrl-C) interrupts it: interrupt()
+    (lshm_plan_interrupt) stops the call, which gives nothing back, and the exception goes
+    on. Off the main thread, which gets no signals, the call runs right here."""
+    if not apart or threading.current_thread() is not threading.main_thread():
+        call()
+        return
+    outcome: list = []
+    finished = threading.Event()  # (waited for, not the thread: an interrupted join in
+    # CPython 3.11 can mark a running thread stopped, bpo-45274's fix)
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - raised again by the waiting thread
+            outcome.append(exc)
+        finally:
+            finished.set()
+
+    worker = threading.Thread(target=run, name="pyshm-plan", daemon=True)
+    worker.start()
+    try:
+        while not finished.wait(0.1):
+            pass
+    except BaseException:
+        while not finished.is_set():  # (again until it took: the call may not have begun)
+            interrupt()
+            finished.wait(0.01)
+        worker.join()
+        raise
+    worker.join()
+    if outcome:
+        raise outcome[0]

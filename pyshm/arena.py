@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -22,7 +23,16 @@ from ._memory import (
     normalize_shape,
     owner_of,
 )
-from ._planning import Plan, inputs, lifetime_pointers, options, plan_from_result
+from ._planning import (
+    WAIT_APART_FROM,
+    WAIT_APART_SECONDS,
+    Plan,
+    inputs,
+    interruptibly,
+    lifetime_pointers,
+    options,
+    plan_from_result,
+)
 from .storage import Storage
 
 __all__ = ["Arena", "ArenaStats"]
@@ -156,10 +166,12 @@ class Arena(HandleLifetime):
         n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
         opts = options(alignment, inclusive, time_limit)
         out = _ffi.ArenaHandle()
-        lib.lshm_arena_create(
-            n, *lifetime_pointers(sizes_a, firsts_a, lasts_a),
-            ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out),
-        )
+        interruptibly(  # (Ctrl-C stops a big plan: see pyshm.planner.plan)
+            functools.partial(
+                lib.lshm_arena_create, n, *lifetime_pointers(sizes_a, firsts_a, lasts_a),
+                ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out)),
+            lambda: lib.lshm_plan_interrupt(ctypes.byref(opts)),
+            n >= WAIT_APART_FROM or time_limit >= WAIT_APART_SECONDS)
         self._setup(out, recording=False, shared=shared, alignment=int(opts.alignment),
                     inclusive=inclusive)
 
@@ -188,6 +200,9 @@ class Arena(HandleLifetime):
         # Recording arenas: the address of each storage handed out and not freed yet -> the
         # handle of the reference we hold.
         self._live: dict = {}
+        # allocations of this iteration, and the fallbacks (allocations that did not fit) seen
+        # by the last end_iteration: with enough of them, its re-plan is waited for apart
+        self._allocs = self._fallbacks = 0
         # the owners of the arrays handed out (each keeps the arena alive: its keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
         # buffer address (None: ordinary memory) -> the _ArenaKeep its arrays share
@@ -284,6 +299,7 @@ class Arena(HandleLifetime):
         dims = normalize_shape(shape)
         out = _ffi.StorageHandle()
         lib.lshm_arena_alloc(self._as_parameter_, nbytes_of(dims, dtype), ctypes.byref(out))
+        self._allocs += 1
         self._live[_ffi.address(out)] = out
         return self._wrap(out, dims, dtype)
 
@@ -310,8 +326,19 @@ class Arena(HandleLifetime):
         del self._live[key]
 
     def end_iteration(self) -> None:
-        """Recording arenas: end the iteration (plans after the first, or after a misfit)."""
-        lib.lshm_arena_end_iteration(self._as_parameter_)
+        """Recording arenas: end the iteration (plans after the first, or after a misfit). A
+        plan of 2,000 allocations or more is made on a helper thread while this one waits, so
+        that Ctrl-C stops it (see :func:`pyshm.planner.plan`; the next iteration plans again)."""
+        handle = self._as_parameter_
+        allocs, self._allocs = self._allocs, 0
+        apart = False
+        if allocs >= WAIT_APART_FROM:  # (will it plan? the first time, or after a misfit)
+            counters = _ffi.ArenaCounters()
+            lib.lshm_arena_stats(handle, ctypes.byref(counters))
+            apart = counters.fallback_count > self._fallbacks or lib.lshm_arena_count(handle) == 0
+            self._fallbacks = counters.fallback_count
+        interruptibly(functools.partial(lib.lshm_arena_end_iteration, handle),
+                      functools.partial(lib.lshm_arena_interrupt, handle), apart)
 
     # ---- information ----------------------------------------------------------------------
 

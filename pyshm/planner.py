@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import ctypes
 import functools
-import threading
 from typing import Optional, Sequence
 
 import numpy as np
@@ -13,9 +12,12 @@ import numpy as np
 from . import _checks, _ffi
 from ._ffi import I64Pointer, U64Pointer, lib
 from ._planning import (
+    WAIT_APART_FROM,
+    WAIT_APART_SECONDS,
     Plan,
     as_array,
     inputs,
+    interruptibly,
     lifetime_pointers,
     options,
     plan_from_result,
@@ -72,51 +74,11 @@ def plan(
         pointer(offsets, U64Pointer),
         ctypes.byref(result),
     )
-    if n >= _WAIT_APART_FROM or time_limit >= _WAIT_APART_SECONDS:
-        _interruptible(call, opts)
-    else:
-        call()
+    interruptibly(call, lambda: lib.lshm_plan_interrupt(ctypes.byref(opts)),
+                  n >= WAIT_APART_FROM or time_limit >= WAIT_APART_SECONDS)
     return plan_from_result(offsets, result, int(opts.alignment), bool(inclusive))
 
 
-_WAIT_APART_FROM = 2000  # tensors: a plan this big (or with this budget) is waited for apart,
-_WAIT_APART_SECONDS = 0.5  # so that Ctrl-C interrupts it (a smaller one takes a few ms)
-
-
-def _interruptible(call, opts) -> None:
-    """call() (an lshm_plan with `opts`) on a helper thread while this one waits, so that a
-    signal's exception (KeyboardInterrupt at Ctrl-C) interrupts it: lshm_plan_interrupt stops
-    the call, which gives nothing back, and the exception goes on. Off the main thread, which
-    gets no signals, the call runs right here."""
-    if threading.current_thread() is not threading.main_thread():
-        call()
-        return
-    outcome: list = []
-    finished = threading.Event()  # (waited for, not the thread: an interrupted join in
-    # CPython 3.11 can mark a running thread stopped, bpo-45274's fix)
-
-    def run() -> None:
-        try:
-            call()
-        except BaseException as exc:  # noqa: BLE001 - raised again by the waiting thread
-            outcome.append(exc)
-        finally:
-            finished.set()
-
-    worker = threading.Thread(target=run, name="pyshm-plan", daemon=True)
-    worker.start()
-    try:
-        while not finished.wait(0.1):
-            pass
-    except BaseException:
-        while not finished.is_set():  # (again until it took: the call may not have begun)
-            lib.lshm_plan_interrupt(ctypes.byref(opts))
-            finished.wait(0.01)
-        worker.join()
-        raise
-    worker.join()
-    if outcome:
-        raise outcome[0]
 
 
 def lower_bound(

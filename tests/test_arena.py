@@ -496,3 +496,51 @@ def test_arena_cannot_be_copied_or_pickled():
             attempt(keep.base.keep)  # an arena array's keep (_ArenaKeep)
     del keep
     arena.close()
+
+
+INTERRUPTED_ARENA = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time, numpy as np, pyshm
+    rng = np.random.default_rng(5)
+    n = 40_000  # (lifetimes that overlap about half the others: tens of seconds to plan)
+    firsts = rng.integers(0, n, n)
+    lasts = firsts + 1 + rng.integers(0, n, n)
+    sizes = rng.integers(1, 100_000, n)
+    if sys.argv[1] == "recording":
+        arena = pyshm.Arena.recording()
+        live = []
+        for i in range(n):  # (each allocation, then every other time a random live one freed)
+            live.append(arena.empty(int(sizes[i]), np.uint8))
+            if i & 1:
+                k = int(rng.integers(0, len(live)))
+                arena.free(live[k])
+                live[k] = live[-1]
+                live.pop()
+        for a in live:
+            arena.free(a)
+        del live
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    try:
+        if sys.argv[1] == "recording":
+            arena.end_iteration()
+        else:
+            pyshm.Arena(sizes, firsts, lasts)
+    except KeyboardInterrupt:
+        print("interrupted", time.monotonic() - started,
+              [t.name for t in threading.enumerate() if t.name == "pyshm-plan"])
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["planned", "recording"])
+def test_ctrl_c_interrupts_an_arena_s_big_plan(how):
+    # an arena planning tens of thousands of tensors (at creation, or at the end of a recording
+    # arena's first iteration) ran in C on the calling thread, deaf to Ctrl-C until it returned
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_ARENA, how], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    word, seconds, threads = done.stdout.split(maxsplit=2)
+    assert word == "interrupted"
+    assert float(seconds) < 5.0
+    assert threads.strip() == "[]"

@@ -605,8 +605,9 @@ typedef struct lshm_arena_counters {
  * the defaults of lshm_plan_options_init) and create a planned arena for them. The slab is
  * allocated here; no buffer yet (lshm_arena_allocate makes it). flags: 0 or LSHM_ARENA_SHARED.
  * The caller owns *out and frees it with lshm_arena_destroy. Thread-safe (no shared state).
+ * lshm_plan_interrupt(opts) from another thread stops its planning: -ECANCELED, no arena.
  * Errors: -EINVAL (NULL arrays with n > 0, NULL out, bad plan input as lshm_plan, unknown
- * flags), -EOVERFLOW, -ENOMEM. n == 0 is valid (an arena of nothing). */
+ * flags), -EOVERFLOW, -ENOMEM, -ECANCELED. n == 0 is valid (an arena of nothing). */
 LSHM_API int lshm_arena_create(size_t n, const uint64_t *sizes, const int64_t *firsts,
                                const int64_t *lasts, const lshm_plan_options *opts,
                                unsigned flags, lshm_arena **out);
@@ -721,10 +722,17 @@ LSHM_API int lshm_arena_free(lshm_arena *arena, lshm_storage *s);
  * request did not fit, creating a buffer for the new plan (a shared arena gets a new memfd),
  * and resets the alloc counter so the next alloc is the iteration's first. Every storage
  * allocated in the iteration must have been freed. Errors: -EINVAL (NULL, planned arena),
- * -EBUSY (storages not freed; nothing changes), -ENOMEM, -ENOSPC, -EMFILE (planning or the
- * new buffer failed: the iteration is ended anyway, allocs fall back to ordinary allocation,
- * and the next end_iteration tries again). */
+ * -EBUSY (storages not freed; nothing changes), -ENOMEM, -ENOSPC, -EMFILE, -ECANCELED
+ * (planning or the new buffer failed, or lshm_arena_interrupt stopped the plan: the iteration
+ * is ended anyway, allocs fall back to ordinary allocation, and the next end_iteration tries
+ * again). */
 LSHM_API int lshm_arena_end_iteration(lshm_arena *arena);
+
+/* Interrupt the plan an lshm_arena_end_iteration of `arena` is making on another thread (as
+ * lshm_plan_interrupt: that call returns -ECANCELED, the iteration ends anyway and the next
+ * end_iteration plans again). Returns how many plans it interrupted (0: none running); the
+ * only call on an arena that may run beside another. Errors: -EINVAL (NULL). */
+LSHM_API int lshm_arena_interrupt(const lshm_arena *arena);
 
 #ifdef __cplusplus
 }

@@ -363,12 +363,19 @@ int lshm_arena_create(size_t n, const uint64_t *sizes, const int64_t *firsts,
     }
     if (n > 0)
         memcpy(copy, sizes, n * sizeof *copy);
-    if ((rc = install_plan(a, n, copy, firsts, lasts, &a->opts)) != 0) {
+    /* (the caller's options, so that lshm_plan_interrupt(opts) reaches this plan) */
+    if ((rc = install_plan(a, n, copy, firsts, lasts, opts != NULL ? opts : &a->opts)) != 0) {
         arena_free(a);
         return rc;
     }
     *out = a;
     return 0;
+}
+
+int lshm_arena_interrupt(const lshm_arena *a) {
+    if (a == NULL)
+        return LSHM_FAIL(-EINVAL, "lshm_arena_interrupt: NULL arena");
+    return lshm_plan_interrupt(&a->opts);
 }
 
 int lshm_arena_create_recording(const lshm_plan_options *opts, unsigned flags,

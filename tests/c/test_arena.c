@@ -7,8 +7,10 @@
 #include "task.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 /* The number of mappings of this process. */
@@ -602,6 +604,103 @@ static void test_fini_of_an_arena_storage_is_refused(void) {
     ASSERT_OK(lshm_arena_destroy(a));
 }
 
+/* Planning 40,000 tensors whose lifetimes overlap at random, long (many others each:
+ * seconds to tens of seconds), on another thread, interrupted: arena creation by
+ * lshm_plan_interrupt of its options, a recording arena's plan by lshm_arena_interrupt. */
+enum { BIG = 40000 };
+typedef struct {
+    uint64_t *sizes;
+    int64_t *firsts, *lasts;
+    lshm_plan_options opts;
+    lshm_arena *arena;
+    int rc;
+} big_plan;
+
+static uint64_t scramble(uint64_t i) { return (i * 2654435761u) % BIG; } /* (a permutation) */
+
+static void *create_big(void *arg) {
+    big_plan *b = arg;
+    b->rc = lshm_arena_create(BIG, b->sizes, b->firsts, b->lasts, &b->opts, 0, &b->arena);
+    return NULL;
+}
+
+static void *end_big_iteration(void *arg) {
+    big_plan *b = arg;
+    b->rc = lshm_arena_end_iteration(b->arena);
+    return NULL;
+}
+
+/* Starts fn(b) on a thread, interrupts it with interrupt(target) as soon as it plans, joins. */
+static void interrupt_on_thread(void *(*fn)(void *), big_plan *b, int (*interrupt)(const void *),
+                                const void *target) {
+    pthread_t thread;
+    ASSERT_EQ(pthread_create(&thread, NULL, fn, b), 0);
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    int found = 0;
+    do {
+        usleep(1000);
+        found = interrupt(target);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+    } while (!found && now.tv_sec - start.tv_sec < 20);
+    ASSERT_EQ(found, 1);
+    ASSERT_EQ(pthread_join(thread, NULL), 0);
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    ASSERT_LT(now.tv_sec - start.tv_sec, 5); /* (uninterrupted: many seconds) */
+}
+
+static int interrupt_plan(const void *opts) { return lshm_plan_interrupt(opts); }
+static int interrupt_arena(const void *arena) { return lshm_arena_interrupt(arena); }
+
+static void test_interrupt_plans(void) {
+    big_plan b = {0};
+    b.sizes = malloc(BIG * sizeof *b.sizes);
+    b.firsts = malloc(BIG * sizeof *b.firsts);
+    b.lasts = malloc(BIG * sizeof *b.lasts);
+    ASSERT(b.sizes && b.firsts && b.lasts);
+    for (uint64_t i = 0; i < BIG; i++) {
+        b.sizes[i] = 1 + (i * 7919) % 5000;
+        b.firsts[i] = (int64_t)scramble(i);
+        b.lasts[i] = b.firsts[i] + 1 + (int64_t)scramble(i * 31 + 7);
+    }
+    lshm_plan_options_init(&b.opts);
+    int fds = fd_count();
+    b.arena = (lshm_arena *)&b; /* (must stay untouched) */
+    interrupt_on_thread(create_big, &b, interrupt_plan, &b.opts);
+    ASSERT_EQ(b.rc, -ECANCELED);
+    ASSERT_PTR_EQ(b.arena, (lshm_arena *)&b);
+    ASSERT_EQ(fd_count(), fds);
+
+    /* a recording arena's first plan, at the end of an iteration of BIG allocations */
+    ASSERT_OK(lshm_arena_create_recording(NULL, 0, &b.arena));
+    ASSERT_ERR(lshm_arena_interrupt(NULL), -EINVAL);
+    ASSERT_EQ(lshm_arena_interrupt(b.arena), 0); /* (nothing planning) */
+    /* each allocation, then every other time a random live one freed: long, random lives */
+    lshm_storage **live = malloc(BIG * sizeof *live);
+    ASSERT(live != NULL);
+    for (int it = 0; it < 2; it++) {
+        size_t count = 0;
+        for (uint64_t i = 0; i < BIG; i++) {
+            ASSERT_OK(lshm_arena_alloc(b.arena, b.sizes[i], &live[count++]));
+            if (i & 1) {
+                size_t k = scramble(i) % count;
+                ASSERT_OK(lshm_arena_free(b.arena, live[k]));
+                live[k] = live[--count];
+            }
+        }
+        while (count > 0)
+            ASSERT_OK(lshm_arena_free(b.arena, live[--count]));
+        if (it == 0) {
+            interrupt_on_thread(end_big_iteration, &b, interrupt_arena, b.arena);
+            ASSERT_EQ(b.rc, -ECANCELED); /* (the iteration ended, with no plan) */
+            lshm_plan_result plan;
+            ASSERT_ERR(lshm_arena_plan_result(b.arena, &plan), -ENODATA);
+        }
+    }
+    ASSERT_OK(lshm_arena_destroy(b.arena)); /* (its second iteration not ended: tens of s) */
+    free(live), free(b.sizes), free(b.firsts), free(b.lasts);
+}
+
 int main(void) {
     RUN_TEST(test_slab_in_place);
     RUN_TEST(test_cycles_reuse_and_trim);
@@ -614,5 +713,6 @@ int main(void) {
     RUN_TEST(test_ordinary_frees_any_order);
     RUN_TEST(test_buffer_reference_outlives_replan_and_trim);
     RUN_TEST(test_fini_of_an_arena_storage_is_refused);
+    RUN_TEST(test_interrupt_plans);
     return 0;
 }
