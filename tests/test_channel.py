@@ -818,11 +818,16 @@ GIL_HOLDING_SENDER = textwrap.dedent(
     from multiprocessing.reduction import ForkingPickler
     a = pyshm.zeros(1 << 20, np.uint8, shared=True)
     a[0] = 5
-    sys.stdout.buffer.write(bytes(ForkingPickler.dumps(a)))
-    sys.stdout.buffer.flush()
-    os.close(1)
-    # a call into C that keeps the GIL (ctypes.PyDLL): the fd server thread cannot answer
-    ctypes.PyDLL(None).sleep(int(sys.argv[1]))
+    data = bytes(ForkingPickler.dumps(a))
+    # calls into C that keep the GIL (ctypes.PyDLL), and no switch between them: the fd
+    # server thread cannot answer from before the pickle is out until the sleep ends (with
+    # os.write, which lets the GIL go, a receiver quick enough was answered at once)
+    sys.setswitchinterval(1000)
+    libc = ctypes.PyDLL(None)
+    libc.write(1, data, len(data))
+    libc.close(1)
+    libc.sleep(int(sys.argv[1]))
+    sys.setswitchinterval(0.005)
     sys.stdin.read()  # (then it serves, until told to end)
     """
 )
