@@ -567,13 +567,9 @@ class Ticket(_Reduced):
     def __init__(self, key: tuple, holder: Any, readonly: bool, fields: tuple) -> None:
         self.key, self.holder, self.readonly, self.fields = key, holder, readonly, fields
 
-    def _reduce(self, frame: int, out_of_band: bool):
-        if self.holder is None:  # a token of another process, sent on (reduction._forwarded):
-            # its memory is that process's to hand over, not this one's to hold
-            if not out_of_band:
-                return tuple, (self.fields,)
-            *head, secret, _ = self.fields
-            return tuple, ((*head, _secret_out(secret, True), None),)
+    def _enlist(self, frame: int) -> Optional[tuple]:
+        """Put the memory in the current message's batch; returns the proof of a batch of its
+        own (solo) when this is no message's pickling (see Mark), else None."""
         batch = getattr(state.local, "batch", None)
         solo = None
         # (no lock on this path: only this thread adds to its current batch, and nobody can
@@ -587,6 +583,13 @@ class Ticket(_Reduced):
             batch.members[self.key] = [self.holder, self.readonly]
         elif not self.readonly:
             member[1] = False
+        return solo
+
+    def _reduce(self, frame: int, out_of_band: bool):
+        solo = None
+        if self.holder is not None:  # (None: a token of another process, sent on
+            # (reduction._forwarded): its memory is that process's to hand over, not ours)
+            solo = self._enlist(frame)
         if solo is None and not out_of_band:
             return tuple, (self.fields,)
         *head, secret, _ = self.fields  # (the token's last two fields: its secret, solo)
@@ -1173,8 +1176,9 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
                 f"process fetched it ({exc.strerror}); a sender that exits normally waits for its "
                 "receivers, one that is killed cannot"
             ) from None
+        pid = _check_peer_user(sock)
         # (an acknowledgement alone is not worth waiting for: the janitor sends them all)
-        peer = _Peer(_check_peer_user(sock) if fetches else 0, address)
+        peer = _Peer(pid if fetches else 0, address)
         note_reached(address)
         state.round_trips += 1
         if fetches:

@@ -240,21 +240,19 @@ def _free_fds() -> Optional[int]:
     return max(0, limit - open_now)
 
 
-def _may_keep_fd() -> bool:
+def _may_keep_fd(free: Optional[int]) -> bool:
     """Whether a received memfd's fd may stay open (without it, the memfd's arrays are sent
-    on as tokens of their sender: _forwarded), leaving FD_RESERVE free for the program."""
-    if _cache.kept_fds >= _fd_budget():
-        return False
-    free = _free_fds()
-    return free is None or free > FD_RESERVE
+    on as tokens of their sender: _forwarded), leaving FD_RESERVE free for the program; `free`
+    as _free_fds says (the fd in question open already)."""
+    return _cache.kept_fds < _fd_budget() and (free is None or free > FD_RESERVE)
 
 
-def _extras_room() -> int:
+def _extras_room(free: Optional[int]) -> int:
     """How many extra fds a fetch may ask for beyond the one it needs: at most half the
-    budget less those waiting already, and no more than the fds free now, less the fetch's
-    socket and the fd it asks for and FD_RESERVE (the kernel drops fds that do not fit)."""
+    budget less those waiting already, and no more than `free` (_free_fds, now) less the
+    fetch's socket and the fd it asks for and FD_RESERVE (the kernel drops fds that do not
+    fit)."""
     room = min(_channel.MAX_EXTRAS, _fd_budget() // 2 - len(_state.prefetched))
-    free = _free_fds()
     if free is not None:
         room = min(room, free - 2 - FD_RESERVE)
     return max(0, room)
@@ -335,11 +333,7 @@ def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket
     _, offset, dev, ino, file_size, sealed, flags, data, nbytes = info
     readonly = bool(flags & _ffi.STORAGE_READONLY)
     if readonly and not sealed:
-        raise pickle.PicklingError(
-            "pyshm: this memory is read-only here but its memfd is not sealed against writes, "
-            "so its fd would let a receiver write to it; send a sealed copy instead: "
-            "pyshm.share_readonly(pyshm.copy(array))"
-        )
+        raise _unsealed_readonly()
     readonly = readonly or bool(sealed)
     if mapping is not None:
         key, size = mapping.key, mapping.size
@@ -348,15 +342,24 @@ def _export(holder: Any, mapping: Optional[_Mapping] = None) -> "_channel.Ticket
     return _ticket(holder, flags, data or 0, nbytes, key, size, offset, readonly)
 
 
+def _handle_facts(handle: _ffi.StorageHandle) -> tuple:
+    """(flags, data, nbytes) of a storage, from libshm."""
+    return (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
+            lib.lshm_storage_nbytes(handle))
+
+
 def _facts_of(holder: Any) -> tuple:
     """(flags, data, nbytes) of the storage of `holder`, a view of a received memfd: what its
     array knows already (rebuild_ndarray), else libshm's."""
     facts = getattr(holder, "facts", None)
-    if facts is None:
-        handle = handle_of(holder)
-        facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
-                 lib.lshm_storage_nbytes(handle))
-    return facts
+    return facts if facts is not None else _handle_facts(handle_of(holder))
+
+
+def _unsealed_readonly() -> pickle.PicklingError:
+    return pickle.PicklingError(
+        "pyshm: this memory is read-only here but its memfd is not sealed against writes, so "
+        "a receiver of it could write to it; send a sealed copy instead: "
+        "pyshm.share_readonly(pyshm.copy(array))")
 
 
 _NOT_REGISTERED = object()  # (a forwarded token's range is not the channel's: see _forwarded)
@@ -370,21 +373,17 @@ def _forwarded(holder: Any, mapping: _Mapping) -> "_channel.Ticket":
     its own memory comes back to it with no fetch; this process cannot hand it over, as it
     has no fd for it, so no batch of its holds it (nor waits at exit for its receivers)."""
     flags, data, nbytes = _facts_of(holder)
+    if flags & _ffi.STORAGE_READONLY and not mapping.sealed:  # (its secret opens it writable)
+        raise _unsealed_readonly()
     readonly = mapping.sealed or bool(flags & _ffi.STORAGE_READONLY)
-    if readonly and not mapping.sealed:  # (its secret opens it writable: see _export)
-        raise pickle.PicklingError(
-            "pyshm: this memory is read-only here but its memfd is not sealed against writes, "
-            "so its token would let a receiver write to it; send a sealed copy instead: "
-            "pyshm.share_readonly(pyshm.copy(array))"
-        )
     address, secret = mapping.origin
     key, size, offset = mapping.key, mapping.size, data - mapping.data
     fields = (key, address, size, offset, nbytes, readonly, secret, None)
-    ticket = _channel.Ticket(key, None, readonly, fields)
-    if isinstance(holder, ArrayOwner):  # (a new ticket each send: see reduce_ndarray)
-        holder.token = (flags, (key, size, offset, nbytes), _NOT_REGISTERED, data, key,
-                        readonly, fields)
-    return ticket
+    # (an ArrayOwner, see _export: a new ticket each send, as reduce_ndarray finds the range
+    # not registered)
+    holder.token = (flags, (key, size, offset, nbytes), _NOT_REGISTERED, data, key, readonly,
+                    fields)
+    return _channel.Ticket(key, None, readonly, fields)
 
 
 def _share_for_sending(handle: _ffi.StorageHandle) -> None:
@@ -483,12 +482,17 @@ def _check_token(token: Any) -> tuple:
     return key, address, size, offset, nbytes, readonly, secret, solo
 
 
+_UNCOUNTED = object()  # (_attach: the fds free not known, to be counted)
+
+
 def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False,
-            origin: Optional[tuple] = None) -> _Mapping:
+            origin: Optional[tuple] = None, free: Any = _UNCOUNTED) -> _Mapping:
     """Map a received memfd whole (validated by libshm) and cache it (lock held).
 
     `checked`: the fd is known to be the memfd `key` names (an extra checked on arrival).
-    `origin`: (sender address, secret) of the token it was handed over for."""
+    `origin`: (sender address, secret) of the token it was handed over for. `free`: the fds
+    free as _free_fds would say, when the caller knows (the count before its fetch, less what
+    the fetch brought)."""
     if not checked and _key_of(fd) != key:
         raise pickle.UnpicklingError("pyshm: the fd received is not the memfd that was named")
     try:
@@ -499,7 +503,7 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False,
     readonly = readonly or sealed
     out = _ffi.SegmentHandle()
     lib.lshm_segment_attach(fd, _ffi.STORAGE_READONLY if readonly else 0, byref(out))
-    keep = _may_keep_fd()
+    keep = _may_keep_fd(_free_fds() if free is _UNCOUNTED else free)
     if keep:
         _cache.kept_fds += 1
     else:
@@ -558,10 +562,8 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
     such an array on gives read-only tokens too)."""
     handle, facts = _own_storage(key, size, offset, nbytes, readonly, mapping)
     if handle is not None and readonly:
-        if facts is None:
-            facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
-                     lib.lshm_storage_nbytes(handle))
-        facts = (facts[0] | _ffi.STORAGE_READONLY, *facts[1:])
+        flags, *rest = facts if facts is not None else _handle_facts(handle)
+        facts = (flags | _ffi.STORAGE_READONLY, *rest)
     return handle, facts
 
 
@@ -616,13 +618,16 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 fd = None
             else:
                 acks = _channel.take_acks(address)
-                room = 0 if solo is not None else _extras_room()
+                free = _free_fds()
+                room = 0 if solo is not None else _extras_room(free)
         if trusted and mapping is not None and solo is not None:
             _channel.queue_ack(address, solo)
     if mapping is None or not trusted:
         # Never hold the lock while waiting for another process: two processes fetching
         # from each other would deadlock.
         (fd,), extras, released = _channel.fetch(address, [(key, secret)], proof, room, acks)
+        if free is not None:  # (the fd asked for and the extras are open now: counted as such)
+            free -= 1 + len(extras)
         try:
             with _state.lock:
                 _keep_extras(extras, message)
@@ -647,7 +652,8 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 if handle is not None:
                     return None, handle, facts
                 if mapping is None:
-                    mapping = _attach(fd, key, readonly, checked=True, origin=(address, secret))
+                    mapping = _attach(fd, key, readonly, checked=True, origin=(address, secret),
+                                      free=free)
         finally:
             if fd is not None:
                 os.close(fd)
