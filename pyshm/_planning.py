@@ -108,6 +108,11 @@ WAIT_APART_FROM = 2000  # tensors: a plan this big (or with this budget) is wait
 WAIT_APART_SECONDS = 0.5  # so that Ctrl-C interrupts it (a smaller one takes a few ms)
 
 
+def big_plan(n: int, time_limit: float) -> bool:
+    """Whether a plan of `n` tensors with `time_limit` is waited for apart (interruptibly)."""
+    return n >= WAIT_APART_FROM or time_limit >= WAIT_APART_SECONDS
+
+
 def interruptibly(call: Callable[[], Any], interrupt: Callable[[], Any], apart: bool) -> None:
     """call() (a C call that plans) and, if `apart`, on a helper thread while this one waits,
     so that a signal's exception (KeyboardInterrupt at Ctrl-C) interrupts it: interrupt()

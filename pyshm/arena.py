@@ -25,8 +25,8 @@ from ._memory import (
 )
 from ._planning import (
     WAIT_APART_FROM,
-    WAIT_APART_SECONDS,
     Plan,
+    big_plan,
     inputs,
     interruptibly,
     lifetime_pointers,
@@ -170,8 +170,8 @@ class Arena(HandleLifetime):
             functools.partial(
                 lib.lshm_arena_create, n, *lifetime_pointers(sizes_a, firsts_a, lasts_a),
                 ctypes.byref(opts), _ffi.ARENA_SHARED if shared else 0, ctypes.byref(out)),
-            lambda: lib.lshm_plan_interrupt(ctypes.byref(opts)),
-            n >= WAIT_APART_FROM or time_limit >= WAIT_APART_SECONDS)
+            functools.partial(lib.lshm_plan_interrupt, ctypes.byref(opts)),
+            big_plan(n, time_limit))
         self._setup(out, recording=False, shared=shared, alignment=int(opts.alignment),
                     inclusive=inclusive)
 
@@ -201,7 +201,7 @@ class Arena(HandleLifetime):
         # handle of the reference we hold.
         self._live: dict = {}
         # allocations of this iteration, and the fallbacks (allocations that did not fit) seen
-        # by the last end_iteration: with enough of them, its re-plan is waited for apart
+        # by the last end_iteration: one more since, and it plans (waited for apart if big)
         self._allocs = self._fallbacks = 0
         # the owners of the arrays handed out (each keeps the arena alive: its keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
@@ -331,12 +331,11 @@ class Arena(HandleLifetime):
         that Ctrl-C stops it (see :func:`pyshm.planner.plan`; the next iteration plans again)."""
         handle = self._as_parameter_
         allocs, self._allocs = self._allocs, 0
-        apart = False
-        if allocs >= WAIT_APART_FROM:  # (will it plan? the first time, or after a misfit)
-            counters = _ffi.ArenaCounters()
-            lib.lshm_arena_stats(handle, ctypes.byref(counters))
-            apart = counters.fallback_count > self._fallbacks or lib.lshm_arena_count(handle) == 0
-            self._fallbacks = counters.fallback_count
+        counters = _ffi.ArenaCounters()  # (will it plan? the first time, or after a misfit)
+        lib.lshm_arena_stats(handle, ctypes.byref(counters))
+        misfit = counters.fallback_count > self._fallbacks
+        self._fallbacks = counters.fallback_count
+        apart = allocs >= WAIT_APART_FROM and (misfit or lib.lshm_arena_count(handle) == 0)
         interruptibly(functools.partial(lib.lshm_arena_end_iteration, handle),
                       functools.partial(lib.lshm_arena_interrupt, handle), apart)
 

@@ -12,10 +12,9 @@ import numpy as np
 from . import _checks, _ffi
 from ._ffi import I64Pointer, U64Pointer, lib
 from ._planning import (
-    WAIT_APART_FROM,
-    WAIT_APART_SECONDS,
     Plan,
     as_array,
+    big_plan,
     inputs,
     interruptibly,
     lifetime_pointers,
@@ -74,11 +73,9 @@ def plan(
         pointer(offsets, U64Pointer),
         ctypes.byref(result),
     )
-    interruptibly(call, lambda: lib.lshm_plan_interrupt(ctypes.byref(opts)),
-                  n >= WAIT_APART_FROM or time_limit >= WAIT_APART_SECONDS)
+    interruptibly(call, functools.partial(lib.lshm_plan_interrupt, ctypes.byref(opts)),
+                  big_plan(n, time_limit))
     return plan_from_result(offsets, result, int(opts.alignment), bool(inclusive))
-
-
 
 
 def lower_bound(

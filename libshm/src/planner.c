@@ -715,15 +715,15 @@ static int plan_call(size_t n, const uint64_t *sizes, const int64_t *firsts,
     }
     plan_run run;
     err = run_start(&run, &in, opts, firsts, lasts, started, debug, lower_bound);
-    /* (each stage only if the call was not interrupted: a stage stopped short may leave no
-     * plan at all, e.g. the portfolio's first strategy cut off) */
-#define STAGE(call) (err ? err : lshm__plan_cancelled() ? CANCELLED : (call))
-    err = STAGE(run_portfolio(&run));
-    err = STAGE(exact_prepare(&run));
-    err = STAGE(local_search(&run));
-    err = STAGE(exact_bisection(&run));
-    err = STAGE(0);
-#undef STAGE
+    /* (each stage only if the call was not interrupted, nor the self-check after the last: a
+     * stage stopped short may leave no plan at all, e.g. the portfolio's first strategy cut
+     * off) */
+    int (*const stages[])(plan_run *) = {run_portfolio, exact_prepare, local_search,
+                                         exact_bisection};
+    for (size_t s = 0; s < sizeof stages / sizeof stages[0] && !err; s++)
+        err = lshm__plan_cancelled() ? CANCELLED : stages[s](&run);
+    if (!err && lshm__plan_cancelled())
+        err = CANCELLED;
     if (!err) {
         if (run.used_exact)
             snprintf(run.name, sizeof run.name, "exact");
