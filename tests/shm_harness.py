@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -183,6 +184,21 @@ def start_with_pipe(ctx, target, *args):
     child.start()
     child_end.close()
     return parent_end, child
+
+
+@contextlib.contextmanager
+def exits_ok(process, seconds: float = 30):
+    """Around the use of a started multiprocessing child: it must then exit 0 within
+    `seconds`; on any failure (an assertion, a hang) it is killed and joined, so that no
+    child is left behind."""
+    try:
+        yield process
+        process.join(seconds)
+        assert process.exitcode == 0
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def userfaultfds() -> dict:

@@ -33,7 +33,13 @@ import pyshm
 from pyshm import _channel, reduction
 from pyshm._memory import owner_of as _owner_of
 
-from shm_harness import needs_fence, run_without_the_fence, start_with_pipe, wait_or_kill
+from shm_harness import (
+    exits_ok,
+    needs_fence,
+    run_without_the_fence,
+    start_with_pipe,
+    wait_or_kill,
+)
 
 METHODS = ["fork", "spawn", "forkserver"]
 TRIALS = int(os.environ.get("PYSHM_EXIT_TRIALS", "100"))
@@ -775,6 +781,42 @@ def test_arrays_sent_on_without_their_fd_reach_a_third_process_from_their_sender
     assert c.stdout.decode().startswith("DeliveryError")
 
 
+READ_ONLY_THIRD_PROCESS = textwrap.dedent(
+    """
+    import sys, numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    arrays = ForkingPickler.loads(sys.stdin.buffer.read())
+    assert all(pyshm.is_shared(a) and int(a[1]) == 7 for a in arrays)
+    assert not any(a.flags.writeable for a in arrays)
+    for a in arrays:
+        try:
+            a.flags.writeable = True
+        except ValueError:
+            continue
+        raise AssertionError("made writable")
+    print("ok")
+    """
+)
+
+
+def test_read_only_arrays_sent_on_without_their_fd_stay_read_only():
+    # A shares arrays read-only; B keeps no fd of them and sends them on as tokens naming A,
+    # with the secret it got, a read-only one: C gets read-only arrays, which it cannot make
+    # writable (A hands it the memfd sealed against writes)
+    arrays = [pyshm.zeros(100_000, np.uint8) for _ in range(4)]
+    for a in arrays:
+        a[1] = 7
+        pyshm.share_readonly(a)
+    b = subprocess.run([sys.executable, "-c", SEND_ON_WITHOUT_FDS.replace("a[1] = 7", "pass")],
+                       input=bytes(ForkingPickler.dumps(arrays)), capture_output=True,
+                       timeout=120, env=_env())
+    assert b.returncode == 0, b.stderr.decode()[-3000:]
+    c = subprocess.run([sys.executable, "-c", READ_ONLY_THIRD_PROCESS], input=b.stdout,
+                       capture_output=True, timeout=120, env=_env())
+    assert c.returncode == 0, c.stderr.decode()[-3000:]
+    assert c.stdout.decode().strip() == "ok"
+
+
 VOUCHED_RECEIVER = textwrap.dedent(
     """
     import gc, pickle, sys, numpy as np, pyshm
@@ -901,6 +943,24 @@ def test_a_receiver_waits_for_a_silent_sender_only_so_long(monkeypatch):
             ForkingPickler.loads(pickled)
         assert time.monotonic() - started < 10
     finally:
+        sender.kill()
+        sender.wait()
+
+
+def test_a_receiver_waiting_for_a_silent_sender_fails_at_once_when_it_is_killed(monkeypatch):
+    # the patience is for a sender alive: SIGKILLed while its receiver waits, it fails the
+    # fetch then (its connection closed), not after _PATIENCE_SECONDS
+    monkeypatch.setattr(_channel, "_REPLY_TIMEOUT", 1.0)
+    sender, pickled = _silent_sender(60)
+    killer = threading.Timer(1.5, sender.kill)
+    try:
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(pyshm.DeliveryError):
+            ForkingPickler.loads(pickled)
+        assert time.monotonic() - started < 5
+    finally:
+        killer.cancel()
         sender.kill()
         sender.wait()
 
@@ -1405,15 +1465,9 @@ def _spawned_sender(target):
     """(parent's end of a pipe, process) of `target(child_end)` in a spawned process, which
     must exit 0 once told (here.send(None)); killed if the test fails first."""
     here, proc = start_with_pipe(mp.get_context("spawn"), target)
-    try:
+    with exits_ok(proc):
         yield here, proc
         here.send(None)
-        proc.join(30)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 def test_a_sender_with_no_fd_left_still_serves():
@@ -1618,7 +1672,7 @@ def test_queue_put_of_an_unshared_array_is_shared_under_the_fence_losing_no_writ
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     parent_end, child = start_with_pipe(ctx, _sum_after_go, queue)
-    try:
+    with exits_ok(child):  # (a failed assertion: no child left waiting on the queue)
         for trial in range(20):
             a = pyshm.zeros(1 << 20, np.int64)  # 8 MiB, private
             address = a.ctypes.data
@@ -1631,12 +1685,6 @@ def test_queue_put_of_an_unshared_array_is_shared_under_the_fence_losing_no_writ
             assert (a == 5).all(), trial  # every write is there
             assert pyshm.is_shared(a) and a.ctypes.data == address  # in place
         queue.put(None)
-        child.join(30)
-        assert child.exitcode == 0
-    finally:
-        if child.is_alive():  # (a failed assertion: no child left waiting on the queue)
-            child.kill()
-            child.join()
     assert "share_memory_" not in capfd.readouterr().err  # nothing refused
 
 
@@ -1653,15 +1701,9 @@ def test_queue_put_of_an_unshared_array_by_a_sender_that_exits_at_once():
         queue = ctx.Queue()
         sender = ctx.Process(target=_put_unshared_and_exit, args=(queue,))
         sender.start()
-        try:
+        with exits_ok(sender, 60):
             a = queue.get(timeout=60)
             assert a.shape == (1 << 20,) and (a == 9).all()
-            sender.join(60)
-            assert sender.exitcode == 0
-        finally:
-            if sender.is_alive():
-                sender.kill()
-                sender.join()
 
 
 UNFENCED_SENDS = """
