@@ -1288,6 +1288,24 @@ def _check_peer_user(sock: socket.socket) -> int:
 # the next token of a silent sender after a stand-in, and would wait _PATIENCE_SECONDS for
 # each, 50 minutes for a result of 5 arrays)
 _silent: dict = {}
+_silent_lock = threading.Lock()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (exited but not waited for, a zombie, does not), read
+    without an fd of it: kill(pid, 0) and its /proc entry's state."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # (another user's: it exists)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[:1]
+    except OSError:  # (no /proc: as kill said)
+        return True
+    return state not in ([b"Z"], [b"X"])
 
 
 class _Peer:
@@ -1314,14 +1332,8 @@ class _Peer:
                 self.pidfd = os.pidfd_open(self.pid)  # (close-on-exec)
             except ProcessLookupError:
                 return False
-            except (OSError, AttributeError):  # (no fd left, an old kernel: kill(pid, 0))
-                try:
-                    os.kill(self.pid, 0)
-                except ProcessLookupError:
-                    return False
-                except OSError:
-                    pass
-                return True
+            except (OSError, AttributeError):  # (no fd left, an old kernel: its /proc entry)
+                return _running(self.pid)
         poller = select.poll()
         poller.register(self.pidfd, select.POLLIN)
         return not poller.poll(0)  # (readable once it exited, a zombie too)
@@ -1336,17 +1348,19 @@ class _Peer:
                 if self.pid <= 0:
                     raise  # (not waited for)
                 now = _monotonic()
-                since, last = _silent.get(self.address, (now, now))
-                if now - last > 2 * _REPLY_TIMEOUT:  # (not known silent all along)
-                    since = now
-                if len(_silent) >= 4096:
-                    _silent.clear()  # (bounded, as _reached)
-                _silent[self.address] = (since, now)
+                with _silent_lock:
+                    since, last = _silent.get(self.address, (now, now))
+                    if now - last > 2 * _REPLY_TIMEOUT:  # (not known silent all along)
+                        since = now
+                    if len(_silent) >= 4096:
+                        _silent.clear()  # (bounded, as _reached)
+                    _silent[self.address] = (since, now)
                 # (silent since the request at least: a _REPLY_TIMEOUT before the first look)
                 if now - since + _REPLY_TIMEOUT >= _PATIENCE_SECONDS or not self.alive():
                     raise
                 continue
-            _silent.pop(self.address, None)  # (it answers)
+            with _silent_lock:
+                _silent.pop(self.address, None)  # (it answers)
             return received
 
     def close(self) -> None:
@@ -1414,6 +1428,8 @@ def _janitor() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _silent_lock
+    _silent_lock = threading.Lock()  # (perhaps held by a thread the fork left behind)
     old = state
     if old.server is not None:
         note_reached(old.server.address)  # (the parent's server: on this kernel)

@@ -35,6 +35,7 @@ from pyshm._memory import owner_of as _owner_of
 
 from shm_harness import (
     exits_ok,
+    leave_few_fds,
     needs_fence,
     run_without_the_fence,
     start_with_pipe,
@@ -635,17 +636,16 @@ def test_a_receiver_with_few_fds_gets_a_message_of_many_memfds():
 
 FEW_FDS_LEFT_RECEIVER = textwrap.dedent(
     """
-    import os, pickle, resource, sys, numpy as np, pyshm
+    import os, pickle, sys, numpy as np, pyshm
     from pyshm import _channel
     free, force_extras = int(sys.argv[1]), sys.argv[2] == "1"
     if force_extras:  # (a fetch that asks for more extras than fit: the kernel drops some)
         fetch = _channel.fetch
         _channel.fetch = lambda address, fetches, proof=None, room=0, *rest: fetch(
             address, fetches, proof, 64, *rest)
+    from shm_harness import leave_few_fds
     data = sys.stdin.buffer.read()
-    open_now = len(os.listdir("/proc/self/fd")) - 1
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + free, hard))
+    open_now = leave_few_fds(free)
     arrays = pickle.loads(data)
     ok = all(int(a[0]) == i % 251 and pyshm.is_shared(a) for i, a in enumerate(arrays))
     del arrays
@@ -675,13 +675,6 @@ def test_a_receiver_with_a_few_fds_left_gets_a_message_of_many_memfds(free, forc
     assert int(fds_left) <= 1  # (every fetched fd closed, but the fd server's reserve)
 
 
-def _leave_few_fds(free):
-    """(Pool initializer) RLIMIT_NOFILE at the fds open now plus `free`."""
-    open_now = len(os.listdir("/proc/self/fd")) - 1
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + free, hard))
-
-
 def _write_and_return(arrays):
     for a in arrays:
         a[1] = 7
@@ -694,7 +687,7 @@ def test_arrays_a_worker_could_keep_no_fd_for_come_back_as_the_senders_own():
     # lost to MaybeEncodingError); they now go back as tokens of their sender, whose own
     # memory they are: each comes back as the very array sent, with the worker's write
     arrays = [pyshm.zeros(100_000, np.uint8, shared=True) for _ in range(40)]
-    with mp.get_context("spawn").Pool(1, initializer=_leave_few_fds, initargs=(14,)) as pool:
+    with mp.get_context("spawn").Pool(1, initializer=leave_few_fds, initargs=(14,)) as pool:
         back, kept = pool.apply(_write_and_return, (arrays,))
     assert kept < 10  # (most came without their fd kept)
     for a, b in zip(arrays, back):
@@ -713,7 +706,7 @@ def test_a_storage_a_worker_could_keep_no_fd_for_is_not_lost_on_its_way_back():
     # holds; the worker must refuse to send it (as before), or it must come back whole
     storage = pyshm.Storage(100_000, shared=True)
     arrays = [pyshm.zeros(100_000, np.uint8, shared=True) for _ in range(20)]
-    with mp.get_context("spawn").Pool(1, initializer=_leave_few_fds, initargs=(14,)) as pool:
+    with mp.get_context("spawn").Pool(1, initializer=leave_few_fds, initargs=(14,)) as pool:
         try:
             back = pool.apply(_return_last, (arrays + [storage],))
         except mp.pool.MaybeEncodingError as error:
@@ -725,13 +718,12 @@ def test_a_storage_a_worker_could_keep_no_fd_for_is_not_lost_on_its_way_back():
 
 SEND_ON_WITHOUT_FDS = textwrap.dedent(
     """
-    import os, resource, sys, numpy as np, pyshm
+    import sys, numpy as np, pyshm
     from multiprocessing.reduction import ForkingPickler
     from pyshm import reduction
+    from shm_harness import leave_few_fds
     data = sys.stdin.buffer.read()
-    open_now = len(os.listdir("/proc/self/fd")) - 1
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 8, hard))  # (no fd kept: 8 free)
+    leave_few_fds(8)  # (no fd kept: 8 free)
     arrays = ForkingPickler.loads(data)
     assert reduction._cache.kept_fds == 0
     for a in arrays:
@@ -877,16 +869,15 @@ GIL_HOLDING_SENDER = textwrap.dedent(
 
 SEND_ON_BESIDE_OWN_MEMORY = textwrap.dedent(
     """
-    import os, pickle, resource, struct, sys, numpy as np, pyshm
+    import pickle, struct, sys, numpy as np, pyshm
+    from shm_harness import leave_few_fds
     from multiprocessing.reduction import ForkingPickler
     from pyshm import _channel, reduction
     stdin, out = sys.stdin.buffer, sys.stdout.buffer
     kept = pickle.load(stdin)  # (fds to spare: its fd kept, so this process exports it)
     private = pyshm.zeros(100_000, np.uint8, shared=True)  # this process's own, for C only
     private[:] = 42
-    open_now = len(os.listdir("/proc/self/fd")) - 1
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 8, hard))  # (no fd kept: 8 free)
+    leave_few_fds(8)  # (no fd kept: 8 free)
     sent_on = pickle.load(stdin)
     assert reduction._cache.kept_fds == 1
     message = bytes(ForkingPickler.dumps([sent_on[0], kept, private]))
@@ -963,6 +954,34 @@ def test_a_receiver_waiting_for_a_silent_sender_fails_at_once_when_it_is_killed(
         killer.cancel()
         sender.kill()
         sender.wait()
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "no fd left"])
+def test_a_sender_that_exited_is_dead_to_its_receivers_while_a_zombie(monkeypatch, pidfd):
+    # a sender that exited and was not waited for (its parent busy) stays a zombie, and one
+    # whose child holds its socket does not close the connection: the receiver's look must
+    # see it dead, with a pidfd or without one (no fd left: kill(pid, 0) alone took a zombie
+    # for alive, and the receiver waited _PATIENCE_SECONDS for it)
+    if not pidfd:
+        def no_fd_left(pid, flags=0):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        monkeypatch.setattr(os, "pidfd_open", no_fd_left)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    peer = _channel._Peer(child.pid, b"")
+    try:
+        assert peer.alive()
+        child.stdin.close()
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"/proc/{child.pid}/stat") or \
+                open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not peer.alive()  # (a zombie: not waited for yet)
+    finally:
+        peer.close()
+        child.kill()
+        child.wait()
 
 
 GIL_HOLDING_SENDER_OF_FIVE = GIL_HOLDING_SENDER.replace(
@@ -1054,15 +1073,14 @@ def test_a_token_sent_on_does_not_show_its_origin_the_message_it_came_in(monkeyp
 
 SEND_ON_FIRST_THEN_OWN = textwrap.dedent(
     """
-    import os, pickle, resource, struct, sys, time, numpy as np, pyshm
+    import pickle, struct, sys, time, numpy as np, pyshm
+    from shm_harness import leave_few_fds
     from multiprocessing.reduction import ForkingPickler
     from pyshm import _channel, reduction
     stdin, out = sys.stdin.buffer, sys.stdout.buffer
     private = pyshm.zeros(100_000, np.uint8, shared=True)  # its own (no fd server yet)
     private[:] = 42
-    open_now = len(os.listdir("/proc/self/fd")) - 1
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 8, hard))  # (no fd kept: 8 free)
+    leave_few_fds(8)  # (no fd kept: 8 free)
     sent_on = pickle.load(stdin)
     assert reduction._cache.kept_fds == 0 and _channel.own_address() is None
     message = bytes(ForkingPickler.dumps([sent_on[0], private]))  # (a token of A's first)
