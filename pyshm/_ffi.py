@@ -12,7 +12,9 @@ Python threads run in parallel. The few O(1) accessors in ``_GIL_HELD`` (a field
 increment; no lock, no syscall, no callback) are called through a :class:`ctypes.PyDLL` handle on
 the same library instead, which keeps the GIL: releasing and retaking it would cost more than
 the call (0.55 us a call through CDLL against 0.37 through PyDLL, min times of
-``tools/bench_binding.py gil``), and they run once per array pickled or received. Functions that
+``tools/bench_binding.py gil``), and they run once per array pickled or received. Three more
+there make a few system calls on one memfd that never block: the channel's, which would wait a
+switch interval to take the GIL back whenever another thread runs Python. Functions that
 return an ``int`` status get an ``errcheck`` that turns a negative errno into the matching
 exception (see :func:`raise_for`), carrying the library's thread-local message, which is read in
 the same thread right after the call.
@@ -476,6 +478,14 @@ _GIL_HELD = frozenset({
     "lshm_segment_data",
     "lshm_segment_size",
     "lshm_segment_flags",
+    # Not syscall-free, but a few system calls on one memfd that never block (fstat, fcntl,
+    # dup, mmap without populating, close) and no lock: the channel's calls for each memfd it
+    # hands out or receives. A thread that releases the GIL waits a switch interval (5 ms) to
+    # take it back whenever another thread runs Python, so these keep it (see
+    # _channel._HeldCalls).
+    "lshm_storage_fd",
+    "lshm_segment_attach",
+    "lshm_segment_close_fd",
 })
 
 for _name, _restype, _argtypes, _status in _TABLE:

@@ -234,7 +234,7 @@ def _free_fds() -> Optional[int]:
     if limit >= _COUNT_FDS_BELOW:
         return None
     try:
-        open_now = len(os.listdir("/proc/self/fd")) - 1  # (the listing's own fd)
+        open_now = _channel._held.open_fds()  # (os.listdir with the GIL held)
     except OSError as exc:
         return 0 if exc.errno in (errno.EMFILE, errno.ENFILE) else None
     return max(0, limit - open_now)
@@ -287,8 +287,7 @@ def _sealed(fd: int) -> bool:
 
 
 def _key_of(fd: int) -> tuple:
-    st = os.fstat(fd)
-    return (st.st_dev, st.st_ino)
+    return _channel._held.key(fd)  # (os.fstat with the GIL held)
 
 
 # multiprocessing pickles these on a thread of its own, while the caller goes on: an implicit
@@ -496,7 +495,7 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False,
     if not checked and _key_of(fd) != key:
         raise pickle.UnpicklingError("pyshm: the fd received is not the memfd that was named")
     try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        seals = _channel._held.seals(fd)  # (fcntl F_GET_SEALS with the GIL held)
     except OSError as exc:
         raise _ffi.ShmValueError(errno.EINVAL, f"received fd is not a memfd: {exc}") from None
     sealed = bool(seals & _WRITE_SEALS)

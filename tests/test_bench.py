@@ -112,7 +112,8 @@ def test_bench_processes_rows():
                          "--single", "4", "--repeats", "1")
     rows = result["case"]["rows"]
     labels = {row["label"] for row in rows}
-    assert {"pyshm slab, batch", "pyshm in place, batch", "SharedMemory, batch"} <= labels
+    assert {"pyshm slab, batch", "pyshm in place, batch", "SharedMemory, batch",
+            "pyshm slab, busy", "SharedMemory, busy"} <= labels
     for row in rows:
         assert row["error"] is None and row["min_us_per_share"] > 0
         if row["method"] != "shm":

@@ -20,14 +20,17 @@ on both sides; the sender checks every write came back):
 * ``SharedMemory``: one ``multiprocessing.shared_memory.SharedMemory`` per array; its name,
   shape and dtype are sent and the worker attaches by name (once per block).
 
-Two shapes of traffic: ``batched`` (``pool.map`` with chunks of 256 arrays per message: the
-per-array throughput) and ``one by one`` (``pool.apply`` per array: the latency of one round
-trip). Methods are interleaved round by round (order rotated each round); every method builds
-its arrays untimed right before its run. Reported: microseconds per array (min and median over
-rounds), the logical GB/s (array bytes delivered per second; nothing is copied), each row's
-time as a ratio of torch's and of SharedMemory's for the same traffic, and the bar: sending
-shared 4 KiB arrays, batched, costs at most 0.05x torch's time per array, slab and in place
-alike.
+Three shapes of traffic: ``batched`` (``pool.map`` with chunks of 256 arrays per message: the
+per-array throughput), ``one by one`` (``pool.apply`` per array: the latency of one round
+trip) and ``busy`` (one by one, a fifth as many, while another thread of the parent runs
+Python all along, as a program that goes on working while its pool does: every thread that
+lets the GIL go for a call, the parent's fd servers among them, then waits a switch interval
+to take it back). Methods are interleaved round by round (order rotated each round); every
+method builds its arrays untimed right before its run. Reported: microseconds per array (min
+and median over rounds), the logical GB/s (array bytes delivered per second; nothing is
+copied), each row's time as a ratio of torch's and of SharedMemory's for the same traffic,
+and the bar: sending shared 4 KiB arrays, batched, costs at most 0.05x torch's time per
+array, slab and in place alike.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import gc
 import json
 import multiprocessing as mp
 import sys
+import threading
 import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Optional
@@ -60,8 +64,9 @@ __all__ = ["add_arguments", "run_case", "targets", "format_case", "main"]
 
 ARRAY_BYTES = 4096
 CHUNK = 256
-TRAFFIC = ("batched", "one by one")
-_SHORT = {"batched": "batch", "one by one": "1 by 1"}  # labels fit pyshm.bench's tables
+TRAFFIC = ("batched", "one by one", "busy")
+_SHORT = {"batched": "batch", "one by one": "1 by 1", "busy": "busy"}  # (fit the tables)
+BUSY_SHARE = 5  # the busy traffic sends a fifth as many arrays as one by one
 DEFAULTS = {"count": 2000, "single": 200, "repeats": 5}
 QUICK = {"count": 768, "single": 60, "repeats": 3}
 TARGET_VS_TORCH = 0.05  # pyshm time per array / torch's, batched (slab and in place alike)
@@ -174,12 +179,22 @@ def _methods(use_torch: bool) -> tuple:
 # ---- measuring -------------------------------------------------------------------------------
 
 
+def _busy(stop: threading.Event) -> None:
+    """Python without pause until `stop` (a thread of the parent, for the busy traffic)."""
+    while not stop.is_set():
+        sum(range(1000))
+
+
 def _run_once(method: _Method, traffic: str, n: int) -> tuple:
     """(seconds, CPUs other processes kept busy meanwhile or None); checks every write."""
     pool = method.pool
     items, check, cleanup = method.make(n)
     gc.collect()
+    stop = threading.Event()
+    busy = threading.Thread(target=_busy, args=(stop,), daemon=True)
     try:
+        if traffic == "busy":
+            busy.start()
         before = cpu_snapshot()
         start = time.perf_counter()
         if traffic == "batched":
@@ -187,11 +202,15 @@ def _run_once(method: _Method, traffic: str, n: int) -> tuple:
         else:
             back = [pool.apply(method.work, (item,)) for item in items]
         seconds = time.perf_counter() - start
+        stop.set()
         others = other_load(before, cpu_snapshot())
         if len(back) != n or not check():
             raise AssertionError(f"{method.label}: the worker's writes are missing")
         del back
     finally:
+        stop.set()
+        if busy.is_alive():
+            busy.join()
         del items
         cleanup()
         if method.after is not None:
@@ -209,7 +228,7 @@ def run_case(count: int, single: int, start_method: str = "fork", repeats: int =
     """
     methods, torch_note = _methods(use_torch)
     resource_tracker.ensure_running()  # one tracker, shared by the workers (no stray warnings)
-    counts = {"batched": count, "one by one": single}
+    counts = {"batched": count, "one by one": single, "busy": max(1, single // BUSY_SHARE)}
     runs = {(m.label, t): [] for m in methods for t in TRAFFIC}
     errors: dict = {}
     try:
@@ -259,8 +278,9 @@ def run_case(count: int, single: int, start_method: str = "fork", repeats: int =
     return {
         "case": "processes",
         "title": f"{count:,} arrays of 4 KiB to a Pool(1) worker ({start_method}) and back in "
-                 f"chunks of {CHUNK} (batched), {single:,} one by one with pool.apply "
-                 "(us per array)",
+                 f"chunks of {CHUNK} (batched), {single:,} one by one with pool.apply, "
+                 f"{counts['busy']:,} one by one beside a thread of the parent running Python "
+                 "(busy; us per array)",
         "shape": [ARRAY_BYTES],
         "count": count,
         "bytes": count * ARRAY_BYTES,
