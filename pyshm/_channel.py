@@ -849,10 +849,12 @@ class _HeldCalls:
         self._opendir = call("opendir", c_void_p, ctypes.c_char_p)
         self._readdir = call("readdir", c_void_p, c_void_p)
         self._closedir = call("closedir", c_int, c_void_p)
-        try:  # (glibc 2.33 on; struct stat begins with st_dev and st_ino, 64 bits each)
-            self._fstat = call("fstat", c_int, c_int, c_void_p)
-        except AttributeError:
-            self._fstat = None
+        self._fstat = None  # (then os.fstat, letting the GIL go)
+        if os.uname().machine in ("x86_64", "aarch64") and ctypes.sizeof(c_void_p) == 8:
+            try:  # (glibc 2.33 on; struct stat begins with st_dev and st_ino, 64 bits each)
+                self._fstat = call("fstat", c_int, c_int, c_void_p)
+            except AttributeError:
+                pass
         self._buffers = threading.local()
 
     @staticmethod
@@ -1429,13 +1431,13 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         _held.send(sock, build_request(proof, fetches, list(acks), max_extras), [],
                    _REPLY_TIMEOUT)
         reply, fds, flags, _ = peer.recv_fds(sock, 65536)
+        received.extend(fds)  # (closed on every error below: an empty reply with fds too)
         if not reply:
             raise DeliveryError("pyshm: the sending process closed the connection without an "
                                 "answer (it is overloaded, or stopping)")
         answered = True
         if acks and state.ack_failures:  # (none failed before: nothing to forget, no lock)
             _ack_delivered(address, acks)
-        received.extend(fds)
         truncated = bool(flags & socket.MSG_CTRUNC)  # (no fd left here: the kernel dropped some)
         n = len(fetches)
         tail = reply[n + 1 :]

@@ -286,8 +286,15 @@ def _sealed(fd: int) -> bool:
         raise pickle.UnpicklingError(f"pyshm: the fd received is not a memfd ({exc})") from None
 
 
-def _key_of(fd: int) -> tuple:
-    return _channel._held.key(fd)  # (os.fstat with the GIL held)
+def _key_of(fd: int) -> Optional[tuple]:
+    """(st_dev, st_ino) of the memfd `fd` (os.fstat with the GIL held); None if `fd` is no
+    memfd: F_GET_SEALS refuses it without asking its filesystem, where fstat could block (an
+    fd of a hung mount, from a hostile sender) with the GIL held."""
+    try:
+        _channel._held.seals(fd)
+    except OSError:
+        return None
+    return _channel._held.key(fd)
 
 
 # multiprocessing pickles these on a thread of its own, while the caller goes on: an implicit

@@ -2215,9 +2215,62 @@ def test_reachable_answers_at_once_and_never_raises(monkeypatch):
         raise OSError(24, "Too many open files")
 
     other = address[:-2] + b"zz"
-    monkeypatch.setattr(socket, "socket", refuse)
+    monkeypatch.setattr(_channel._held, "socket", refuse)
     assert not _channel.reachable(other)
     assert not _channel.reachable("not bytes") and not _channel.reachable(b"/etc/passwd")
+
+
+def _empty_reply_with_an_fd(address, ready):
+    """(a forked child) A server that answers one request with no bytes but a memfd."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(address)
+    server.listen(1)
+    os.write(ready, b"x")
+    conn, _ = server.accept()
+    conn.recv(65536)
+    fd = os.memfd_create("lure")
+    socket.send_fds(conn, [b""], [fd])
+    conn.recv(1)  # (until the receiver closes)
+    os._exit(0)
+
+
+def test_an_empty_reply_with_fds_leaks_none_of_them():
+    # a hostile server of our uid may answer with no bytes but fds: the fetch fails, and the
+    # fds that came with that answer are closed too (before, they stayed open)
+    address = b"\0pyshm-%d-%s" % (os.getpid(), os.urandom(16).hex().encode())
+    read_end, write_end = os.pipe()
+    child = mp.get_context("fork").Process(target=_empty_reply_with_an_fd,
+                                           args=(address, write_end))
+    child.start()
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 1) == b"x"
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(pyshm.DeliveryError, match="without an answer"):
+            _channel.fetch(address, [((1, 2), b"s" * 16)])
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        os.close(read_end)
+        child.join(30)
+        child.kill()
+
+
+def test_a_received_fd_that_is_no_memfd_is_never_asked_for_its_key(monkeypatch):
+    # the key of a received fd is read with the GIL held: fstat of an fd of a hung mount (a
+    # hostile sender's) would block every thread of the receiver, so an fd that F_GET_SEALS
+    # says is no memfd (shmem) is refused before any fstat
+    asked = []
+    key = _channel._held.key
+    monkeypatch.setattr(_channel._held, "key", lambda fd: asked.append(fd) or key(fd))
+    read_end, write_end = os.pipe()
+    memfd = os.memfd_create("named")
+    try:
+        assert reduction._key_of(read_end) is None and asked == []
+        st = os.fstat(memfd)
+        assert reduction._key_of(memfd) == (st.st_dev, st.st_ino) and asked == [memfd]
+    finally:
+        for fd in (read_end, write_end, memfd):
+            os.close(fd)
 
 
 def test_a_dying_array_is_never_handed_out_by_the_channel():
