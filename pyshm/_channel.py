@@ -95,6 +95,7 @@ _ACCEPTS_PER_WAKE = 16  # connections the fd server takes from its backlog at mo
 _BACKOFF_SECONDS = 0.05  # the fd server's pause after an error of its own (no fd left)
 _EVICT_SECONDS = 0.5  # a waiting connection dropped for a newer one has waited this long
 _REPLY_TIMEOUT = 30.0  # a receiver looks this often whether a silent sender still lives
+_HELD_WAIT_MS = 1  # a receiver waits this long for a reply with the GIL held (_Peer.recv_fds)
 _PATIENCE_SECONDS = 600.0  # how long a receiver waits for a sender alive but silent
 _ADDRESS_PREFIX = b"\0pyshm-"
 _ADDRESS_MAX = 108  # (sun_path's size: no longer name can be bound)
@@ -846,6 +847,7 @@ class _HeldCalls:
                                 ctypes.POINTER(ctypes.c_uint32))
         self._fcntl = call("fcntl", c_int, c_int, c_int, c_int)
         self._close = call("close", c_int, c_int)
+        self._poll = call("poll", c_int, c_void_p, ctypes.c_ulong, c_int)
         self._opendir = call("opendir", c_void_p, ctypes.c_char_p)
         self._readdir = call("readdir", c_void_p, c_void_p)
         self._closedir = call("closedir", c_int, c_void_p)
@@ -929,6 +931,17 @@ class _HeldCalls:
                 fds.extend(struct.unpack_from(f"{count}i", raw, at + _CMSG_HEAD.size))
             at += socket.CMSG_SPACE(length - _CMSG_HEAD.size)
         return ctypes.string_at(buffer, got), fds, message.flags, None
+
+    def ready(self, conn: int, events: int, milliseconds: int) -> bool:
+        """Whether `conn` is ready for `events` (or hung up) within `milliseconds`, waited
+        for with the GIL held (a short wait only: every thread of the process waits too)."""
+        pollfd = _Pollfd(conn, events, 0)
+        while True:
+            got = self._poll(ctypes.byref(pollfd), 1, milliseconds)
+            if got >= 0:
+                return got > 0
+            if ctypes.get_errno() != errno.EINTR:
+                raise self._error()
 
     @staticmethod
     def wait(conn: int, events: int, seconds: float) -> bool:
@@ -1028,6 +1041,10 @@ class _HeldCalls:
 
     def close(self, fd: int) -> None:
         self._close(fd)  # (never retried: the fd is gone whatever close says)
+
+
+class _Pollfd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
 
 
 class _Iovec(ctypes.Structure):
@@ -1585,13 +1602,21 @@ class _Peer:
         return not poller.poll(0)  # (readable once it exited, a zombie too)
 
     def recv_fds(self, sock: int, size: int) -> tuple:
-        """socket.recv_fds of the next answer, waiting while the sender lives."""
+        """socket.recv_fds of the next answer, waiting while the sender lives: first up to
+        _HELD_WAIT_MS with the GIL held (an idle sender answers in about 0.3 ms; a thread
+        that lets the GIL go waits a switch interval, 5 ms, to take it back while another
+        thread runs Python), then with it released."""
+        held = _HELD_WAIT_MS
         while True:
             received = _held.recv_fds(sock, size, _MAX_FDS_PER_MESSAGE)
             if received is not None:
                 with _silent_lock:
                     _silent.pop(self.address, None)  # (it answers)
                 return received
+            if held:
+                ready, held = _held.ready(sock, select.POLLIN, held), 0
+                if ready:
+                    continue
             if _held.wait(sock, select.POLLIN, _REPLY_TIMEOUT):
                 continue
             if self.pid <= 0:

@@ -297,6 +297,14 @@ def _key_of(fd: int) -> Optional[tuple]:
     return _channel._held.key(fd)
 
 
+def _check_received(fd: int, key: tuple) -> None:
+    """UnpicklingError unless `fd`, handed over by a sender, is the memfd `key` names."""
+    got = _key_of(fd)
+    if got != key:
+        raise pickle.UnpicklingError("pyshm: the fd received is not a memfd" if got is None
+                                     else "pyshm: the fd received is not the memfd that was named")
+
+
 # multiprocessing pickles these on a thread of its own, while the caller goes on: an implicit
 # share there could undo the caller's writes made after put()/apply_async() returned
 _ASYNC_PICKLERS = ("Queue._feed", "Pool._handle_tasks")
@@ -499,8 +507,8 @@ def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False,
     `origin`: (sender address, secret) of the token it was handed over for. `free`: the fds
     free as _free_fds would say, when the caller knows (the count before its fetch, less what
     the fetch brought)."""
-    if not checked and _key_of(fd) != key:
-        raise pickle.UnpicklingError("pyshm: the fd received is not the memfd that was named")
+    if not checked:
+        _check_received(fd, key)
     try:
         seals = _channel._held.seals(fd)  # (fcntl F_GET_SEALS with the GIL held)
     except OSError as exc:
@@ -648,9 +656,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                         "pickle's secret or memfd key is not one it made (a damaged or forged "
                         "pickle)"
                     )
-                if _key_of(fd) != key:
-                    raise pickle.UnpicklingError(
-                        "pyshm: the fd received is not the memfd that was named")
+                _check_received(fd, key)
                 readonly = readonly or _sealed(fd)  # (what the secret opened: see vouched)
                 _channel.vouch(key, secret, readonly)
                 mapping = _cache.mappings.get(key)  # another thread may have won the race

@@ -931,6 +931,8 @@ BUSY_RECEIVER = BUSY_THREAD + textwrap.dedent(
     """
     import os, time, pyshm
     from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel
+    _channel._HELD_WAIT_MS = int(sys.argv[1])
     data = sys.stdin.buffer.read()
     start_busy()
     started = time.monotonic()
@@ -943,20 +945,25 @@ BUSY_RECEIVER = BUSY_THREAD + textwrap.dedent(
 )
 
 
-def test_a_receiver_busy_in_python_fetches_in_one_switch_interval():
+@pytest.mark.parametrize("held_ms", [0, 200], ids=["GIL let go", "reply waited for held"])
+def test_a_receiver_busy_in_python_fetches_in_at_most_one_switch_interval(held_ms):
     # the same in the receiver: a fetch on a thread beside one running Python (a Pool's
     # result handler beside the main thread) waited a switch interval after each of its
-    # socket calls and each libshm call mapping the memfd (30 ms a fetch at 5 ms); it now
-    # lets the GIL go only to wait for the reply
+    # socket calls and each libshm call mapping the memfd (30 ms a fetch at 5 ms: 9 s here);
+    # it lets the GIL go only to wait for the reply (held_ms 0: one switch interval), and
+    # waits for it first with the GIL held, _HELD_WAIT_MS (1 ms; 200 here, for a loaded
+    # machine): a sender that answers by then costs no switch interval at all (0.5 ms a fetch
+    # at 5 ms, against 6 ms)
     a = pyshm.zeros(1 << 20, np.uint8, shared=True)
     a[0] = 9
-    done = subprocess.run([sys.executable, "-c", BUSY_RECEIVER],
+    done = subprocess.run([sys.executable, "-c", BUSY_RECEIVER, str(held_ms)],
                           input=bytes(ForkingPickler.dumps(a)), capture_output=True,
                           timeout=300, env=_env())
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     value, shared, took = done.stdout.decode().split()
     assert (value, shared) == ("9", "True")
-    assert float(took) < 3.5 * SWITCH, f"the fetch took {float(took):.1f} s"  # (before: 7 s)
+    bound = 3.5 * SWITCH if held_ms == 0 else 0.5 * SWITCH
+    assert float(took) < bound, f"the fetch took {float(took):.1f} s"
 
 
 SEND_ON_BESIDE_OWN_MEMORY = textwrap.dedent(
