@@ -901,6 +901,21 @@ BUSY_SENDER = BUSY_THREAD + textwrap.dedent(
 )
 
 
+@contextlib.contextmanager
+def _messages_of(script):
+    """The pickled arrays a sender script prints; it serves them until the block ends, and
+    must then exit 0 (killed on any failure)."""
+    sender = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, env=_env())
+    try:
+        yield pickle.loads(sender.stdout.read())
+        sender.stdin.close()
+        assert sender.wait(timeout=120) == 0
+    finally:
+        sender.kill()
+        sender.wait()
+
+
 def test_a_sender_busy_in_python_answers_a_fetch_after_one_switch_interval():
     # The fd server is a Python thread: every call of it that let the GIL go (its accept,
     # recv, send, close, the fd of each memfd, its epoll registrations) waited a switch
@@ -908,10 +923,7 @@ def test_a_sender_busy_in_python_answers_a_fetch_after_one_switch_interval():
     # on its next task, a DataLoader worker making the next batch): 16 ms a fetch (median, 5
     # ms interval) against 0.4 ms when the sender is idle. It now takes the GIL back once
     # per request (its wake), or twice when the request comes after the connection.
-    sender = subprocess.Popen([sys.executable, "-c", BUSY_SENDER], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, env=_env())
-    try:
-        messages = pickle.loads(sender.stdout.read())
+    with _messages_of(BUSY_SENDER) as messages:
         time.sleep(0.5)  # (its busy thread runs by now)
         for i, data in enumerate(messages):
             started = time.monotonic()
@@ -920,11 +932,6 @@ def test_a_sender_busy_in_python_answers_a_fetch_after_one_switch_interval():
             assert int(a[0]) == i + 1 and pyshm.is_shared(a)
             assert took < 3.5 * SWITCH, f"fetch {i} took {took:.1f} s"  # (before: 7 s or more)
             del a
-        sender.stdin.close()
-        assert sender.wait(timeout=120) == 0
-    finally:
-        sender.kill()
-        sender.wait()
 
 
 BUSY_RECEIVER = BUSY_THREAD + textwrap.dedent(
@@ -976,19 +983,11 @@ def test_a_fetch_waits_for_a_quick_reply_with_the_gil_held(monkeypatch, held_ms)
     waits = []
     wait = _channel._held.wait
     monkeypatch.setattr(_channel._held, "wait", lambda *args: waits.append(args) or wait(*args))
-    sender = subprocess.Popen([sys.executable, "-c", IDLE_SENDER], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, env=_env())
-    try:
-        messages = pickle.loads(sender.stdout.read())
+    with _messages_of(IDLE_SENDER) as messages:
         a = ForkingPickler.loads(messages[0])
         assert int(a[0]) == 1 and pyshm.is_shared(a)
         assert len(waits) == (1 if held_ms == 0 else 0)
         del a
-        sender.stdin.close()
-        assert sender.wait(timeout=120) == 0
-    finally:
-        sender.kill()
-        sender.wait()
 
 
 SEND_ON_BESIDE_OWN_MEMORY = textwrap.dedent(
