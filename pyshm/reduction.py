@@ -91,7 +91,6 @@ shrink and grow, so no receiver can truncate it under the others (that would be 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import pickle
 import resource
@@ -277,32 +276,27 @@ def _new_view(segment: _ffi.SegmentHandle, offset: int, nbytes: int,
 # --------------------------------------------------------------------------------------------
 
 
-def _sealed(fd: int) -> bool:
-    """Whether memfd `fd` is sealed against writes (a read-only secret fetches only such);
-    UnpicklingError for an fd that is no memfd (a lying sender's)."""
-    try:
-        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _WRITE_SEALS)
-    except OSError as exc:
-        raise pickle.UnpicklingError(f"pyshm: the fd received is not a memfd ({exc})") from None
-
-
-def _key_of(fd: int) -> Optional[tuple]:
-    """(st_dev, st_ino) of the memfd `fd` (os.fstat with the GIL held); None if `fd` is no
-    memfd: F_GET_SEALS refuses it without asking its filesystem, where fstat could block (an
+def _memfd_facts(fd: int) -> Optional[tuple]:
+    """(key, seals) of the memfd `fd`: its (st_dev, st_ino) as os.fstat gives them and its
+    F_GET_SEALS, both read with the GIL held; None if `fd` is no memfd. F_GET_SEALS comes
+    first: it refuses any other fd without asking its filesystem, where fstat could block (an
     fd of a hung mount, from a hostile sender) with the GIL held."""
     try:
-        _channel._held.seals(fd)
+        seals = _channel._held.seals(fd)
+        return _channel._held.key(fd), seals
     except OSError:
         return None
-    return _channel._held.key(fd)
 
 
-def _check_received(fd: int, key: tuple) -> None:
-    """UnpicklingError unless `fd`, handed over by a sender, is the memfd `key` names."""
-    got = _key_of(fd)
-    if got != key:
-        raise pickle.UnpicklingError("pyshm: the fd received is not a memfd" if got is None
-                                     else "pyshm: the fd received is not the memfd that was named")
+def _received_seals(fd: int, key: tuple) -> int:
+    """The seals of `fd`, handed over by a sender for the memfd `key` names; UnpicklingError
+    unless it is that memfd."""
+    facts = _memfd_facts(fd)
+    if facts is None:
+        raise pickle.UnpicklingError("pyshm: the fd received is not a memfd")
+    if facts[0] != key:
+        raise pickle.UnpicklingError("pyshm: the fd received is not the memfd that was named")
+    return facts[1]
 
 
 # multiprocessing pickles these on a thread of its own, while the caller goes on: an implicit
@@ -499,20 +493,14 @@ def _check_token(token: Any) -> tuple:
 _UNCOUNTED = object()  # (_attach: the fds free not known, to be counted)
 
 
-def _attach(fd: int, key: tuple, readonly: bool, checked: bool = False,
-            origin: Optional[tuple] = None, free: Any = _UNCOUNTED) -> _Mapping:
+def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple,
+            free: Any = _UNCOUNTED) -> _Mapping:
     """Map a received memfd whole (validated by libshm) and cache it (lock held).
 
-    `checked`: the fd is known to be the memfd `key` names (an extra checked on arrival).
-    `origin`: (sender address, secret) of the token it was handed over for. `free`: the fds
-    free as _free_fds would say, when the caller knows (the count before its fetch, less what
-    the fetch brought)."""
-    if not checked:
-        _check_received(fd, key)
-    try:
-        seals = _channel._held.seals(fd)  # (fcntl F_GET_SEALS with the GIL held)
-    except OSError as exc:
-        raise _ffi.ShmValueError(errno.EINVAL, f"received fd is not a memfd: {exc}") from None
+    `fd` is the memfd `key` names, with `seals` (_received_seals). `origin`: (sender
+    address, secret) of the token it was handed over for. `free`: the fds free as _free_fds
+    would say, when the caller knows (the count before its fetch, less what the fetch
+    brought)."""
     sealed = bool(seals & _WRITE_SEALS)
     readonly = readonly or sealed
     out = _ffi.SegmentHandle()
@@ -616,16 +604,17 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 del _state.prefetched[key]
                 fd, _, extra_readonly, _ = entry
                 try:
+                    # (an extra's fd was checked to be its memfd on arrival: _keep_extras)
+                    seals = None if fd is None else _channel._held.seals(fd)
                     readonly = readonly or extra_readonly or (
-                        mapping.sealed if fd is None else _sealed(fd))
+                        mapping.sealed if seals is None else bool(seals & _WRITE_SEALS))
                     _channel.vouch(key, secret, readonly)
                     trusted = True
                     handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
                     if handle is not None:
                         return None, handle, facts
                     if mapping is None:
-                        mapping = _attach(fd, key, readonly, checked=True,
-                                          origin=(address, secret))
+                        mapping = _attach(fd, key, seals, readonly, (address, secret))
                 finally:
                     if fd is not None:
                         os.close(fd)
@@ -656,16 +645,16 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                         "pickle's secret or memfd key is not one it made (a damaged or forged "
                         "pickle)"
                     )
-                _check_received(fd, key)
-                readonly = readonly or _sealed(fd)  # (what the secret opened: see vouched)
+                seals = _received_seals(fd, key)
+                readonly = readonly or bool(seals & _WRITE_SEALS)  # (what the secret opened:
+                # see vouched)
                 _channel.vouch(key, secret, readonly)
                 mapping = _cache.mappings.get(key)  # another thread may have won the race
                 handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
                 if handle is not None:
                     return None, handle, facts
                 if mapping is None:
-                    mapping = _attach(fd, key, readonly, checked=True, origin=(address, secret),
-                                      free=free)
+                    mapping = _attach(fd, key, seals, readonly, (address, secret), free)
         finally:
             if fd is not None:
                 os.close(fd)
@@ -688,10 +677,8 @@ def _keep_extras(extras: list, message: tuple) -> None:
     deadline = _channel.time.monotonic() + _channel.PREFETCH_SECONDS
     while extras:
         key, readonly, fd = extras.pop()
-        try:
-            valid = _key_of(fd) == key
-        except OSError:
-            valid = False
+        facts = _memfd_facts(fd)
+        valid = facts is not None and facts[0] == key
         if not valid or key in _state.prefetched:
             os.close(fd)  # a lie, or one we have already
         elif key in _cache.mappings:

@@ -2296,9 +2296,9 @@ def test_a_received_fd_that_is_no_memfd_is_never_asked_for_its_key(monkeypatch):
     read_end, write_end = os.pipe()
     memfd = os.memfd_create("named")
     try:
-        assert reduction._key_of(read_end) is None and asked == []
+        assert reduction._memfd_facts(read_end) is None and asked == []
         st = os.fstat(memfd)
-        assert reduction._key_of(memfd) == (st.st_dev, st.st_ino) and asked == [memfd]
+        assert reduction._memfd_facts(memfd)[0] == (st.st_dev, st.st_ino) and asked == [memfd]
     finally:
         for fd in (read_end, write_end, memfd):
             os.close(fd)
