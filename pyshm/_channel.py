@@ -769,7 +769,7 @@ def _fd_for(key: tuple, readonly: bool, fds: list, holders: list) -> bool:
         return False
     try:
         fd = storage_fd(holder)
-        if readonly and not _seals(fd) & WRITE_SEALS:
+        if readonly and not _held.seals(fd) & WRITE_SEALS:
             return False
     except (OSError, ValueError):  # its fd was closed, or the Storage handle itself
         return False
@@ -864,14 +864,26 @@ class _HeldCalls:
         code = ctypes.get_errno()
         return OSError(code, os.strerror(code))  # (BlockingIOError for EAGAIN)
 
+    def _again(self, function: Any, *args: Any) -> Optional[int]:
+        """function(*args), made again on EINTR: its result, None if it would block
+        (EAGAIN), OSError for any other failure."""
+        while True:
+            got = function(*args)
+            if got >= 0:
+                return got
+            code = ctypes.get_errno()
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return None
+            if code != errno.EINTR:
+                raise self._error()
+
     def accept(self, listening: int) -> int:
         """A new connection (non-blocking, close-on-exec); OSError as socket.accept."""
-        while True:
-            fd = self._accept4(listening, None, None, socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-            if fd >= 0:
-                return fd
-            if ctypes.get_errno() != errno.EINTR:
-                raise self._error()
+        fd = self._again(self._accept4, listening, None, None,
+                         socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        if fd is None:
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        return fd
 
     def socket(self) -> int:
         """A new socket for a connection to an fd server (non-blocking, close-on-exec);
@@ -885,9 +897,8 @@ class _HeldCalls:
     def connect(self, conn: int, address: bytes) -> None:
         """connect(2) to a server's address; BlockingIOError while its backlog is full."""
         name = struct.pack("=H", socket.AF_UNIX) + address
-        while self._connect(conn, name, len(name)) != 0:
-            if ctypes.get_errno() != errno.EINTR:
-                raise self._error()
+        if self._again(self._connect, conn, name, len(name)) is None:
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
 
     def peer_cred(self, conn: int) -> Optional[tuple]:
         """(pid, uid) of the peer of `conn` (SO_PEERCRED), None if it cannot be read."""
@@ -910,16 +921,10 @@ class _HeldCalls:
         iov = _Iovec(ctypes.cast(buffer, ctypes.c_void_p), size)
         message = _Msghdr(None, 0, ctypes.pointer(iov), 1,
                           ctypes.cast(control, ctypes.c_void_p), len(control), 0)
-        while True:
-            got = self._recvmsg(conn, ctypes.byref(message),
-                                socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
-            if got >= 0:
-                break
-            code = ctypes.get_errno()
-            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
-                return None
-            if code != errno.EINTR:
-                raise self._error()
+        got = self._again(self._recvmsg, conn, ctypes.byref(message),
+                          socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+        if got is None:
+            return None
         fds: list = []
         raw, at, end = control.raw, 0, min(message.controllen, len(control))
         while at + _CMSG_HEAD.size <= end:
@@ -935,13 +940,8 @@ class _HeldCalls:
     def ready(self, conn: int, events: int, milliseconds: int) -> bool:
         """Whether `conn` is ready for `events` (or hung up) within `milliseconds`, waited
         for with the GIL held (a short wait only: every thread of the process waits too)."""
-        pollfd = _Pollfd(conn, events, 0)
-        while True:
-            got = self._poll(ctypes.byref(pollfd), 1, milliseconds)
-            if got >= 0:
-                return got > 0
-            if ctypes.get_errno() != errno.EINTR:
-                raise self._error()
+        return bool(self._again(self._poll, ctypes.byref(_Pollfd(conn, events, 0)), 1,
+                                milliseconds))
 
     @staticmethod
     def wait(conn: int, events: int, seconds: float) -> bool:
@@ -960,15 +960,8 @@ class _HeldCalls:
     def recv(self, conn: int, size: int) -> Optional[bytes]:
         """The next message of `conn` (b"": closed), None if none came yet; OSError else."""
         buffer = self._buffer(size)
-        while True:
-            got = self._recv(conn, buffer, size, socket.MSG_DONTWAIT)
-            if got >= 0:
-                return ctypes.string_at(buffer, got)
-            code = ctypes.get_errno()
-            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
-                return None
-            if code != errno.EINTR:
-                raise self._error()
+        got = self._again(self._recv, conn, buffer, size, socket.MSG_DONTWAIT)
+        return None if got is None else ctypes.string_at(buffer, got)
 
     def send_reply(self, conn: int, reply: bytes, fds: list) -> None:
         """The reply and its fds, _MAX_FDS_PER_MESSAGE a message (then "+" messages); waits
@@ -998,15 +991,8 @@ class _HeldCalls:
         room = ctypes.create_string_buffer(control, len(control)) if fds else None
         message = _Msghdr(None, 0, ctypes.pointer(iov), 1,
                           ctypes.cast(room, ctypes.c_void_p) if fds else None, len(control), 0)
-        while True:
-            if self._sendmsg(conn, ctypes.byref(message),
-                             socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL) >= 0:
-                return True
-            code = ctypes.get_errno()
-            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
-                return False
-            if code != errno.EINTR:
-                raise self._error()
+        return self._again(self._sendmsg, conn, ctypes.byref(message),
+                           socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL) is not None
 
     def seals(self, fd: int) -> int:
         """fcntl(fd, F_GET_SEALS); OSError if it fails."""
@@ -1071,7 +1057,6 @@ def _control_message(fds: list) -> bytes:
 
 
 _held = _HeldCalls()
-_seals = _held.seals
 
 
 class _Server:
@@ -1565,10 +1550,10 @@ def _running(pid: int) -> bool:
         pass  # (another user's: it exists)
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rpartition(b")")[2].split()[:1]
+            run_state = stat.read().rpartition(b")")[2].split()[:1]
     except OSError:  # (no /proc: as kill said)
         return True
-    return state not in ([b"Z"], [b"X"])
+    return run_state not in ([b"Z"], [b"X"])
 
 
 class _Peer:
