@@ -200,9 +200,8 @@ class Arena(HandleLifetime):
         # Recording arenas: the address of each storage handed out and not freed yet -> the
         # handle of the reference we hold.
         self._live: dict = {}
-        # allocations of this iteration, and the fallbacks (allocations that did not fit) seen
-        # by the last end_iteration: one more since, and it plans (waited for apart if big)
-        self._allocs = self._fallbacks = 0
+        # allocations of this iteration: end_iteration waits apart for a big one's plan
+        self._allocs = 0
         # the owners of the arrays handed out (each keeps the arena alive: its keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
         # buffer address (None: ordinary memory) -> the _ArenaKeep its arrays share
@@ -330,12 +329,9 @@ class Arena(HandleLifetime):
         plan of 2,000 allocations or more is made on a helper thread while this one waits, so
         that Ctrl-C stops it (see :func:`pyshm.planner.plan`; the next iteration plans again)."""
         handle = self._as_parameter_
-        allocs, self._allocs = self._allocs, 0
-        counters = _ffi.ArenaCounters()  # (will it plan? the first time, or after a misfit)
-        lib.lshm_arena_stats(handle, ctypes.byref(counters))
-        misfit = counters.fallback_count > self._fallbacks
-        self._fallbacks = counters.fallback_count
-        apart = allocs >= WAIT_APART_FROM and (misfit or lib.lshm_arena_count(handle) == 0)
+        # (apart whether it plans or not: a helper thread costs about 0.1 ms, an iteration of
+        # that many allocations far more)
+        apart, self._allocs = self._allocs >= WAIT_APART_FROM, 0
         interruptibly(functools.partial(lib.lshm_arena_end_iteration, handle),
                       functools.partial(lib.lshm_arena_interrupt, handle), apart)
 
