@@ -1046,6 +1046,36 @@ def test_a_receiver_waits_for_a_sender_that_lives_but_cannot_answer_yet(monkeypa
         sender.wait()
 
 
+def test_a_receiver_waiting_for_a_silent_sender_lets_its_other_threads_run(monkeypatch):
+    # a fetch waits for its reply with the GIL held only _HELD_WAIT_MS (1 ms): one that held
+    # it longer would freeze every thread of the receiver for as long as its sender is silent
+    monkeypatch.setattr(_channel, "_REPLY_TIMEOUT", 1.0)
+    sender, pickled = _silent_sender(3)
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    ticker = threading.Thread(target=tick)
+    try:
+        ticker.start()
+        started = time.monotonic()
+        a = ForkingPickler.loads(pickled)
+        ended = time.monotonic()
+        assert int(a[0]) == 5 and ended - started > 1.5
+        during = [t for t in ticks if started + 0.2 < t < ended - 0.2]
+        assert len(during) > 20, f"{len(during)} ticks in {ended - started:.1f} s of waiting"
+        sender.stdin.close()
+        assert sender.wait(timeout=60) == 0
+    finally:
+        stop.set()
+        ticker.join()
+        sender.kill()
+        sender.wait()
+
+
 def test_a_receiver_waits_for_a_silent_sender_only_so_long(monkeypatch):
     # ... up to _PATIENCE_SECONDS (600; 2 s here): then DeliveryError, no hang
     monkeypatch.setattr(_channel, "_REPLY_TIMEOUT", 1.0)
