@@ -504,7 +504,11 @@ def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple,
     sealed = bool(seals & _WRITE_SEALS)
     readonly = readonly or sealed
     out = _ffi.SegmentHandle()
-    lib.lshm_segment_attach(fd, _ffi.STORAGE_READONLY if readonly else 0, byref(out))
+    try:
+        lib.lshm_segment_attach(fd, _ffi.STORAGE_READONLY if readonly else 0, byref(out))
+    except _ffi.ShmValueError as exc:  # (a memfd libshm does not map: hugetlbfs)
+        raise pickle.UnpicklingError(f"pyshm: the fd received is not a memfd pyshm maps "
+                                     f"({exc.strerror})") from None
     keep = _may_keep_fd(_free_fds() if free is _UNCOUNTED else free)
     if keep:
         _cache.kept_fds += 1

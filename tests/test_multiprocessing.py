@@ -787,8 +787,15 @@ def test_hostile_payloads_raise(exported, no_fd_leak, tmp_path):
     pipe_r, pipe_w = os.pipe()
     regular = open(tmp_path / "f", "wb+")
     regular.truncate(1 << 16)
+    hostile = [pipe_r, regular.fileno()]
+    try:  # (a hugetlbfs memfd: it answers F_GET_SEALS, but maps only in whole huge pages)
+        hostile.append(os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+                                       | os.MFD_HUGETLB))
+        os.ftruncate(hostile[-1], 2 << 20)
+    except OSError:
+        pass
     try:
-        for fd in (pipe_r, regular.fileno()):
+        for fd in hostile:
             st = os.fstat(fd)
             fake = _FakeSender(fd)
             token = ((st.st_dev, st.st_ino), fake.address, 4096, 0, 100, False, guess, None)
@@ -802,6 +809,8 @@ def test_hostile_payloads_raise(exported, no_fd_leak, tmp_path):
         os.close(pipe_r)
         os.close(pipe_w)
         regular.close()
+        for fd in hostile[2:]:
+            os.close(fd)
 
 
 class _FakeSender:

@@ -403,7 +403,8 @@ LSHM_API int lshm_storage_share_readonly(lshm_storage *s);
  * (-EPERM unless READONLY).
  * flags: 0 or LSHM_STORAGE_READONLY (map read-only; required when the fd is sealed against
  * writes). The new storage is heap-allocated with one reference.
- * Errors: -EBADF (not an open fd), -EINVAL (not a memfd, too small, bad offset, NULL out),
+ * Errors: -EBADF (not an open fd), -EINVAL (not a memfd, a hugetlbfs memfd (MFD_HUGETLB: only
+ * ordinary shmem memfds are mapped), too small, bad offset, NULL out),
  * -EPERM (write-sealed without READONLY, or unsealed and not sealable), -EACCES (fd opened
  * read-only without READONLY, or write-only), -ENOMEM, -EMFILE. */
 LSHM_API int lshm_storage_attach(int fd, uint64_t offset, size_t nbytes, unsigned flags,

@@ -23,6 +23,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/sysinfo.h>
 #include <unistd.h>
@@ -983,6 +984,8 @@ int lshm__os_dup_cloexec(int fd, int *out) {
     return 0;
 }
 
+#define LSHM__TMPFS_MAGIC 0x01021994 /* (linux/magic.h) */
+
 int lshm__os_fd_info(int fd, lshm__fd_info *info) {
     LSHM_OS_FAULT("fstat");
     struct stat st;
@@ -1000,6 +1003,20 @@ int lshm__os_fd_info(int fd, lshm__fd_info *info) {
         int e = errno;
         return LSHM_FAIL(-EINVAL, "fd %d is not a memfd (F_GET_SEALS: %s)", fd, strerror(e));
     }
+    /* hugetlbfs files (memfd_create with MFD_HUGETLB) answer F_GET_SEALS too, but the kernel
+     * maps and unmaps them only in whole huge pages: a range of such a file in 4 KiB pages
+     * could not be unmapped again. Only shmem's tmpfs is a memfd here. (After F_GET_SEALS,
+     * so that a file of another kind is refused without asking its file system.) */
+    struct statfs fs;
+    if (fstatfs(fd, &fs) != 0) {
+        int e = errno;
+        return LSHM_FAIL(-EINVAL, "fd %d is not a memfd (fstatfs: %s)", fd, strerror(e));
+    }
+    if (fs.f_type != LSHM__TMPFS_MAGIC)
+        return LSHM_FAIL(-EINVAL,
+                         "fd %d is not a memfd of ordinary pages (file system 0x%llx: hugetlbfs "
+                         "memfds are not supported)",
+                         fd, (unsigned long long)fs.f_type);
     LSHM_OS_FAULT("getfl");
     int fl = fcntl(fd, F_GETFL);
     if (fl < 0) {

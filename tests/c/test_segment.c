@@ -261,6 +261,22 @@ static void test_attach_errors(void) {
     ASSERT_ERR(lshm_segment_attach(pipefd[1], 0, &other), -EINVAL);
     close(pipefd[0]);
     close(pipefd[1]);
+    /* a hugetlbfs memfd answers F_GET_SEALS and can be sealed, but maps in whole huge pages:
+     * a 4 KiB view of it could not be unmapped at release (munmap EINVAL). Refused before any
+     * mapping (no huge page needs to be reserved for that). */
+    int huge = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+    if (huge >= 0) {
+        ASSERT_OK(ftruncate(huge, 2 << 20));
+        ASSERT_ERR(lshm_storage_attach(huge, 0, page, 0, &s), -EINVAL);
+        ASSERT(strstr(lshm_last_error(), "hugetlbfs") != NULL);
+        ASSERT_ERR(lshm_segment_attach(huge, 0, &other), -EINVAL);
+        ASSERT_ERR(lshm_segment_attach(huge, LSHM_STORAGE_READONLY, &other), -EINVAL);
+        ASSERT(s == NULL && other == NULL);
+        ASSERT_EQ(fcntl(huge, F_GET_SEALS) & (F_SEAL_SHRINK | F_SEAL_GROW), 0);
+        close(huge);
+    } else {
+        printf("  (no hugetlbfs memfds here: %s)\n", strerror(errno));
+    }
     /* smaller than claimed, bad offsets */
     ASSERT_ERR(lshm_storage_attach(fd, 0, page + 1, 0, &s), -EINVAL);
     ASSERT(strstr(lshm_last_error(), "smaller than claimed") != NULL);
