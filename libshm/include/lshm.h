@@ -629,8 +629,9 @@ LSHM_API int lshm_arena_destroy(lshm_arena *arena);
 /* Planned arenas: initialise all n storages in place on their slices of the buffer. The
  * buffer is created on the first call (zero-filled) and reused afterwards. Each storage has
  * one reference, the arena's own: borrow it with lshm_arena_storage, retain it to keep it.
- * Errors: -EINVAL (NULL, recording arena), -EBUSY (already allocated), -ENOMEM, -ENOSPC,
- * -EMFILE (creating the buffer). On failure no storage is initialised. */
+ * Errors: -EINVAL (NULL, recording arena), -EBUSY (already allocated), -EOVERFLOW (a plan's
+ * arena larger than this process can map), -ENOMEM, -ENOSPC, -EMFILE (creating the buffer).
+ * On failure no storage is initialised. */
 LSHM_API int lshm_arena_allocate(lshm_arena *arena);
 
 /* Planned arenas: finalise every storage in place (their slices become free; the buffer is

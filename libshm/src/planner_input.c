@@ -70,7 +70,7 @@ static int check_options(const lshm_plan_options *opts, uint64_t *alignment, uns
     if (opts->flags & ~LSHM_PLAN_INCLUSIVE)
         return LSHM_FAIL(-EINVAL, "unknown plan flags 0x%x", opts->flags & ~LSHM_PLAN_INCLUSIVE);
     if (!(opts->time_limit >= 0.0)) /* also rejects NaN */
-        return LSHM_FAIL(-EINVAL, "time_limit %g is negative", opts->time_limit);
+        return LSHM_FAIL(-EINVAL, "time_limit %g is negative or not a number", opts->time_limit);
     *alignment = a;
     *flags = opts->flags;
     return 0;
