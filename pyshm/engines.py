@@ -15,7 +15,9 @@ What each hook does, and the engine's extension point it uses:
   is sent as its dtype, size, strides and offset over a pyshm array of its storage's bytes,
   which travels by reference like any pyshm array; every other tensor goes to torch's reducer
   unchanged. So torch.multiprocessing ``Queue``, ``Pool``, ``DataLoader`` workers returning
-  such tensors (fork and spawn) carry the same memory.
+  such tensors (fork and spawn) carry the same memory. A tensor over memory shared read-only
+  goes by value (a copy of its bytes, not torch's reducer, which would move it away from its
+  array): a tensor has no read-only flag.
 * **joblib** (loky and multiprocessing backends) pickles numpy arrays with its own reducers,
   which copy big ones into memmapped files of a temporary folder (read-only, or copy-on-write
   in the worker) and small ones by value, both ways. joblib has no registry for those, so the
@@ -148,7 +150,7 @@ def _rebuild_tensor(data, dtype: str, size: tuple, stride: tuple, offset: int,
         return data  # (an Undelivered stand-in: it raises on first use)
     if not data.flags.writeable:
         # (a tensor has no read-only flag: one over read-only memory would crash its writer.
-        # Senders refuse such tensors when pickled (_tensor_reduction): a forged pickle)
+        # Senders send such tensors by value (_tensor_by_value): a forged pickle)
         error = pickle.UnpicklingError(
             "pyshm: a tensor over memory this process may only read (a read-only secret)")
         stand_in = _channel.stand_in(error)
@@ -188,8 +190,8 @@ def _tensor_reduction(tensor: Any, attributes: bool = False):
     by reference, or None: not pyshm memory, a non-leaf tensor that needs its graph, or
     memory not shared yet pickled on a thread of multiprocessing's own (a Queue's feeder)
     where it cannot be shared under the write fence (see pyshm.reduction). Memory shared
-    read-only raises
-    ``PicklingError`` (a tensor has no read-only flag). The tensor's Python attributes go
+    read-only raises _ReadOnlyTensor, a ``PicklingError`` (a tensor has no read-only flag:
+    torch's hook sends it by value, Ray its copy). The tensor's Python attributes go
     along only with `attributes` (Ray's pickling keeps them; torch's reducer drops them, and
     some cannot be pickled: process groups, modules that hold the tensor itself)."""
     torch = _torch()
@@ -202,24 +204,43 @@ def _tensor_reduction(tensor: Any, attributes: bool = False):
         return None
     reduced = reduction.reduce_ndarray(data)
     if reduced[1][1].readonly:  # (the ticket: what every receiver would get)
-        import pickle
-
-        raise pickle.PicklingError(
+        raise _ReadOnlyTensor(
             "pyshm: this tensor's storage is read-only pyshm memory for its receivers "
             "(pyshm.share_readonly), and torch tensors have no read-only flag: a receiver's "
-            "write would crash it. Send the numpy array instead (it arrives read-only), or a "
-            "tensor over a copy")
-    torch.utils.hooks.warn_if_has_hooks(tensor)  # (as torch's reducer does)
+            "write would crash it")
+    return _tensor_layout(tensor, _Reduced(reduced), parameter, attributes)
+
+
+def _tensor_layout(tensor: Any, data: Any, parameter: bool, attributes: bool) -> tuple:
+    """The reduction of ``tensor`` as a tensor over ``data`` (what pickles to its storage's
+    bytes) with its layout: _rebuild_tensor's."""
+    _torch().utils.hooks.warn_if_has_hooks(tensor)  # (as torch's reducer does)
     bits = (_CONJ if tensor.is_conj() else 0) | (_NEG if tensor.is_neg() else 0)
-    return _rebuild_tensor, (_Reduced(reduced), str(tensor.dtype).split(".")[-1],
+    return _rebuild_tensor, (data, str(tensor.dtype).split(".")[-1],
                              tuple(tensor.size()), tuple(tensor.stride()),
                              tensor.storage_offset(), bool(tensor.requires_grad), parameter,
                              bits, (dict(tensor.__dict__) or None) if attributes else None)
 
 
+class _ReadOnlyTensor(pickle.PicklingError):
+    """A tensor over pyshm memory its receivers may only read: it cannot go by reference."""
+
+
+def _tensor_by_value(tensor: Any) -> tuple:
+    """The reduction of a tensor over read-only pyshm memory (see _ReadOnlyTensor): a copy of
+    its storage's bytes, pickled by value (numpy's), as Ray's copy of it goes. Not torch's
+    reducer: that one would move the sender's tensor into new torch shared memory, away from
+    the array it views. The receiver gets a writable copy of its own."""
+    copy = np.array(_tensor_bytes(tensor))  # (private memory: by value)
+    return _tensor_layout(tensor, copy, type(tensor) is _torch().nn.Parameter, False)
+
+
 def _tensor_reducer(original):
     def reduce_tensor(tensor):
-        return _tensor_reduction(tensor) or original(tensor)
+        try:
+            return _tensor_reduction(tensor) or original(tensor)
+        except _ReadOnlyTensor:
+            return _tensor_by_value(tensor)
 
     reduce_tensor._pyshm_wraps = original
     return reduce_tensor

@@ -299,19 +299,49 @@ def send_a_tensor_of(array):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (torch warns of non-writable numpy arrays)
         tensor = torch.from_numpy(array)
-    try:
-        ForkingPickler.dumps(tensor)
-    except pickle.PicklingError as exc:
-        return array.flags.writeable, str(exc)
-    return array.flags.writeable, "sent"
+    payload = bytes(ForkingPickler.dumps(tensor))
+    return array.flags.writeable, payload, tensor.data_ptr() == array.ctypes.data
 
 
-def test_torch_tensor_over_read_only_pyshm_memory_is_refused():
+def test_torch_tensor_over_read_only_pyshm_memory_goes_by_value():
+    # a tensor has no read-only flag: over memory its receivers may only read it goes as a copy
+    # of its bytes (as through Ray), which the receiver may write (the memory itself would
+    # crash it); the sender's tensor stays over its array (torch's own reducer would move it)
     torch_or_skip()
-    array = pyshm.share_readonly(pyshm.zeros(1 << 16, np.uint8))
+    array = pyshm.share_readonly(pyshm.copy(np.arange(1 << 14, dtype=np.uint8)))
     with mp.get_context("fork").Pool(1) as pool:
-        writeable, message = pool.apply(send_a_tensor_of, (array,))
-    assert not writeable and "read-only" in message and "crash" in message
+        writeable, payload, aliases = pool.apply(send_a_tensor_of, (array,))
+    assert not writeable and aliases
+    back = pickle.loads(payload)
+    assert np.array_equal(back.numpy(), array) and back.data_ptr() != array.ctypes.data
+    back[0] = 7  # (a copy of its own, writable)
+    assert array[0] == 0
+
+
+class ReadOnlyFrames:
+    """Items: arrays shared read-only, returned as they are (the DataLoader makes tensors)."""
+
+    def __init__(self):
+        self.frames = [pyshm.share_readonly(pyshm.copy(np.full((64, 64), i, np.float32)))
+                       for i in range(4)]
+
+    def __len__(self):
+        return len(self.frames)
+
+    def __getitem__(self, i):
+        return self.frames[i]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_dataloader_over_read_only_pyshm_memory_delivers_copies(method):
+    # (before: pyshm refused those tensors on the result queue's feeder thread, which dropped
+    # them, and the loop waited forever; here DataLoader's timeout says so)
+    torch = torch_or_skip()
+    data = ReadOnlyFrames()
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=1,
+                                         multiprocessing_context=method, timeout=60)
+    got = [float(frame[0, 0]) for frame in loader]
+    assert got == [0.0, 1.0, 2.0, 3.0]
 
 
 class PyshmDataset:
@@ -464,14 +494,17 @@ def test_joblib_executor_started_before_pyshm_returns_the_parents_arrays():
 # ---- attacks on the hooks (a review's findings) ----------------------------------------------
 
 
-def test_a_tensor_over_memory_shared_read_only_is_refused_in_its_owner():
+def test_a_tensor_over_memory_shared_read_only_goes_by_value_from_its_owner():
     torch = torch_or_skip()
     from multiprocessing.reduction import ForkingPickler
 
     array = pyshm.share_readonly(pyshm.zeros(100_000, np.float32))
     assert array.flags.writeable  # (the owner keeps writing; receivers would get read-only)
-    with pytest.raises(pickle.PicklingError, match="read-only"):
-        ForkingPickler.dumps(torch.from_numpy(array))
+    tensor = torch.from_numpy(array)
+    back = pickle.loads(ForkingPickler.dumps(tensor))
+    assert back.data_ptr() != array.ctypes.data and back.shape == tensor.shape
+    tensor[1] = 5  # the owner's tensor still over its array (not moved into torch's memory)
+    assert array[1] == 5 and tensor.data_ptr() == array.ctypes.data and back[1] == 0
 
 
 def test_the_memory_index_survives_a_collection_while_it_is_rebuilt():
