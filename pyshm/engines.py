@@ -23,6 +23,8 @@ What each hook does, and the engine's extension point it uses:
   in the worker) and small ones by value, both ways. joblib has no registry for those, so the
   hook wraps its two array reducers (``ArrayMemmapForwardReducer.__call__`` and
   ``reduce_array_memmap_backward``): a pyshm array goes by reference, anything else as before.
+  Its picklers do not use torch's ForkingPickler reducer: the reducers it makes for a pool or
+  an executor (``get_memmapping_reducers``) get pyshm's for torch tensors too.
 * **dask.distributed** serializes numpy arrays with the serializer it registers for them in
   its ``dask_serialize`` registry (scatter, results, transfers between workers); the hook
   registers a wrapper there: shared pyshm memory sent straight to a process of this user on
@@ -265,10 +267,12 @@ def _install_torch() -> None:
 
 
 def _pyshm_array(a: Any) -> bool:
-    """A pyshm array to send by reference (see _sendable); others go joblib's way."""
-    if type(a) is not np.ndarray or a.nbytes == 0 or reduction.owner_of(a) is None:
+    """A pyshm array to send by reference (see _sendable; also one that reaches pyshm memory
+    through another exporter: reduction.as_pyshm); others go joblib's way."""
+    if type(a) is not np.ndarray or a.nbytes == 0:
         return False
-    return _sendable(a)
+    found = reduction.as_pyshm(a)
+    return found is not None and _sendable(found)
 
 
 def _install_joblib() -> None:
@@ -295,7 +299,49 @@ def _install_joblib() -> None:
         reduce_array_memmap_backward._pyshm_wraps = backward
         module.reduce_array_memmap_backward = reduce_array_memmap_backward
         _repoint_loky_results(backward, reduce_array_memmap_backward)
+    _install_joblib_tensors(module)
     _installed.add("joblib")
+
+
+def _joblib_tensor(tensor: Any) -> tuple:
+    """joblib's reducer for torch tensors (both ways): over pyshm memory by reference (read-only
+    memory by value, see _tensor_by_value), any other tensor as joblib pickles it without
+    pyshm (torch's own pickling, by value)."""
+    try:
+        reduced = _tensor_reduction(tensor)
+    except _ReadOnlyTensor:
+        return _tensor_by_value(tensor)
+    return reduced or tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def _install_joblib_tensors(module: Any) -> None:
+    """joblib pickles a pool's or an executor's arguments and results with the reducers
+    get_memmapping_reducers makes for it (a dispatch table: numpy's arrays only), and torch's
+    tensor reducer is ForkingPickler's, which joblib's picklers do not use: so the reducers
+    made get pyshm's for torch tensors too, once torch is imported (an executor made before
+    that sends tensors joblib's way for its life). joblib.pool and joblib.executor hold the
+    function under their own names (imported from the module)."""
+    original = module.get_memmapping_reducers
+    wrapped = original
+    if getattr(original, "_pyshm_wraps", None) is None:
+
+        def get_memmapping_reducers(*args, **kwargs):
+            forward, backward = original(*args, **kwargs)
+            torch = sys.modules.get("torch")
+            if torch is not None and hasattr(torch, "nn"):
+                for kind in (torch.Tensor, torch.nn.Parameter):
+                    forward.setdefault(kind, _joblib_tensor)
+                    backward.setdefault(kind, _joblib_tensor)
+            return forward, backward
+
+        get_memmapping_reducers._pyshm_wraps = original
+        get_memmapping_reducers.__doc__ = original.__doc__
+        module.get_memmapping_reducers = wrapped = get_memmapping_reducers
+    original = getattr(wrapped, "_pyshm_wraps", original)
+    for name in ("joblib.executor", "joblib.pool"):
+        user = sys.modules.get(name)
+        if getattr(user, "get_memmapping_reducers", None) is original:
+            user.get_memmapping_reducers = wrapped
 
 
 def _repoint_loky_results(original: Any, wrapped: Any) -> None:
@@ -555,10 +601,10 @@ def _install_distributed() -> None:
         # receiver (pyshm imported there or not) rebuilds it with its stock deserializer.
         # Its secrets go in frames of their own: a receiver that fails to load the pickle
         # (pyshm not importable there) logs the pickle's first frame, and only that.
-        if type(x) is np.ndarray and x.nbytes > 0 and reduction.owner_of(x) is not None and \
-                is_shared(x) and _recipient_here(context):
+        found = reduction.as_pyshm(x) if type(x) is np.ndarray and x.nbytes > 0 else None
+        if found is not None and is_shared(found) and _recipient_here(context):
             frames: list = [None]
-            frames[0] = pickle.dumps(reduction.Ref(x), protocol=5,
+            frames[0] = pickle.dumps(reduction.Ref(found), protocol=5,
                                      buffer_callback=lambda b: frames.append(b.raw()))
             return {"pickle": True, _ANNOUNCED: _REFERENCE_FORMAT}, frames
         return original(x, context=context)
@@ -885,7 +931,7 @@ def _array_as_ref(a: Any) -> Any:
     if not _pyshm_array(a):
         return a
     try:
-        return reduction.Ref(a)
+        return reduction.Ref(reduction.as_pyshm(a))
     except (TypeError, OSError, MemoryError):
         return a
 

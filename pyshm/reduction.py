@@ -966,6 +966,10 @@ def _rebuild_storage(batch, token) -> Storage:
 
 def reduce_ndarray(array: np.ndarray):
     owner = owner_of(array)
+    if owner is None and array.nbytes > 0 and type(array) is np.ndarray:
+        found = as_pyshm(array)  # (pyshm memory through another exporter: DLPack, torch)
+        if found is not None:
+            array, owner = found, owner_of(found)
     if owner is None or array.nbytes == 0:
         # numpy's own by-value pickling (also for items of a zero-size dtype, which have no
         # bytes to send by reference)
@@ -1137,6 +1141,39 @@ def bytes_at(address: int, nbytes: int) -> Optional[np.ndarray]:
     return np.asarray(_Span(address, nbytes, readonly, found))
 
 
+def as_pyshm(array: np.ndarray) -> Optional[np.ndarray]:
+    """``array`` if pyshm memory owns it (:func:`pyshm._memory.owner_of`), else an array of
+    the same memory, layout and write flag whose base chain leads to pyshm's owner when
+    ``array`` lies in pyshm memory of this process but its own chain ends at another exporter
+    (``numpy.from_dlpack(a)``, ``torch.from_numpy(a).numpy()``: a DLPack capsule, a tensor),
+    else None. Numpy's own memory (a chain that ends at an array with no base) is never
+    looked up."""
+    if owner_of(array) is not None:
+        return array
+    end, seen = array, 0
+    while seen < 64:
+        below = end.obj if isinstance(end, memoryview) else getattr(end, "base", None)
+        if below is None:
+            break
+        end, seen = below, seen + 1
+    if end is array or isinstance(end, np.ndarray) or array.nbytes == 0:
+        return None  # (memory numpy allocated itself)
+    data = data_address(array)
+    low = high = data
+    for count, stride in zip(array.shape, array.strides):
+        if stride < 0:
+            low += stride * (count - 1)
+        else:
+            high += stride * (count - 1)
+    span = bytes_at(low, high + array.itemsize - low)
+    if span is None:
+        return None
+    view = np.ndarray(array.shape, array.dtype, span, data - low, array.strides)
+    if not array.flags.writeable:
+        view.flags.writeable = False
+    return view
+
+
 def pickled_off_the_callers_thread() -> bool:
     """Whether this pickling runs on one of multiprocessing's own threads (a Queue's feeder,
     a Pool's task handler: also loky's and joblib's), where an implicit share is made only
@@ -1161,6 +1198,8 @@ class Ref:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"pyshm.ref takes a numpy array of pyshm memory, not "
                             f"{type(array).__name__}")
+        if owner_of(array) is None and type(array) is np.ndarray:
+            array = as_pyshm(array) or array  # (through DLPack, a tensor: see as_pyshm)
         owner = owner_of(array)
         if owner is None or (owner.facts is None and not owner.handle):
             raise TypeError("pyshm.ref needs an array of pyshm memory: this one is not; bring "

@@ -457,6 +457,41 @@ def test_joblib_workers_write_the_parents_arrays(backend):
     assert (plain == 0).all() and all((c == 1).all() for c in copies)
 
 
+def fill_tensor(tensor):
+    # (through numpy: torch's own fill may run OpenMP, which hangs in a child forked after its
+    # parent ran it, as the multiprocessing backend forks: a torch matter, pyshm or not)
+    tensor.numpy()[...] = 7
+    return tensor
+
+
+@pytest.mark.parametrize("backend", ["loky", "multiprocessing"])
+def test_joblib_workers_write_the_parents_tensors_and_dlpack_views(backend):
+    # (before: joblib's picklers knew numpy's arrays only, so a tensor over pyshm memory went
+    # by torch's own pickling, and an array reaching pyshm memory through DLPack by joblib's
+    # memmap: copies, the worker's write lost)
+    joblib = engine_or_skip("joblib")
+    torch = torch_or_skip()
+    array = pyshm.zeros(1 << 18, np.float32, shared=True)
+    tensor = torch.from_numpy(array)[100:].view(-1, 4).t()  # (offset, non-contiguous)
+    readonly = pyshm.share_readonly(pyshm.zeros(64, np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with joblib.parallel_config(backend=backend, n_jobs=2):
+            back, = joblib.Parallel()(joblib.delayed(fill_tensor)(t) for t in [tensor])
+            assert (array[100:] == 7).all() and (array[:100] == 0).all()
+            assert back.data_ptr() == tensor.data_ptr() and back.stride() == tensor.stride()
+            dlpack = np.from_dlpack(array)
+            back, = joblib.Parallel()(joblib.delayed(add_one_array)(a) for a in [dlpack])
+            assert (array[100:] == 8).all() and back.ctypes.data == array.ctypes.data
+            # a tensor over memory shared read-only: a copy (no read-only flag), as torch's
+            frozen = torch.from_numpy(readonly)
+            copy, = joblib.Parallel()(joblib.delayed(fill_tensor)(t) for t in [frozen])
+            assert (copy == 7).all() and (readonly == 0).all()
+            plain = torch.zeros(1000)  # torch's own memory: joblib's way, by value
+            copy, = joblib.Parallel()(joblib.delayed(fill_tensor)(t) for t in [plain])
+            assert (copy == 7).all() and (plain == 0).all()
+
+
 def test_joblib_registered_when_imported_after_pyshm():
     engine_or_skip("joblib")
     out = run_python("""

@@ -257,6 +257,42 @@ def test_process_queue_and_pipe(pool):
     assert array[2] == 77
 
 
+def write_seven(array):
+    array[...] = 7
+    return array
+
+
+def test_pyshm_memory_through_another_exporter_goes_by_reference(pool):
+    # arrays whose base chain ends at another exporter (a DLPack capsule, a ctypes object)
+    # over pyshm memory are found by address: the same memory, not a copy (before: by value,
+    # the worker's write lost)
+    import ctypes
+
+    a = pyshm.zeros(1 << 16, np.float32, shared=True)
+    pointer = ctypes.cast(a.ctypes.data + 400, ctypes.POINTER(ctypes.c_float))
+    views = [np.from_dlpack(a), np.from_dlpack(a[::-3]), np.ctypeslib.as_array(pointer, (100,)),
+             np.from_dlpack(a[10:20])]
+    for view in views:
+        assert _owner_of(view) is None  # (its chain does not lead to pyshm)
+        a[:] = 0
+        back = pool.apply(write_seven, (view,))
+        assert (view == 7).all() and back.ctypes.data == view.ctypes.data
+        assert back.strides == view.strides and back.shape == view.shape
+        assert int((a == 7).sum()) == view.size  # (that view's elements, no others)
+    # read-only stays read-only; memory pyshm does not hold goes by value
+    frozen = np.ctypeslib.as_array(pointer, (100,))
+    frozen.flags.writeable = False
+    assert not pool.apply(readonly_flag, (frozen,))
+    plain = np.frombuffer(bytearray(64), np.uint8)
+    assert len(ForkingPickler.dumps(plain)) > 64
+    back = pool.apply(write_seven, (plain,))
+    assert (back == 7).all() and (plain == 0).all()
+
+
+def readonly_flag(array):
+    return array.flags.writeable
+
+
 def test_foreign_arrays_and_plain_pickle_go_by_value():
     plain = np.arange(1000, dtype=np.float64)
     payload = ForkingPickler.dumps(plain)
