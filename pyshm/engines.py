@@ -34,12 +34,14 @@ What each hook does, and the engine's extension point it uses:
   so with a key that pyshm adds to the handshake of its every connection
   (``Comm.handshake_info``, whose dict a peer's serializers get as ``context["recipient"]``),
   and pyshm's entry in Dask's ``dask.sizeof`` entry points (pyshm/_pyshm_dask.py) imports
-  pyshm early in every process of distributed of an environment that has it.
+  pyshm early in every process of distributed of an environment that has it. distributed's
+  serializers for torch tensors serialize their numpy view without that context: for a
+  tensor over shared pyshm memory pyshm passes it on (_install_distributed_tensors).
   Task arguments (``submit(f, a)``, ``map``) are pickled into the task, which goes through
   the scheduler, where no reference is safe, so ``Client.submit`` and ``Client.map`` are
-  wrapped to scatter each pyshm array and each ``pyshm.ref`` among them (other arrays go
-  dask's way, by value) straight to a worker here first (by reference, through the hook
-  above) and pass its future instead (a ref where dask does not look, inside an object,
+  wrapped to scatter each pyshm array, each tensor over pyshm memory and each ``pyshm.ref``
+  among them (other arrays go dask's way, by value) straight to a worker here first (by
+  reference, through the hook above) and pass its future instead (a ref where dask does not look, inside an object,
   goes through a pickled call with placeholders, see _Call). A reference's secrets travel
   out of band (see pyshm._channel._secret_out), in frames that distributed does not log
   when a receiver fails to load the pickle.
@@ -100,11 +102,13 @@ def install() -> frozenset:
                 hook()
             except (AttributeError, KeyError, TypeError, ImportError):
                 pass  # (another version of the engine: it keeps its own ways)
-    if "ray" in _installed:
-        try:
-            _install_ray_tensors()
-        except (AttributeError, KeyError, TypeError, ImportError):
-            pass
+    for name, tensors in (("ray", _install_ray_tensors),
+                          ("distributed", _install_distributed_tensors)):
+        if name in _installed:
+            try:
+                tensors()
+            except (AttributeError, KeyError, TypeError, ImportError):
+                pass
     return installed()
 
 
@@ -614,6 +618,50 @@ def _install_distributed() -> None:
     dask_serialize.register(np.ndarray)(serialize_ndarray)
     _install_distributed_arguments()
     _installed.add("distributed")
+    _install_distributed_tensors()
+
+
+def _install_distributed_tensors() -> None:
+    """Tensors over pyshm memory through dask (once both are imported). distributed's own
+    serializers for them (distributed.protocol.torch, registered lazily) serialize the tensor's
+    numpy view, or a Parameter's tensor, without the message's context, so that the array
+    serializer above would send it by value: for a tensor over pyshm memory shared, and a
+    recipient where a reference goes, pyshm makes the same message with the context passed
+    on (the numpy view: found by address, see reduction.as_pyshm); distributed's deserializer
+    then makes the tensor over the same memory. Other tensors go distributed's way."""
+    if "distributed" not in _installed or "torch" not in sys.modules or \
+            not hasattr(sys.modules["torch"], "nn"):
+        return
+    from distributed.protocol.serialize import dask_serialize, serialize
+
+    torch = _torch()
+    for kind in (torch.Tensor, torch.nn.Parameter):
+        original = dask_serialize.dispatch(kind)  # (registers distributed's, if lazy still)
+        if getattr(original, "_pyshm_wraps", None) is not None:
+            continue
+
+        def serialize_tensor(t, context=None, original=original, kind=kind):
+            if type(t) is kind and getattr(t, "grad", None) is None and \
+                    _recipient_here(context):
+                data = _tensor_bytes(t)
+                try:  # (shared, a leaf or needing no graph, and writable for receivers)
+                    by_reference = data is not None and is_shared(data) and \
+                        _tensor_reduction(t) is not None
+                except _ReadOnlyTensor:
+                    by_reference = False
+                if by_reference:
+                    if kind is torch.Tensor:
+                        sub_header, frames = serialize(t.detach().numpy(), context=context)
+                        header = {"sub-header": sub_header, "device": "cpu"}
+                    else:
+                        sub_header, frames = serialize(t.detach(), context=context)
+                        header = {"sub-header": sub_header}
+                    header["requires_grad"] = bool(t.requires_grad)
+                    return header, frames
+            return original(t)
+
+        serialize_tensor._pyshm_wraps = original
+        dask_serialize.register(kind)(serialize_tensor)
 
 
 # Task arguments: Client.submit and Client.map pickle their arguments into the task, which
@@ -923,11 +971,54 @@ def _by_value_if_hidden(value: Any) -> Any:
     return value if pickled is None else pickled.by_value()[0]
 
 
+class _TensorRef(reduction.Ref):
+    """A tensor over pyshm memory among a task's arguments, to scatter as a ref's array is
+    (see _arrays_as_refs): its future, or the tensor itself, replaces it before dask pickles
+    the task. Pickled anywhere else, it is the tensor, by value."""
+
+    __slots__ = ()
+
+    def __init__(self, tensor: Any) -> None:  # (not Ref's: a tensor, checked by the caller)
+        self.array = tensor
+        reduction.Ref.live.add(self)
+
+    def __reduce__(self):
+        return self.array.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+
+
+def _pyshm_tensor(t: Any) -> bool:
+    """A tensor to scatter (and so send by reference): a plain CPU tensor or Parameter over
+    pyshm memory that can go by reference (shared, or shared in place now, on the caller's
+    thread; not read-only for receivers; a leaf or needing no graph; no .grad to carry)."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(t) not in (torch.Tensor, getattr(torch.nn, "Parameter", None)) \
+            or t.grad is not None:
+        return False
+    try:
+        return _tensor_reduction(t) is not None
+    except _ReadOnlyTensor:
+        return False
+
+
+def _pyshm_value(a: Any) -> bool:
+    return _pyshm_tensor(a) if type(a) is not np.ndarray else _pyshm_array(a)
+
+
+def _scattered_kinds() -> tuple:
+    """The types of the values _arrays_as_refs looks for: numpy's arrays, and torch's tensors
+    once torch is imported."""
+    torch = sys.modules.get("torch")
+    return (np.ndarray, torch.Tensor) if torch is not None and hasattr(torch, "Tensor") \
+        else (np.ndarray,)
+
+
 def _array_as_ref(a: Any) -> Any:
     """A ref of ``a`` if it is a pyshm array to pass by reference (_pyshm_array: shared, or
     shared in place now, on the caller's thread), else ``a`` (dask's own way: by value). An
     array that cannot be shared in place (a slice of a private arena, no memory or fds left
     for its memfd) goes by value too, as it would without pyshm."""
+    if type(a) is not np.ndarray:
+        return _TensorRef(a) if _pyshm_tensor(a) else a
     if not _pyshm_array(a):
         return a
     try:
@@ -947,12 +1038,13 @@ def _arrays_as_refs(client: Any, args: tuple, kwargs: dict, names: list,
     shared in place and every container stays as it is."""
     at = [i for i, a in enumerate(args) if not each or isinstance(a, (list, tuple))]
     looked = [args[i] for i in at] + [kwargs[name] for name in names]
-    if not _refs_in(looked, np.ndarray, _pyshm_array):
+    kinds = _scattered_kinds()
+    if not _refs_in(looked, kinds, _pyshm_value):
         return args, kwargs, None  # (no pyshm array: no question to the scheduler)
     workers = _workers_here(client)
     if not workers:
         return args, kwargs, workers
-    swapped = _swap_refs(looked, _array_as_ref, np.ndarray)
+    swapped = _swap_refs(looked, _array_as_ref, kinds)
     args = list(args)
     for i, value in zip(at, swapped):
         args[i] = value

@@ -764,6 +764,53 @@ def test_dask_scatter_submit_and_results_are_the_same_memory():
         assert (plain == 0).all() and (copied == 3).all()  # other arrays: dask's own way
 
 
+def fill_tensor_with(tensor, value):
+    tensor.detach().numpy()[...] = value  # (numpy's write: see fill_tensor)
+    return tensor
+
+
+def fill_tensors(tensors, value):
+    return [fill_tensor_with(t, value) for t in tensors]
+
+
+def test_dask_tensors_over_pyshm_memory_are_the_same_memory():
+    # (before: distributed's tensor serializer sent the tensor's numpy view without the
+    # message's context, by value; submit's arguments looked for numpy arrays only)
+    distributed = engine_or_skip("distributed")
+    torch = torch_or_skip()
+    array = pyshm.zeros(1 << 16, np.float32, shared=True)
+    unshared = pyshm.zeros(1 << 12, np.float32)
+    readonly = pyshm.share_readonly(pyshm.zeros(64, np.float32))
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster, direct_to_workers=True) as client, \
+            warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensor = torch.from_numpy(array)[8:].view(-1, 8).t()  # (offset, non-contiguous)
+        back = client.submit(fill_tensor_with, tensor, 1.0, pure=False).result()
+        assert (array[8:] == 1).all() and (array[:8] == 0).all()
+        assert back.data_ptr() == tensor.data_ptr() and back.stride() == tensor.stride()
+        future = client.scatter(tensor, direct=True, hash=False)
+        back = client.submit(fill_tensor_with, future, 2.0, pure=False).result()
+        assert (array[8:] == 2).all() and back.data_ptr() == tensor.data_ptr()
+        # map, lists, a leaf that requires grad, a Parameter, memory not shared yet
+        halves = [torch.from_numpy(array[:100]), torch.from_numpy(array[100:200])]
+        assert client.map(fill_tensor_with, halves, [3.0, 4.0], pure=False)[1].result() \
+            .data_ptr() == halves[1].data_ptr()
+        leaf = torch.from_numpy(array[200:300]).requires_grad_(True)
+        parameter = torch.nn.Parameter(torch.from_numpy(unshared))
+        backs = client.submit(fill_tensors, [leaf, parameter], 5.0, pure=False).result()
+        assert (array[200:300] == 5).all() and (unshared == 5).all() and pyshm.is_shared(unshared)
+        assert backs[0].requires_grad and type(backs[1]) is torch.nn.Parameter
+        assert backs[1].data_ptr() == parameter.data_ptr()
+        assert client.gather(client.map(fill_tensor_with, halves, [6.0, 6.0], pure=False)) \
+            and (array[:100] == 6).all() and (array[100:200] == 6).all()
+        # read-only memory (no read-only flag) and torch's own memory: by value, as before
+        for copied in (torch.from_numpy(readonly), torch.zeros(64)):
+            back = client.submit(fill_tensor_with, copied, 9.0, pure=False).result()
+            assert (back == 9).all() and (copied == 0).all()
+
+
 def fill_and_say(array, value):
     array[:] = value
     return float(array.sum()), pyshm.is_shared(array)
