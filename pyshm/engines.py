@@ -41,10 +41,10 @@ What each hook does, and the engine's extension point it uses:
   the scheduler, where no reference is safe, so ``Client.submit`` and ``Client.map`` are
   wrapped to scatter each pyshm array, each tensor over pyshm memory and each ``pyshm.ref``
   among them (other arrays go dask's way, by value) straight to a worker here first (by
-  reference, through the hook above) and pass its future instead (a ref where dask does not look, inside an object,
-  goes through a pickled call with placeholders, see _Call). A reference's secrets travel
-  out of band (see pyshm._channel._secret_out), in frames that distributed does not log
-  when a receiver fails to load the pickle.
+  reference, through the hook above) and pass its future instead (a ref where dask does
+  not look, inside an object, goes through a pickled call with placeholders, see _Call). A
+  reference's secrets travel out of band (see pyshm._channel._secret_out), in frames that
+  distributed does not log when a receiver fails to load the pickle.
 * **Ray** pickles objects (task arguments and results, actor calls, ``ray.put``) with its
   cloudpickle, where ``ray.util.register_serializer`` replaces the pickling of a type. The
   hook registers one for numpy arrays (and, once torch is imported, for tensors): pyshm
