@@ -236,9 +236,22 @@ def _tensor_by_value(tensor: Any) -> tuple:
     """The reduction of a tensor over read-only pyshm memory (see _ReadOnlyTensor): a copy of
     its storage's bytes, pickled by value (numpy's), as Ray's copy of it goes. Not torch's
     reducer: that one would move the sender's tensor into new torch shared memory, away from
-    the array it views. The receiver gets a writable copy of its own."""
-    copy = np.array(_tensor_bytes(tensor))  # (private memory: by value)
-    return _tensor_layout(tensor, copy, type(tensor) is _torch().nn.Parameter, False)
+    the array it views. The receiver gets a writable copy of its own. Only the elements the
+    tensor spans are copied (a row of a big storage sends the row)."""
+    offset, item = tensor.storage_offset(), tensor.element_size()
+    low = high = offset
+    for count, stride in zip(tensor.size(), tensor.stride()):
+        if count == 0:
+            low = high = offset = 0  # (no element: nothing to copy)
+            break
+        if stride < 0:
+            low += stride * (count - 1)
+        else:
+            high += stride * (count - 1)
+    nbytes = (high + 1 - low) * item if tensor.numel() else 0
+    copy = np.array(_tensor_bytes(tensor)[low * item:low * item + nbytes])  # (by value)
+    rebuild, args = _tensor_layout(tensor, copy, type(tensor) is _torch().nn.Parameter, False)
+    return rebuild, (*args[:4], offset - low, *args[5:])
 
 
 def _tensor_reducer(original):

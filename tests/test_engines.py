@@ -540,6 +540,17 @@ def test_a_tensor_over_memory_shared_read_only_goes_by_value_from_its_owner():
     assert back.data_ptr() != array.ctypes.data and back.shape == tensor.shape
     tensor[1] = 5  # the owner's tensor still over its array (not moved into torch's memory)
     assert array[1] == 5 and tensor.data_ptr() == array.ctypes.data and back[1] == 0
+    # only the elements a view spans go (a row of a big storage: the row), layout kept
+    square = tensor[:99_856].view(316, 316)
+    square.copy_(torch.arange(99_856, dtype=torch.float32).view(316, 316))
+    for view in (square[7], square[3:9:2, 1::3], square.t()[2:5], square[5, 5], square[4:4],
+                 square.expand(2, 316, 316)[:, 9]):
+        payload = ForkingPickler.dumps(view)
+        back = pickle.loads(payload)
+        assert torch.equal(back, view) and back.stride() == view.stride()
+        span = 1 + sum(st * (n - 1) for n, st in zip(view.shape, view.stride())) \
+            if view.numel() else 0
+        assert len(payload) < span * 4 + 2000  # (not the storage: 400 KB)
 
 
 def test_the_memory_index_survives_a_collection_while_it_is_rebuilt():
