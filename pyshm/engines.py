@@ -654,10 +654,9 @@ def _install_distributed_tensors() -> None:
             continue
 
         def serialize_tensor(t, context=None, original=original, kind=kind):
-            if type(t) is kind and getattr(t, "grad", None) is None and \
-                    _recipient_here(context):
+            if type(t) is kind and _dask_tensor(t) and _recipient_here(context):
                 data = _tensor_bytes(t)
-                try:  # (shared, a leaf or needing no graph, and writable for receivers)
+                try:  # (shared, and writable for receivers)
                     by_reference = data is not None and is_shared(data) and \
                         _tensor_reduction(t) is not None
                 except _ReadOnlyTensor:
@@ -999,13 +998,26 @@ class _TensorRef(reduction.Ref):
         return self.array.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
 
 
+def _dask_tensor(t: Any) -> bool:
+    """Whether distributed's serializers could send tensor ``t`` as its numpy view (see
+    _install_distributed_tensors): a leaf with no .grad to carry, no lazy conjugation or
+    negation, of a dtype numpy has (not bfloat16, float8...). Other tensors go dask's way."""
+    if not t.is_leaf or t.grad is not None or t.is_conj() or t.is_neg():
+        return False
+    try:
+        t.detach().numpy()
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
 def _pyshm_tensor(t: Any) -> bool:
     """A tensor to scatter (and so send by reference): a plain CPU tensor or Parameter over
     pyshm memory that can go by reference (shared, or shared in place now, on the caller's
-    thread; not read-only for receivers; a leaf or needing no graph; no .grad to carry)."""
+    thread; not read-only for receivers) and as its numpy view (_dask_tensor)."""
     torch = sys.modules.get("torch")
     if torch is None or type(t) not in (torch.Tensor, getattr(torch.nn, "Parameter", None)) \
-            or t.grad is not None:
+            or not _dask_tensor(t):
         return False
     try:
         return _tensor_reduction(t) is not None

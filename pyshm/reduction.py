@@ -91,6 +91,7 @@ shrink and grow, so no receiver can truncate it under the others (that would be 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import pickle
 import resource
@@ -966,8 +967,8 @@ def _rebuild_storage(batch, token) -> Storage:
 
 def reduce_ndarray(array: np.ndarray):
     owner = owner_of(array)
-    if owner is None and array.nbytes > 0 and type(array) is np.ndarray:
-        found = as_pyshm(array)  # (pyshm memory through another exporter: DLPack, torch)
+    if owner is None and array.base is not None and type(array) is np.ndarray:
+        found = _found_by_address(array)  # (pyshm memory through another exporter: DLPack)
         if found is not None:
             array, owner = found, owner_of(found)
     if owner is None or array.nbytes == 0:
@@ -1150,14 +1151,23 @@ def as_pyshm(array: np.ndarray) -> Optional[np.ndarray]:
     looked up."""
     if owner_of(array) is not None:
         return array
+    return _found_by_address(array)
+
+
+# what an array's memory can come from that is never pyshm's (no lookup for those)
+_NEVER_PYSHM = (bytes, bytearray, mmap.mmap, np.ndarray)
+
+
+def _found_by_address(array: np.ndarray) -> Optional[np.ndarray]:
+    """as_pyshm for an array whose base chain does not lead to pyshm's owner."""
     end, seen = array, 0
     while seen < 64:
         below = end.obj if isinstance(end, memoryview) else getattr(end, "base", None)
         if below is None:
             break
         end, seen = below, seen + 1
-    if end is array or isinstance(end, np.ndarray) or array.nbytes == 0:
-        return None  # (memory numpy allocated itself)
+    if end is array or isinstance(end, _NEVER_PYSHM) or array.nbytes == 0:
+        return None  # (memory numpy allocated itself, Python's bytes, a file's mapping)
     data = data_address(array)
     low = high = data
     for count, stride in zip(array.shape, array.strides):
@@ -1199,7 +1209,8 @@ class Ref:
             raise TypeError(f"pyshm.ref takes a numpy array of pyshm memory, not "
                             f"{type(array).__name__}")
         if owner_of(array) is None and type(array) is np.ndarray:
-            array = as_pyshm(array) or array  # (through DLPack, a tensor: see as_pyshm)
+            found = as_pyshm(array)  # (through DLPack, a tensor: see as_pyshm)
+            array = array if found is None else found
         owner = owner_of(array)
         if owner is None or (owner.facts is None and not owner.handle):
             raise TypeError("pyshm.ref needs an array of pyshm memory: this one is not; bring "

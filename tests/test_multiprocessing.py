@@ -279,6 +279,10 @@ def test_pyshm_memory_through_another_exporter_goes_by_reference(pool):
         assert (view == 7).all() and back.ctypes.data == view.ctypes.data
         assert back.strides == view.strides and back.shape == view.shape
         assert int((a == 7).sum()) == view.size  # (that view's elements, no others)
+    # pyshm.ref of such a view (before: a ValueError, "truth value of an array")
+    ref = pyshm.ref(np.from_dlpack(a[5:9]))
+    assert _owner_of(ref.array) is not None and ref.array.ctypes.data == a[5:].ctypes.data
+    assert pool.apply(write_seven, (ref,)).ctypes.data == a[5:].ctypes.data and a[8] == 7
     # read-only stays read-only; memory pyshm does not hold goes by value
     frozen = np.ctypeslib.as_array(pointer, (100,))
     frozen.flags.writeable = False
