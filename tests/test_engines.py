@@ -542,7 +542,9 @@ def test_a_tensor_over_memory_shared_read_only_goes_by_value_from_its_owner():
     assert array[1] == 5 and tensor.data_ptr() == array.ctypes.data and back[1] == 0
     # only the elements a view spans go (a row of a big storage: the row), layout kept
     square = tensor[:99_856].view(316, 316)
-    square.copy_(torch.arange(99_856, dtype=torch.float32).view(316, 316))
+    # (numpy's fill: a torch op this big runs OpenMP, after which a torch op in a child that
+    # this process forks can hang, as a later test forks: a torch matter, pyshm or not)
+    square.numpy()[...] = np.arange(99_856, dtype=np.float32).reshape(316, 316)
     for view in (square[7], square[3:9:2, 1::3], square.t()[2:5], square[5, 5], square[4:4],
                  square.expand(2, 316, 316)[:, 9]):
         payload = ForkingPickler.dumps(view)
@@ -590,8 +592,9 @@ def test_a_tensor_inside_a_big_arena_tensor_with_many_smaller_ones_is_found():
 
 def add_one_back(queue_in, queue_out):
     tensor = queue_in.get()
-    tensor += 1
-    queue_out.put(float(tensor.sum()))
+    view = tensor.numpy()  # (numpy's ops: torch's may hang in a forked child, see fill_tensor)
+    view += 1
+    queue_out.put(float(view.sum()))
 
 
 def test_unshared_pyshm_memory_on_a_queue_feeder_thread_is_shared_under_the_fence():
