@@ -1154,6 +1154,12 @@ def as_pyshm(array: np.ndarray) -> Optional[np.ndarray]:
     return _found_by_address(array)
 
 
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds  # (numpy 2)
+except ImportError:  # (numpy 1)
+    _byte_bounds = np.byte_bounds
+
+
 # what an array's memory can come from that is never pyshm's (no lookup for those)
 _NEVER_PYSHM = (bytes, bytearray, mmap.mmap, np.ndarray)
 
@@ -1168,17 +1174,12 @@ def _found_by_address(array: np.ndarray) -> Optional[np.ndarray]:
         end, seen = below, seen + 1
     if end is array or isinstance(end, _NEVER_PYSHM) or array.nbytes == 0:
         return None  # (memory numpy allocated itself, Python's bytes, a file's mapping)
-    data = data_address(array)
-    low = high = data
-    for count, stride in zip(array.shape, array.strides):
-        if stride < 0:
-            low += stride * (count - 1)
-        else:
-            high += stride * (count - 1)
-    span = bytes_at(low, high + array.itemsize - low)
+    low, high = _byte_bounds(array)  # (numpy's: the first and one past the last byte)
+    span = bytes_at(low, high - low)
     if span is None:
         return None
-    view = np.ndarray(array.shape, array.dtype, span, data - low, array.strides)
+    view = np.ndarray(array.shape, array.dtype, span, data_address(array) - low,
+                      array.strides)
     if not array.flags.writeable:
         view.flags.writeable = False
     return view
@@ -1209,7 +1210,7 @@ class Ref:
             raise TypeError(f"pyshm.ref takes a numpy array of pyshm memory, not "
                             f"{type(array).__name__}")
         if owner_of(array) is None and type(array) is np.ndarray:
-            found = as_pyshm(array)  # (through DLPack, a tensor: see as_pyshm)
+            found = _found_by_address(array)  # (through DLPack, a tensor: see as_pyshm)
             array = array if found is None else found
         owner = owner_of(array)
         if owner is None or (owner.facts is None and not owner.handle):
