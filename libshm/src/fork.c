@@ -10,6 +10,10 @@
 #include <assert.h>
 #include <pthread.h>
 
+#ifdef LSHM__TSAN
+#include <sanitizer/tsan_interface.h>
+#endif
+
 /* Set in the child of a fork(): no helper threads there (the work they would share is done on
  * the calling thread). A thread started in a child forked from a process with other threads
  * may need a lock one of those threads held at the fork (AddressSanitizer's allocator is one:
@@ -78,6 +82,18 @@ static void child_after_fork(void) {
     lshm__pool_after_fork();
     lshm__slab_after_fork_child();
     lshm__os_fence_after_fork_child(); /* the inherited userfaultfd is the parent's */
+#ifdef LSHM__TSAN
+    /* The store below drops this thread's write lock behind the back of ThreadSanitizer,
+     * which watches the rwlock calls only: say so, or it takes the lock for still held and
+     * reports the child's next read lock ("read lock of a write locked mutex"). A read lock
+     * of a share in flight (fork_depth > 0) is left as it sees it: held, as it is again once
+     * the rdlock below has run (saying it was dropped would show that rdlock under the
+     * storage's lock, the reverse of the usual order, as a lock-order inversion). */
+    if (fork_writer) {
+        __tsan_mutex_pre_unlock(&fork_lock, 0);
+        __tsan_mutex_post_unlock(&fork_lock, 0);
+    }
+#endif
     fork_writer = 0;
     fork_lock = fork_lock_fresh;
     if (fork_depth > 0) /* this thread is inside a share: it will unlock when it leaves */

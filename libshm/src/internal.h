@@ -12,6 +12,17 @@
 #include <stdarg.h>
 #include <stddef.h>
 
+/* Defined when built with ThreadSanitizer (-fsanitize=thread: GCC says __SANITIZE_THREAD__,
+ * clang __has_feature), for the few places that tell it about synchronisation it cannot see
+ * (fork.c). */
+#if defined(__SANITIZE_THREAD__)
+#define LSHM__TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define LSHM__TSAN 1
+#endif
+#endif
+
 /* ---- errors (error.c) ---------------------------------------------------------------------- */
 
 /* Record "file:line: message" as the calling thread's last error and return `err` (a negative
