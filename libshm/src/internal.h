@@ -236,7 +236,8 @@ struct lshm_storage {
     _Atomic size_t refcount;  /* references; 0 once finalised */
     _Atomic(void *) data;     /* first byte, NULL when nbytes == 0; atomic: share may swap it */
     _Atomic unsigned flags;   /* LSHM_STORAGE_* */
-    size_t nbytes;            /* bytes visible to users */
+    _Atomic size_t nbytes;    /* bytes visible to users; atomic: lshm_storage_nbytes reads it
+                                 from any thread while a resize may change it */
     size_t capacity;          /* PAGES / WHOLE_PAGES allocator: nbytes rounded up to a page
                                  (the range owned, and shared in place); else nbytes */
     unsigned char origin;     /* enum lshm__origin */

@@ -590,24 +590,24 @@ static int share_locked(lshm_storage *s, int own_memfd, int fenced, old_memory *
                              "it under its %zu other references; copy it into a shared storage "
                              "instead",
                              (void *)s, refs - 1);
-        size_t map_len;
-        rc = lshm__round_pages(s->nbytes, &map_len);
+        size_t map_len, nbytes = atomic_load_explicit(&s->nbytes, memory_order_relaxed);
+        rc = lshm__round_pages(nbytes, &map_len);
         assert(rc == 0); /* nbytes of existing memory always rounds */
         if (map_len >= LSHM__HUGE_BYTES && lshm__os_collapse_wanted()) {
-            rc = moved_into_huge_pages(data, s->nbytes, map_len, &fd, &mapped);
-        } else if ((rc = make_filled_memfd(data, s->nbytes, &fd)) == 0 && s->nbytes > 0 &&
+            rc = moved_into_huge_pages(data, nbytes, map_len, &fd, &mapped);
+        } else if ((rc = make_filled_memfd(data, nbytes, &fd)) == 0 && nbytes > 0 &&
                    (rc = lshm__os_map_fd(fd, 0, map_len, 0, NULL, &mapped)) != 0) {
             lshm__os_close(fd);
         }
         if (rc != 0)
             return rc;
         /* Swap first; the caller gives the old memory back: nothing can fail from here on. */
-        *old = (old_memory){(enum lshm__origin)s->origin, data, s->nbytes, s->allocator,
+        *old = (old_memory){(enum lshm__origin)s->origin, data, nbytes, s->allocator,
                             s->release, s->release_ctx};
         assert(old->origin == LSHM__ORIGIN_ALLOCATOR || old->origin == LSHM__ORIGIN_FOREIGN);
         s->origin = LSHM__ORIGIN_MAPPED;
         s->map_base = mapped;
-        s->map_len = s->nbytes > 0 ? map_len : 0;
+        s->map_len = nbytes > 0 ? map_len : 0;
         s->fd = fd;
         s->fd_offset = 0;
         s->release = NULL;

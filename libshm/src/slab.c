@@ -412,7 +412,7 @@ int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
         for (lshm__slab *slab = slabs; slab != NULL && found == NULL; slab = slab->next) {
             lshm_storage *s = slab->owner[offset / page];
             lshm__slab_memfd *m = s != NULL ? s->slab_memfd : NULL;
-            if (m == NULL || m->dev != dev || m->ino != ino || s->nbytes != nbytes)
+            if (m == NULL || m->dev != dev || m->ino != ino || lshm_storage_nbytes(s) != nbytes)
                 continue;
             /* Retain only a storage that is still alive: a release that reached 0 frees it
              * (and clears owner[] under this lock) without waiting for us. */

@@ -135,6 +135,7 @@ static int alloc_bytes(const lshm_allocator *allocator, size_t nbytes, void **da
 /* Give the bytes back; the storage is dead afterwards. Also closes its own memfd. */
 static void free_bytes(lshm_storage *s) {
     void *data = atomic_load_explicit(&s->data, memory_order_acquire);
+    size_t nbytes = atomic_load_explicit(&s->nbytes, memory_order_relaxed);
     switch ((enum lshm__origin)s->origin) {
     case LSHM__ORIGIN_PAGES:
         /* Private pages or the memfd mapped over them: one munmap either way. The memfd itself
@@ -155,11 +156,11 @@ static void free_bytes(lshm_storage *s) {
             if (lshm__os_map_anon_fixed(data, s->capacity) != 0)
                 break;
         }
-        s->allocator.free(s->allocator.ctx, data, s->nbytes);
+        s->allocator.free(s->allocator.ctx, data, nbytes);
         break;
     case LSHM__ORIGIN_FOREIGN:
         if (s->release != NULL)
-            s->release(s->release_ctx, data, s->nbytes);
+            s->release(s->release_ctx, data, nbytes);
         break;
     case LSHM__ORIGIN_MAPPED:
         lshm__os_unmap(s->map_base, s->map_len);
@@ -205,7 +206,7 @@ int lshm_storage_init(void *mem, size_t nbytes, const lshm_allocator *allocator,
     if (allocator != NULL)
         s->allocator = *allocator;
     atomic_store_explicit(&s->data, data, memory_order_relaxed);
-    s->nbytes = nbytes;
+    atomic_store_explicit(&s->nbytes, nbytes, memory_order_relaxed);
     s->capacity = capacity;
     if (slab != NULL)
         lshm__slab_set_owner(s);
@@ -225,7 +226,7 @@ int lshm_storage_init_foreign(void *mem, void *data, size_t nbytes, lshm_release
     lshm_storage *s = mem;
     lshm__storage_prepare(s, LSHM__ORIGIN_FOREIGN, flags);
     atomic_store_explicit(&s->data, nbytes > 0 ? data : NULL, memory_order_relaxed);
-    s->nbytes = nbytes;
+    atomic_store_explicit(&s->nbytes, nbytes, memory_order_relaxed);
     s->capacity = nbytes;
     s->release = release;
     s->release_ctx = ctx;
@@ -310,7 +311,8 @@ void *lshm_storage_data(const lshm_storage *s) {
 }
 
 size_t lshm_storage_nbytes(const lshm_storage *s) {
-    return s == NULL ? 0 : s->nbytes;
+    /* (relaxed: a size alone, which a resize may change meanwhile; it publishes nothing) */
+    return s == NULL ? 0 : atomic_load_explicit(&s->nbytes, memory_order_relaxed);
 }
 
 unsigned lshm_storage_flags(const lshm_storage *s) {
@@ -363,7 +365,8 @@ int lshm_storage_export(lshm_storage *s, lshm_export_info *out) {
     if (rc != 0)
         return rc;
     lshm_export_info info = {fd, offset, 0, 0, LSHM_SLAB_BYTES, 0,
-                             lshm_storage_flags(s), lshm_storage_data(s), s->nbytes};
+                             lshm_storage_flags(s), lshm_storage_data(s),
+                             lshm_storage_nbytes(s)};
     if (s->origin != LSHM__ORIGIN_SLAB || !lshm__slab_identity(s, &info.dev, &info.ino)) {
         lshm__fd_info fi; /* one memfd of its own, a segment's, or a slab storage's own */
         if ((rc = lshm__os_fd_info(fd, &fi)) != 0)
@@ -400,10 +403,11 @@ static int resize_pages(lshm_storage *s, void *data, size_t nbytes, size_t cap) 
         return rc;
     /* Bytes past the old size inside the old last page may hold what an earlier, larger size
      * left there: the contract says new bytes are zero. */
-    if (p != NULL && nbytes > s->nbytes) {
+    size_t old = atomic_load_explicit(&s->nbytes, memory_order_relaxed);
+    if (p != NULL && nbytes > old) {
         size_t end = nbytes < s->capacity ? nbytes : s->capacity;
-        if (end > s->nbytes)
-            memset((char *)p + s->nbytes, 0, end - s->nbytes);
+        if (end > old)
+            memset((char *)p + old, 0, end - old);
     }
     atomic_store_explicit(&s->data, p, memory_order_release);
     s->capacity = cap;
@@ -433,7 +437,8 @@ static int resize_allocator(lshm_storage *s, void *data, size_t nbytes, void **o
     in_callback_of = outer;
     if (rc != 0)
         return rc;
-    size_t keep = nbytes < s->nbytes ? nbytes : s->nbytes;
+    size_t old = atomic_load_explicit(&s->nbytes, memory_order_relaxed);
+    size_t keep = nbytes < old ? nbytes : old;
     if (keep > 0)
         memcpy(p, data, keep);
     if (nbytes > keep)
@@ -477,11 +482,11 @@ int lshm_storage_resize(lshm_storage *s, size_t nbytes) {
     else if (s->origin == LSHM__ORIGIN_PAGES)
         rc = resize_pages(s, data, nbytes, cap);
     else {
-        old_nbytes = s->nbytes;
+        old_nbytes = atomic_load_explicit(&s->nbytes, memory_order_relaxed);
         rc = resize_allocator(s, data, nbytes, &old_block);
     }
     if (rc == 0)
-        s->nbytes = nbytes;
+        atomic_store_explicit(&s->nbytes, nbytes, memory_order_relaxed);
     pthread_mutex_unlock(&s->lock);
     lshm__fork_guard_leave();
     /* The allocator and its ctx never change (only a share changes a storage's origin, and a
@@ -496,12 +501,13 @@ int lshm_storage_copy(lshm_storage *dst, const lshm_storage *src) {
         return LSHM_FAIL(-EINVAL, "NULL storage");
     if (dst == src)
         return 0;
-    if (dst->nbytes != src->nbytes)
-        return LSHM_FAIL(-EINVAL, "sizes differ: %zu bytes into %zu", src->nbytes, dst->nbytes);
+    size_t n = lshm_storage_nbytes(dst), from = lshm_storage_nbytes(src);
+    if (n != from)
+        return LSHM_FAIL(-EINVAL, "sizes differ: %zu bytes into %zu", from, n);
     if ((lshm_storage_flags(dst) & LSHM_STORAGE_READONLY) != 0)
         return LSHM_FAIL(-EPERM, "destination storage %p is read-only", (void *)dst);
-    if (dst->nbytes > 0)
-        memmove(lshm_storage_data(dst), lshm_storage_data(src), dst->nbytes);
+    if (n > 0)
+        memmove(lshm_storage_data(dst), lshm_storage_data(src), n);
     return 0;
 }
 
@@ -556,7 +562,7 @@ int lshm_storage_init_view(void *mem, lshm_segment *seg, uint64_t offset, size_t
     lshm__storage_prepare(s, LSHM__ORIGIN_VIEW,
                           LSHM_STORAGE_SHARED | (flags | lshm_segment_flags(seg)));
     s->segment = lshm_segment_retain(seg);
-    s->nbytes = nbytes;
+    atomic_store_explicit(&s->nbytes, nbytes, memory_order_relaxed);
     s->capacity = nbytes;
     s->fd_offset = offset;
     atomic_store_explicit(&s->data, nbytes > 0 ? (char *)lshm_segment_data(seg) + offset : NULL,
@@ -607,7 +613,7 @@ int lshm_storage_attach(int fd, uint64_t offset, size_t nbytes, unsigned flags,
     if ((rc = lshm__storage_malloc(out, &s)) != 0)
         goto fail_unmap;
     lshm__storage_prepare(s, LSHM__ORIGIN_MAPPED, LSHM_STORAGE_SHARED | flags);
-    s->nbytes = nbytes;
+    atomic_store_explicit(&s->nbytes, nbytes, memory_order_relaxed);
     s->capacity = nbytes;
     s->map_base = base;
     s->map_len = map_len;

@@ -10,6 +10,8 @@
 #include "task.h"
 
 #include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -464,6 +466,44 @@ static void test_resize_busy(void) {
     lshm_storage_release(s);
 }
 
+/* The accessors read a storage from any thread (lshm.h), also while the holder of its one
+ * reference resizes it (pyshm: Storage.nbytes on one thread, resize_ of the same handle on
+ * another, both without the GIL). Each sees a size the storage had; under ThreadSanitizer
+ * this is where a plain nbytes field was a data race. */
+typedef struct resize_reader {
+    lshm_storage *s;
+    _Atomic int started, stop;
+    int bad;
+} resize_reader;
+
+static void *read_while_resized(void *arg) {
+    resize_reader *r = arg;
+    atomic_store(&r->started, 1);
+    while (!atomic_load(&r->stop)) {
+        size_t n = lshm_storage_nbytes(r->s);
+        r->bad += n != 1000 && n != 5 * page && n != 0;
+        r->bad += (lshm_storage_flags(r->s) & ~LSHM_STORAGE_RESIZABLE) != 0;
+        (void)lshm_storage_data(r->s);
+    }
+    return NULL;
+}
+
+static void test_accessors_while_resized(void) {
+    resize_reader r = {0};
+    ASSERT_OK(lshm_storage_create(1000, NULL, LSHM_STORAGE_RESIZABLE, &r.s));
+    pthread_t t;
+    ASSERT_OK(pthread_create(&t, NULL, read_while_resized, &r));
+    while (!atomic_load(&r.started))
+        ;
+    const size_t sizes[] = {1000, 0, 5 * page};
+    for (int k = 0; k < 300; k++)
+        ASSERT_OK(lshm_storage_resize(r.s, sizes[k % 3]));
+    atomic_store(&r.stop, 1);
+    ASSERT_OK(pthread_join(t, NULL));
+    ASSERT_EQ(r.bad, 0);
+    lshm_storage_release(r.s);
+}
+
 static void test_copy(void) {
     lshm_storage *a, *b, *c;
     ASSERT_OK(lshm_storage_create(1000, NULL, 0, &a));
@@ -496,6 +536,7 @@ int main(void) {
     RUN_TEST(test_resize);
     RUN_TEST(test_huge_alignment);
     RUN_TEST(test_resize_busy);
+    RUN_TEST(test_accessors_while_resized);
     RUN_TEST(test_copy);
     return 0;
 }
