@@ -716,11 +716,13 @@ void lshm__os_unmap(void *addr, size_t len) {
 /* The process's userfaultfd: its number, the process that opened it (a child forked without
  * the atfork handlers, by _Fork() or a raw clone, must not use it: its ioctls would act on the
  * parent's address space) and its identity (a program that closes every fd it does not know
- * may have the number reused: then it is not ours to use or to close). */
+ * may have the number reused: then it is not ours to use or to close). The three are written
+ * before fence_fd publishes them and read without a lock while a reopen (another thread's
+ * share) rewrites them: atomic, relaxed (fence_fd's seq_cst store and load order them). */
 static _Atomic int fence_fd = -1;
-static pid_t fence_pid;
-static dev_t fence_dev;
-static ino_t fence_ino;
+static _Atomic pid_t fence_pid;
+static _Atomic dev_t fence_dev;
+static _Atomic ino_t fence_ino;
 static pthread_mutex_t fence_lock = PTHREAD_MUTEX_INITIALIZER; /* reopening it */
 /* Which userfaultfd fence_fd is: a new number for each one opened (a fork's child, a reopen),
  * so memory registered with an earlier one (lshm__os_fence_prepare) is known not to be
@@ -758,9 +760,9 @@ void lshm__os_fence_open(void) {
         close(fd);
         return;
     }
-    fence_dev = st.st_dev;
-    fence_ino = st.st_ino;
-    fence_pid = getpid();
+    atomic_store_explicit(&fence_dev, st.st_dev, memory_order_relaxed);
+    atomic_store_explicit(&fence_ino, st.st_ino, memory_order_relaxed);
+    atomic_store_explicit(&fence_pid, getpid(), memory_order_relaxed);
     atomic_fetch_add(&fence_generation, 1);
     atomic_store(&fence_fd, fd);
 #endif
@@ -769,7 +771,9 @@ void lshm__os_fence_open(void) {
 /* Is fd still the userfaultfd we opened? */
 static int fence_is_ours(int fd) {
     struct stat st;
-    return fd >= 0 && fstat(fd, &st) == 0 && st.st_dev == fence_dev && st.st_ino == fence_ino;
+    return fd >= 0 && fstat(fd, &st) == 0 &&
+           st.st_dev == atomic_load_explicit(&fence_dev, memory_order_relaxed) &&
+           st.st_ino == atomic_load_explicit(&fence_ino, memory_order_relaxed);
 }
 
 void lshm__os_fence_after_fork_child(void) {
@@ -852,7 +856,8 @@ static int fence_begin(void *addr, size_t len, int required, _Atomic unsigned lo
     if (fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed))
         return unfenced(required, "this process has no userfaultfd write protection: the "
                                   "kernel has none, or LSHM_FENCE=0");
-    if (fence_pid != getpid()) /* (a syscall: after the free checks) */
+    /* (a syscall: after the free checks) */
+    if (atomic_load_explicit(&fence_pid, memory_order_relaxed) != getpid())
         return unfenced(required, "a child forked without the atfork handlers");
     if (lshm__round_pages(len, &len) != 0)
         return unfenced(required, "a range that does not round to pages");
@@ -918,7 +923,8 @@ unsigned long lshm__os_fence_prepare(void *addr, size_t len) {
     unsigned long generation = atomic_load(&fence_generation);
     int fd = atomic_load(&fence_fd);
     if (fd < 0 || atomic_load_explicit(&lshm__fence_off, memory_order_relaxed) ||
-        lshm__round_pages(len, &len) != 0 || fence_pid != getpid() || !fence_is_ours(fd))
+        lshm__round_pages(len, &len) != 0 ||
+        atomic_load_explicit(&fence_pid, memory_order_relaxed) != getpid() || !fence_is_ours(fd))
         return 0;
     struct uffdio_register reg = {{(uintptr_t)addr, len}, UFFDIO_REGISTER_MODE_WP, 0};
     if (fence_ioctl(fd, UFFDIO_REGISTER, &reg) != 0)

@@ -555,6 +555,45 @@ static void test_userfaultfd_closed_by_the_program(void) {
     ASSERT_GE(userfaultfd_number(), 0);
 }
 
+/* The program closes the library's userfaultfd while several threads share: each share still
+ * works and the library opens a new userfaultfd. (Under ThreadSanitizer: the reopen rewrote
+ * the userfaultfd's pid and identity while other threads' shares read them.) */
+enum { CLOSED_UFFD_THREADS = 3 };
+static pthread_barrier_t closed_uffd_barrier;
+
+static void *share_after_close(void *arg) {
+    int *rc = arg;
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(512 << 10, NULL, 0, &s));
+    pthread_barrier_wait(&closed_uffd_barrier);
+    *rc = lshm_storage_share(s);
+    lshm_storage_release(s);
+    return NULL;
+}
+
+static void test_userfaultfd_closed_while_threads_share(void) {
+    int fds = fd_count();
+    ASSERT_OK(pthread_barrier_init(&closed_uffd_barrier, NULL, CLOSED_UFFD_THREADS + 1));
+    for (int round = 0; round < 20; round++) {
+        int ufd = userfaultfd_number();
+        ASSERT_GE(ufd, 0);
+        pthread_t t[CLOSED_UFFD_THREADS];
+        int rc[CLOSED_UFFD_THREADS];
+        for (int i = 0; i < CLOSED_UFFD_THREADS; i++)
+            ASSERT_OK(pthread_create(&t[i], NULL, share_after_close, &rc[i]));
+        close(ufd);
+        pthread_barrier_wait(&closed_uffd_barrier);
+        for (int i = 0; i < CLOSED_UFFD_THREADS; i++) {
+            ASSERT_OK(pthread_join(t[i], NULL));
+            ASSERT_OK(rc[i]);
+        }
+        ASSERT_GE(userfaultfd_number(), 0); /* opened again */
+    }
+    lshm_pool_trim();
+    ASSERT_EQ(fd_count(), fds); /* one userfaultfd, as before */
+    ASSERT_OK(pthread_barrier_destroy(&closed_uffd_barrier));
+}
+
 /* VmFlags of the mapping that holds p contain "uw" (registered for write-protect)? */
 static int registered_wp_at(const void *p) {
     FILE *f = fopen("/proc/self/smaps", "r");
@@ -845,6 +884,7 @@ int main(int argc, char **argv) {
     RUN_TEST(test_protection_that_fails_lets_its_writers_go);
     RUN_TEST(test_child_without_fork_handlers_leaves_the_parent_alone);
     RUN_TEST(test_userfaultfd_closed_by_the_program);
+    RUN_TEST(test_userfaultfd_closed_while_threads_share);
     RUN_TEST(test_memory_another_userfaultfd_watches);
     RUN_TEST(test_slab_registered_ahead);
     RUN_TEST(test_forked_child_loses_nothing);
