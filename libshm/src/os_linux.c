@@ -783,15 +783,27 @@ void lshm__os_fence_after_fork_child(void) {
     lshm__os_fence_open();
 }
 
-/* fd, the number the fence used, answered as no userfaultfd does (EBADF, ENOTTY): the program
- * closed it. Open another one (once, for every thread that saw it). */
-static void fence_reopen(int fd) {
+/* A fence's ioctl on fd, read with `generation`, failed with rc. Decided under fence_lock, so
+ * that a reopen by another thread is either done or not begun: 1 when the fence is to be set
+ * up again with the userfaultfd open now (another thread opened it since fd was read; or fd
+ * answered as no userfaultfd does, EBADF or ENOTTY: the program closed it, and this call
+ * opened another, once for every thread that saw it); -1 when it was closed and no other
+ * could be opened; 0 when the failure stands (fd is still ours). fence_fd keeps the old number
+ * until the new one is open: a share that used it meanwhile fails and waits here, where an fd
+ * of -1 would have sent it on unfenced. */
+static int fence_reopened(int fd, unsigned long generation, int rc) {
+    int again = 0;
     pthread_mutex_lock(&fence_lock);
-    if (atomic_load(&fence_fd) == fd) {
-        atomic_store(&fence_fd, -1);
-        lshm__os_fence_open();
+    if (atomic_load(&fence_generation) != generation) {
+        again = 1;
+    } else if ((rc == -EBADF || rc == -ENOTTY) && !fence_is_ours(fd)) {
+        lshm__os_fence_open(); /* (a new generation when it works) */
+        again = atomic_load(&fence_generation) != generation ? 1 : -1;
+        if (again < 0)
+            atomic_store(&fence_fd, -1);
     }
     pthread_mutex_unlock(&fence_lock);
+    return again > 0 && atomic_load(&fence_fd) < 0 ? -1 : again;
 }
 
 #ifdef LSHM_HAVE_UFFD
@@ -880,15 +892,14 @@ static int fence_begin(void *addr, size_t len, int required, _Atomic unsigned lo
     if (rc == 0)
         rc = ahead ? fence_ioctl(fd, UFFDIO_WRITEPROTECT, &wp)
                    : fence_ioctl(fd, UFFDIO_REGISTER, &reg);
-    if ((rc == -EBADF || rc == -ENOTTY) && !fence_is_ours(fd)) {
-        /* (the new one often gets the same number: closed, it is the lowest free one) */
-        if (!reopened) {
-            fence_reopen(fd);
-            if (atomic_load(&fence_fd) >= 0)
-                return fence_begin(addr, len, required, prepared, f, 1);
-        }
+    /* (the new one often gets the same number: closed, it is the lowest free one) */
+    int again = rc == 0 ? 0
+                : !reopened ? fence_reopened(fd, current, rc)
+                : (rc == -EBADF || rc == -ENOTTY) && !fence_is_ours(fd) ? -1 : 0;
+    if (again > 0)
+        return fence_begin(addr, len, required, prepared, f, 1);
+    if (again < 0)
         return unfenced(required, "its userfaultfd was closed, and no other could be opened");
-    }
     if (ahead)
         goto protected;
     if (rc != 0) /* (the mappings REGISTER got to stay registered) */
