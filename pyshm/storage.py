@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import pickle
 import threading
@@ -61,8 +62,8 @@ class Storage(HandleLifetime):
 
     # _keep: what the memory depends on (a mapping received from another process), or None
     # _pins: calls in flight on _handle (see _pin): close() leaves the release to the last;
-    # _pin_epoch: the _PIN_EPOCH they were counted in
-    __slots__ = ("_handle", "_key", "_keep", "_pins", "_pin_epoch")
+    # _pin_epoch: the _PIN_EPOCH they were counted in; _resizing: one of them is resize_
+    __slots__ = ("_handle", "_key", "_keep", "_pins", "_pin_epoch", "_resizing")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
         self._adopt(create(nbytes, shared, resizable))
@@ -72,6 +73,7 @@ class Storage(HandleLifetime):
         self._keep = None
         self._pins = 0
         self._pin_epoch = _PIN_EPOCH
+        self._resizing = False
         self._key = _ffi.address(handle)  # the identity, kept after close for a stable hash
         self._release_with(_release, handle)
 
@@ -124,24 +126,41 @@ class Storage(HandleLifetime):
             raise ValueError("operation on a closed pyshm.Storage")
         return handle
 
-    def _pin(self) -> _ffi.StorageHandle:
+    def _pin(self, resizing: bool = False) -> _ffi.StorageHandle:
         """The handle, for a call of more than one step or without the GIL (ValueError once
         closed): until the matching _unpin, a close() (say on another thread) only marks this
         Storage closed and the reference is given back by the last _unpin, so the storage
-        never dies under a call in flight."""
+        never dies under a call in flight.
+
+        `resizing` (resize_): the storage's one C reference serves every thread that uses this
+        object, so libshm's rule (resize only while the caller holds the one reference) cannot
+        see a call of another thread in flight on it (copy_, asarray: they read its memory, a
+        resize moves or unmaps it). A resize is pinned only while no other call is, and no
+        other call while it runs: BufferError (EBUSY) for the one that comes second."""
         with _PIN_LOCK:  # (nothing allocated under it: no garbage collection, no finalizer)
             handle = self._handle
+            busy = None
             if handle is not None:
                 if self._pin_epoch != _PIN_EPOCH:  # (pins of the parent's calls: not ours)
-                    self._pins, self._pin_epoch = 0, _PIN_EPOCH
-                self._pins += 1
+                    self._pins, self._pin_epoch, self._resizing = 0, _PIN_EPOCH, False
+                if self._resizing:
+                    busy = "being resized on another thread"
+                elif resizing and self._pins > 0:
+                    busy = ("in use by a call on another thread (resizing would move or free "
+                            "its memory under that call)")
+                else:
+                    self._pins += 1
+                    self._resizing = resizing
         if handle is None:
             raise ValueError("operation on a closed pyshm.Storage")
+        if busy is not None:
+            raise _ffi.ShmBufferError(errno.EBUSY, f"pyshm: this Storage is {busy}")
         return handle
 
     def _unpin(self) -> None:
         with _PIN_LOCK:
             self._pins -= 1
+            self._resizing = False  # (a resize runs only while it is the one pin)
             release = self._pins == 0 and self._handle is None
         if release:
             self._release_now()  # (closed during the call: its release was left to us)
@@ -293,6 +312,9 @@ class Storage(HandleLifetime):
         (``pyshm.ShmBufferError``, errno ``EBUSY``) and changes nothing. In other words it
         works only while this handle holds the storage's one reference (``refcount == 1``),
         which is the same rule ``lshm_storage_resize`` applies in C. Delete the arrays first.
+        The same BufferError while another thread's call on this Storage is in flight
+        (``copy_``, ``asarray``, ``share_memory_``...), and such a call raises it while a
+        resize runs: one handle serves every thread that uses it.
         :class:`PermissionError` when the storage is not resizable or is shared (checked
         first: that never changes, live arrays or not).
         """
@@ -301,7 +323,7 @@ class Storage(HandleLifetime):
         # move the pages and shrinking unmaps the tail: either would leave a live array on
         # freed memory).
         nbytes = check_nbytes(nbytes)
-        handle = self._pin()
+        handle = self._pin(resizing=True)
         try:
             lib.lshm_storage_resize(handle, nbytes)
         finally:

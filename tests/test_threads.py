@@ -166,3 +166,82 @@ def test_one_close_on_exec_userfaultfd_per_process_none_with_LSHM_FENCE_0(fence)
 
 def test_this_process_has_exactly_one_userfaultfd():
     assert list(userfaultfds().values()) == [True]
+
+
+# One Storage used from two threads: calls in flight on one thread (copy_ and asarray read the
+# storage's memory without the GIL) while the other resizes it. Run in a child: before the fix,
+# a resize moved or unmapped the pages under the copy (a crash) or under the new array.
+_RESIZE_CHILD = r"""
+import sys, threading, time
+import numpy as np
+import pyshm
+
+small, big = 4 << 20, 8 << 20
+dst = pyshm.Storage(big, resizable=True)
+src = pyshm.Storage(big)
+src.asarray()[:] = 7
+stop = threading.Event()
+counts = {"copied": 0, "arrays": 0, "resized": 0, "busy": 0}
+
+def copier():
+    while not stop.is_set():
+        try:
+            dst.copy_(src)
+            counts["copied"] += 1
+        except BufferError:  # (being resized: the copy did not begin)
+            continue
+        except ValueError:  # (sizes differ: dst was resized to the other size)
+            pass
+        try:
+            a = dst.asarray()
+        except BufferError:
+            continue
+        # every page of the array must be mapped, and hold what was copied or zeros
+        ok = int(a[::4096].max()) in (0, 7)
+        del a
+        counts["arrays"] += ok
+
+def resizer():
+    deadline = time.monotonic() + 60
+    i = 0
+    while (counts["resized"] < 50 or counts["copied"] < 50) and time.monotonic() < deadline:
+        try:
+            dst.resize_(small if i % 2 == 0 else big)
+            counts["resized"] += 1
+            i += 1
+        except BufferError as exc:
+            assert "resiz" in str(exc) or "in use" in str(exc), exc
+            counts["busy"] += 1
+        time.sleep(0.0002)
+    stop.set()
+
+errors = []
+
+def run(step):
+    try:
+        step()
+    except BaseException as exc:
+        errors.append(repr(exc))
+        stop.set()
+
+threads = [threading.Thread(target=run, args=(step,)) for step in (copier, resizer)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not errors, errors
+print(counts)
+sys.stdout.flush()
+"""
+
+
+def test_resize_beside_calls_in_flight_on_another_thread_never_pulls_memory_from_under_them():
+    # A Storage's one C reference serves every thread that uses the object, so libshm's rule
+    # (resize only while the caller holds the storage's one reference) cannot see another
+    # thread's copy_ or asarray of that same handle: pyshm itself makes resize_ wait for none
+    # and refuse (BufferError) while such a call runs, and such calls refuse while it resizes.
+    done = subprocess.run([sys.executable, "-c", _RESIZE_CHILD], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    counts = eval(done.stdout.strip().splitlines()[-1])
+    assert counts["resized"] >= 50 and counts["copied"] >= 50 and counts["arrays"] > 0, counts
