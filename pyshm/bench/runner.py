@@ -61,8 +61,8 @@ DEFAULTS = {"repeats": 5, "threads": (1, 2, 8), "big_mib": 1024, "receiver_mib":
             "small_count": 10_000}
 QUICK = {"repeats": 3, "count": 4, "big_mib": 256, "receiver_mib": 256, "small_count": 2_000}
 
-# The speed targets of the huge-page work (README, "With huge pages") and of slabs (README,
-# "Small arrays since slabs"): each report ends with whether this run met them.
+# The speed targets (README, Benchmark, "Targets"; the bars of the project's design brief):
+# each report ends with whether this run met them.
 TARGET_SEED_VS_TORCH = 0.35  # pyshm time / torch time, seed workload, ThreadPool(2)
 TARGET_SEED_VS_CEILING = 1.10  # pyshm time / huge-page ceiling time, same case
 TARGET_BIG_SPEEDUP = 2.5  # torch time / pyshm time, one 1 GiB array
