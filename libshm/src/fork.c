@@ -33,8 +33,9 @@ static _Atomic int forked_child;
  * would deadlock.
  * Handlers, in one registration so their order is fixed: prepare takes fork_lock, then the slab
  * lock, then pool_lock (the order of a share, which takes those inside its read section), then
- * the lock of os_linux.c's deferred unmaps (taken inside any of those); parent and child
- * release that one first, empty the pool and release pool_lock, release the slab lock (the
+ * the lock of os_linux.c's deferred unmaps (taken inside any of those), then the write fence's
+ * and the planner's (each held alone); parent and child release those two and the deferred
+ * unmaps' first, empty the pool and release pool_lock, release the slab lock (the
  * child also stops sharing into its parent's slab memfds), then fork_lock. glibc's rwlock
  * tells a write unlock from a read unlock by the writer's thread id, which the child's only
  * thread no longer has, so the child re-initialises fork_lock instead (nothing else runs there
@@ -60,12 +61,14 @@ static void prepare_fork(void) {
     }
     lshm__slab_prepare_fork(); /* a share takes the slab lock inside its read section too */
     lshm__pool_prepare_fork();
-    lshm__os_prepare_fork(); /* (taken last but one: unmaps take it inside the others) */
+    lshm__os_prepare_fork(); /* (after those: unmaps take it inside any of them) */
+    lshm__os_fence_prepare_fork(); /* (held alone, never inside another) */
     lshm__plan_prepare_fork(); /* (held alone, never inside another) */
 }
 
 static void parent_after_fork(void) {
     lshm__plan_after_fork(0);
+    lshm__os_fence_after_fork();
     lshm__os_after_fork();
     lshm__pool_after_fork();
     lshm__slab_after_fork_parent();
@@ -78,6 +81,7 @@ static void parent_after_fork(void) {
 static void child_after_fork(void) {
     atomic_store_explicit(&forked_child, 1, memory_order_relaxed);
     lshm__plan_after_fork(1);
+    lshm__os_fence_after_fork();
     lshm__os_after_fork();
     lshm__pool_after_fork();
     lshm__slab_after_fork_child();

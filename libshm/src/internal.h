@@ -119,6 +119,10 @@ typedef struct lshm__fence {
 /* At load time and in a fork's child (fork.c): the process's userfaultfd, if it can have one. */
 void lshm__os_fence_open(void);
 void lshm__os_fence_after_fork_child(void);
+/* fork() handlers of the lock a reopen of the userfaultfd holds (fork.c): a fork from inside a
+ * callback does not wait for the shares in flight, one of which may hold it. */
+void lshm__os_fence_prepare_fork(void);
+void lshm__os_fence_after_fork(void);
 /* Protect [addr, addr + len) (whole pages) before the copy. 0 with f->len 0 where it cannot
  * (no userfaultfd, memory it cannot protect): the share goes on unfenced; with `required`
  * (lshm_storage_share_fenced) -EOPNOTSUPP instead. 0 with f->len 0, required or not, where no

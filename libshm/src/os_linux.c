@@ -776,6 +776,19 @@ static int fence_is_ours(int fd) {
            st.st_ino == atomic_load_explicit(&fence_ino, memory_order_relaxed);
 }
 
+/* fence_lock is held only for a few syscalls and never with another lock taken inside it: the
+ * prepare handler can wait for it behind any lock of a share, and the child finds it free (a
+ * fork from inside an allocator callback goes ahead beside other threads' shares, and every
+ * failed ioctl of a fence takes it: held by a thread the child does not have, a share there
+ * would wait for ever). */
+void lshm__os_fence_prepare_fork(void) {
+    pthread_mutex_lock(&fence_lock);
+}
+
+void lshm__os_fence_after_fork(void) {
+    pthread_mutex_unlock(&fence_lock);
+}
+
 void lshm__os_fence_after_fork_child(void) {
     int fd = atomic_exchange(&fence_fd, -1);
     if (fence_is_ours(fd))

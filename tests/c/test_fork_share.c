@@ -10,7 +10,8 @@
  *     storage returns (under alarm(), so a hang kills the child and fails the test).
  * And the guard fork() waits on is never taken twice by one thread: a share from inside a
  * resize's allocator callback, while a fork waits, does not deadlock. And fork() while another
- * thread holds the lock of the deferred unmaps (os_linux.c) leaves the child a free lock.
+ * thread holds the lock of the deferred unmaps (os_linux.c) leaves the child a free lock, and so
+ * does fork() from inside a callback while another thread reopens the write fence's userfaultfd.
  */
 #ifndef LSHM_TESTING
 #define LSHM_TESTING /* lshm__share_chunk_bytes */
@@ -21,6 +22,8 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdio.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -302,11 +305,77 @@ static void test_fork_while_unmaps_are_deferred(void) {
     ASSERT_EQ(pthread_join(thread, NULL), 0);
 }
 
+/* fork() from inside a resize's allocator callback does not wait for the shares in flight (it
+ * cannot wait for itself), so another thread may be inside one, reopening the write fence's
+ * userfaultfd (the program closed it) under os_linux.c's fence_lock. The child must find that
+ * lock free: every failed ioctl of its fences takes it (here an injected EBUSY), and a lock held
+ * by a thread the child does not have would hang its share for ever (alarm() kills it). */
+static _Atomic int closer_stop;
+
+/* Is fd the library's userfaultfd? */
+static int is_userfaultfd(int fd) {
+    char path[64], target[64] = {0};
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    return readlink(path, target, sizeof target - 1) > 0 &&
+           strcmp(target, "anon_inode:[userfaultfd]") == 0;
+}
+
+static void *close_userfaultfd_and_share(void *arg) {
+    (void)arg;
+    int ufd = -1;
+    while (!atomic_load(&closer_stop)) {
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(page, NULL, 0, &s));
+        if (ufd < 0 || !is_userfaultfd(ufd)) /* (the reopen takes the lowest free number) */
+            for (ufd = 0; ufd < 1024 && !is_userfaultfd(ufd); ufd++) {
+            }
+        ASSERT_LT(ufd, 1024);
+        close(ufd);
+        ASSERT_OK(lshm_storage_share(s)); /* reopens it, under fence_lock */
+        lshm_storage_release(s);
+    }
+    return NULL;
+}
+
+static void *fork_sharing_child(void *ctx, size_t nbytes) {
+    (void)ctx;
+    pid_t pid = fork(); /* (inside the resize: does not wait for the other thread's share) */
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        alarm(10); /* (forked from two threads: not single-threaded, it sets up fences) */
+        lshm_storage *s;
+        if (lshm_storage_create(page, NULL, 0, &s) != 0)
+            _exit(3);
+        atomic_store(&lshm__fence_fails, -EBUSY); /* (decided under fence_lock) */
+        int rc = lshm_storage_share(s);
+        _exit(rc != 0 ? 4 : 0);
+    }
+    int status;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    return malloc(nbytes);
+}
+
+static void test_fork_in_callback_while_userfaultfd_reopens(void) {
+    lshm_allocator a = {fork_sharing_child, nested_free, NULL, 0};
+    lshm_storage *s;
+    ASSERT_OK(lshm_storage_create(100, &a, LSHM_STORAGE_RESIZABLE, &s));
+    pthread_t thread;
+    atomic_store(&closer_stop, 0);
+    ASSERT_OK(pthread_create(&thread, NULL, close_userfaultfd_and_share, NULL));
+    for (int round = 0; round < 1000; round++) /* (a held lock hangs a child in a few hundred) */
+        ASSERT_OK(lshm_storage_resize(s, 100 + (size_t)(round % 2)));
+    atomic_store(&closer_stop, 1);
+    ASSERT_OK(pthread_join(thread, NULL));
+    lshm_storage_release(s);
+}
+
 int main(void) {
     page = lshm_page_size();
     RUN_TEST(test_pool_in_a_forked_child);
     RUN_TEST(test_fork_during_share);
     RUN_TEST(test_nested_guard);
     RUN_TEST(test_fork_while_unmaps_are_deferred);
+    RUN_TEST(test_fork_in_callback_while_userfaultfd_reopens);
     return 0;
 }
