@@ -116,7 +116,7 @@ static void register_atfork(void) {
  * first share of the process runs; the once in fork_guard_enter covers a build without it. */
 __attribute__((constructor)) static void register_atfork_at_load(void) {
     pthread_once(&atfork_once, register_atfork);
-    lshm__os_fence_open(); /* (the write fence of shares: os_linux.c) */
+    (void)lshm__os_fence_open(); /* (the write fence of shares: os_linux.c) */
 }
 
 void lshm__fork_guard_enter(void) {

@@ -116,8 +116,9 @@ typedef struct lshm__fence {
     int fd;         /* the userfaultfd it was set up with */
     int registered; /* registered by lshm__os_fence_begin (else by lshm__os_fence_prepare) */
 } lshm__fence;
-/* At load time and in a fork's child (fork.c): the process's userfaultfd, if it can have one. */
-void lshm__os_fence_open(void);
+/* At load time and in a fork's child (fork.c): the process's userfaultfd, if it can have one
+ * (1: opened; 0: none can be; -1: each one opened was taken from under us by the program). */
+int lshm__os_fence_open(void);
 void lshm__os_fence_after_fork_child(void);
 /* fork() handlers of the lock a reopen of the userfaultfd holds (fork.c): a fork from inside a
  * callback does not wait for the shares in flight, one of which may hold it. */

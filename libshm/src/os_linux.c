@@ -733,7 +733,44 @@ _Atomic int lshm__fence_fails;             /* tests: UFFDIO_REGISTER fails with 
 _Atomic int lshm__fence_wp_fails;          /* tests: UFFDIO_WRITEPROTECT "fails" after it worked */
 _Atomic unsigned long lshm__fences_set;   /* fences set up (tests read it) */
 
-void lshm__os_fence_open(void) {
+#ifdef LSHM_HAVE_UFFD
+/* Open a userfaultfd with write protection: 1 (in *out, its identity in *st), 0 where this
+ * process can have none, -1 when the number was taken from under us before it was set up (a
+ * program closing fds it does not know, or dup2-ing over them, as it may do to the one before):
+ * then the number is not ours to close, and the caller tries again. The identity is read before
+ * UFFDIO_API, whose success says the number was still the userfaultfd opened here: read after
+ * it, it could be that of a file the program put there meanwhile (ours then for fence_is_ours,
+ * closed in a fork's child). */
+static int fence_open_once(int *out, struct stat *st) {
+    int flags = O_CLOEXEC | O_NONBLOCK;
+    int fd = (int)syscall(SYS_userfaultfd, flags);
+    if (fd < 0 && errno == EPERM)
+        fd = (int)syscall(SYS_userfaultfd, flags | UFFD_USER_MODE_ONLY);
+    if (fd < 0)
+        return 0;
+    if (fstat(fd, st) != 0) {
+        if (errno == EBADF) /* (closed already) */
+            return -1;
+        close(fd);
+        return 0;
+    }
+    struct uffdio_api api = {.api = UFFD_API, .features = UFFD_FEATURE_WP_UNPOPULATED};
+    if (ioctl(fd, UFFDIO_API, &api) != 0) {
+        if (errno == EBADF || errno == ENOTTY) /* (none at the number, or not a userfaultfd) */
+            return -1;
+        close(fd);
+        return 0;
+    }
+    if ((api.features & UFFD_FEATURE_PAGEFAULT_FLAG_WP) == 0) {
+        close(fd);
+        return 0;
+    }
+    *out = fd;
+    return 1;
+}
+#endif
+
+int lshm__os_fence_open(void) {
 #ifdef LSHM_HAVE_UFFD
     /* LSHM_FENCE is read once, at load time: later opens (a fork's child, a reopen) follow */
     static int disabled = -1;
@@ -742,29 +779,21 @@ void lshm__os_fence_open(void) {
         disabled = env != NULL && strcmp(env, "0") == 0;
     }
     if (disabled)
-        return;
-    int flags = O_CLOEXEC | O_NONBLOCK;
-    int fd = (int)syscall(SYS_userfaultfd, flags);
-    if (fd < 0 && errno == EPERM)
-        fd = (int)syscall(SYS_userfaultfd, flags | UFFD_USER_MODE_ONLY);
-    if (fd < 0)
-        return;
-    struct uffdio_api api = {.api = UFFD_API, .features = UFFD_FEATURE_WP_UNPOPULATED};
-    if (ioctl(fd, UFFDIO_API, &api) != 0 ||
-        (api.features & UFFD_FEATURE_PAGEFAULT_FLAG_WP) == 0) {
-        close(fd);
-        return;
-    }
+        return 0;
+    int fd = -1, opened = -1;
     struct stat st;
-    if (fstat(fd, &st) != 0) {
-        close(fd);
-        return;
-    }
+    for (int tries = 0; opened < 0 && tries < 4; tries++) /* (the program must take each one) */
+        opened = fence_open_once(&fd, &st);
+    if (opened <= 0)
+        return opened;
     atomic_store_explicit(&fence_dev, st.st_dev, memory_order_relaxed);
     atomic_store_explicit(&fence_ino, st.st_ino, memory_order_relaxed);
     atomic_store_explicit(&fence_pid, getpid(), memory_order_relaxed);
     atomic_fetch_add(&fence_generation, 1);
     atomic_store(&fence_fd, fd);
+    return 1;
+#else
+    return 0;
 #endif
 }
 
@@ -793,7 +822,7 @@ void lshm__os_fence_after_fork_child(void) {
     int fd = atomic_exchange(&fence_fd, -1);
     if (fence_is_ours(fd))
         close(fd);
-    lshm__os_fence_open();
+    (void)lshm__os_fence_open();
 }
 
 /* A fence's ioctl on fd, read with `generation`, failed with rc. Decided under fence_lock, so
@@ -803,16 +832,18 @@ void lshm__os_fence_after_fork_child(void) {
  * opened another, once for every thread that saw it); -1 when it was closed and no other
  * could be opened; 0 when the failure stands (fd is still ours). fence_fd keeps the old number
  * until the new one is open: a share that used it meanwhile fails and waits here, where an fd
- * of -1 would have sent it on unfenced. */
+ * of -1 would have sent it on unfenced. It keeps it too when every new one was taken from
+ * under us before it was set up (see fence_open_once): the next share tries again, where -1
+ * would have given the fence up for good. */
 static int fence_reopened(int fd, unsigned long generation, int rc) {
     int again = 0;
     pthread_mutex_lock(&fence_lock);
     if (atomic_load(&fence_generation) != generation) {
         again = 1;
     } else if ((rc == -EBADF || rc == -ENOTTY) && !fence_is_ours(fd)) {
-        lshm__os_fence_open(); /* (a new generation when it works) */
+        int opened = lshm__os_fence_open(); /* (a new generation when it works) */
         again = atomic_load(&fence_generation) != generation ? 1 : -1;
-        if (again < 0)
+        if (again < 0 && opened == 0)
             atomic_store(&fence_fd, -1);
     }
     pthread_mutex_unlock(&fence_lock);

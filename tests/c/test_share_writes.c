@@ -34,6 +34,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #define STRIDE 8 /* words: one per 64-byte line */
@@ -505,6 +506,14 @@ static int userfaultfd_number(void) {
     return -1;
 }
 
+/* Is fd a userfaultfd? */
+static int is_userfaultfd(int fd) {
+    char path[64], target[64] = {0};
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    return readlink(path, target, sizeof target - 1) > 0 &&
+           strcmp(target, "anon_inode:[userfaultfd]") == 0;
+}
+
 static int is_pipe(int fd) {
     struct stat st;
     return fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode);
@@ -594,6 +603,86 @@ static void test_userfaultfd_closed_while_threads_share(void) {
     lshm_pool_trim();
     ASSERT_EQ(fd_count(), fds); /* one userfaultfd, as before */
     ASSERT_OK(pthread_barrier_destroy(&closed_uffd_barrier));
+}
+
+/* The program takes the library's userfaultfd from under it again and again while threads
+ * share (`replace`: dup2 of /dev/null onto its number, else close), each time as soon as a new
+ * one appears: sometimes before the library has even set it up (UFFDIO_API). The library never
+ * closes an fd of the program's (it closed the /dev/null it found at the number of the
+ * userfaultfd it had just opened), and it never gives the fence up for good: once the program
+ * stops, a fenced share works (a userfaultfd taken before its setup counted as "none can be
+ * opened": every later fenced share was refused). Shares may be refused meanwhile. */
+static _Atomic int taken_uffd_stop;
+
+static void *share_until_stopped(void *arg) {
+    (void)arg;
+    while (!atomic_load(&taken_uffd_stop)) {
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(512 << 10, NULL, 0, &s));
+        int rc = lshm_storage_share_fenced(s);
+        ASSERT(rc == 0 || rc == -EOPNOTSUPP);
+        lshm_storage_release(s);
+    }
+    return NULL;
+}
+
+static void userfaultfd_taken_while_threads_share(int replace) {
+    int fds = fd_count();
+    int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+    ASSERT_GE(devnull, 0);
+    struct stat null_st, st;
+    ASSERT_OK(fstat(devnull, &null_st));
+    int held = -1; /* the program's /dev/null at the number of a userfaultfd it took */
+    atomic_store(&taken_uffd_stop, 0);
+    pthread_t t[CLOSED_UFFD_THREADS];
+    for (int i = 0; i < CLOSED_UFFD_THREADS; i++)
+        ASSERT_OK(pthread_create(&t[i], NULL, share_until_stopped, NULL));
+    struct timespec now, end;
+    ASSERT_OK(clock_gettime(CLOCK_MONOTONIC, &end));
+    end.tv_sec += 3;
+    for (int taken = 0; taken < 5000;) {
+        ASSERT_OK(clock_gettime(CLOCK_MONOTONIC, &now));
+        if (now.tv_sec > end.tv_sec || (now.tv_sec == end.tv_sec && now.tv_nsec > end.tv_nsec))
+            break;
+        int ufd = 0;
+        while (ufd < 64 && !is_userfaultfd(ufd)) /* (it takes the lowest free number) */
+            ufd++;
+        if (ufd == 64)
+            continue; /* (not opened again yet) */
+        /* (racing the library's use of these numbers on purpose, which ThreadSanitizer
+         * reports as a race on the fd: not tracked) */
+        UNTRACKED_BEGIN();
+        int replaced = replace ? dup3(devnull, ufd, O_CLOEXEC) : close(ufd);
+        /* the last /dev/null is still the program's: nobody else may have closed it */
+        int kept = held < 0 || (fstat(held, &st) == 0 && st.st_ino == null_st.st_ino);
+        if (replace && held >= 0)
+            close(held);
+        UNTRACKED_END();
+        ASSERT_EQ(replaced, replace ? ufd : 0);
+        ASSERT(kept);
+        held = replace ? ufd : -1;
+        taken++;
+    }
+    atomic_store(&taken_uffd_stop, 1);
+    for (int i = 0; i < CLOSED_UFFD_THREADS; i++)
+        ASSERT_OK(pthread_join(t[i], NULL));
+    if (held >= 0) {
+        ASSERT(fstat(held, &st) == 0 && st.st_ino == null_st.st_ino);
+        close(held);
+    }
+    close(devnull);
+    unsigned long fences = lshm__fences_set;
+    share_call = lshm_storage_share_fenced;
+    check_no_loss(512 << 10, 1, 0, LSHM__ORIGIN_PAGES); /* fenced again */
+    share_call = lshm_storage_share;
+    ASSERT_UINT_EQ(lshm__fences_set, fences + 1);
+    lshm_pool_trim();
+    ASSERT_EQ(fd_count(), fds);
+}
+
+static void test_userfaultfd_taken_while_threads_share(void) {
+    userfaultfd_taken_while_threads_share(1);
+    userfaultfd_taken_while_threads_share(0);
 }
 
 /* VmFlags of the mapping that holds p contain "uw" (registered for write-protect)? */
@@ -887,6 +976,7 @@ int main(int argc, char **argv) {
     RUN_TEST(test_child_without_fork_handlers_leaves_the_parent_alone);
     RUN_TEST(test_userfaultfd_closed_by_the_program);
     RUN_TEST(test_userfaultfd_closed_while_threads_share);
+    RUN_TEST(test_userfaultfd_taken_while_threads_share);
     RUN_TEST(test_memory_another_userfaultfd_watches);
     RUN_TEST(test_slab_registered_ahead);
     RUN_TEST(test_forked_child_loses_nothing);
