@@ -1006,14 +1006,15 @@ def reduce_ndarray(array: np.ndarray):
 
 
 def _reduce_storage(storage: Storage):
-    handle = storage._pin()  # (a close() on another thread waits for the retain below)
+    pinned = [False]
     try:
+        handle = storage._pin(pinned)  # (a close() on another thread waits for the retain below)
         if lib.lshm_storage_nbytes(handle) == 0:
             return reduce_storage_by_value(storage, 4)
         mapping = storage.keep if isinstance(storage.keep, _Mapping) else None
         holder = Storage.from_handle(lib.lshm_storage_retain(handle), keep=storage.keep)
     finally:
-        storage._unpin()
+        storage._unpin(pinned)
     return _rebuild_storage, (_channel.mark(), _export(holder, mapping))
 
 

@@ -126,11 +126,19 @@ class Storage(HandleLifetime):
             raise ValueError("operation on a closed pyshm.Storage")
         return handle
 
-    def _pin(self, resizing: bool = False) -> _ffi.StorageHandle:
+    def _pin(self, pinned: Optional[list] = None, resizing: bool = False) -> _ffi.StorageHandle:
         """The handle, for a call of more than one step or without the GIL (ValueError once
         closed): until the matching _unpin, a close() (say on another thread) only marks this
         Storage closed and the reference is given back by the last _unpin, so the storage
         never dies under a call in flight.
+
+        `pinned`, a list ``[False]`` made before the caller's ``try``: its item turns True
+        under the lock, with the count, and ``finally: self._unpin(pinned)`` gives back the
+        pin only if it was taken. An exception can come after the count and before the
+        ``try`` (a signal handler's KeyboardInterrupt runs after the lock's release, or after
+        this call returns): without it that pin was never given back, and the Storage refused
+        every resize_, or every call after an interrupted resize_, until it was collected.
+        (A second signal in the caller's ``finally``, before _unpin counts down, still can.)
 
         `resizing` (resize_): the storage's one C reference serves every thread that uses this
         object, so libshm's rule (resize only while the caller holds the one reference) cannot
@@ -151,13 +159,17 @@ class Storage(HandleLifetime):
                 else:
                     self._pins += 1
                     self._resizing = resizing
+                    if pinned is not None:
+                        pinned[0] = True  # (with the count: no call, so no signal between)
         if handle is None:
             raise ValueError("operation on a closed pyshm.Storage")
         if busy is not None:
             raise _ffi.ShmBufferError(errno.EBUSY, f"pyshm: this Storage is {busy}")
         return handle
 
-    def _unpin(self) -> None:
+    def _unpin(self, pinned: Optional[list] = None) -> None:
+        if pinned is not None and not pinned[0]:
+            return  # (_pin refused, or an exception came before it counted)
         with _PIN_LOCK:
             self._pins -= 1
             self._resizing = False  # (a resize runs only while it is the one pin)
@@ -254,8 +266,9 @@ class Storage(HandleLifetime):
         return offset
 
     def _fd_offset(self) -> tuple[Optional[int], int]:
-        handle = self._pin()
+        pinned = [False]
         try:
+            handle = self._pin(pinned)
             if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
                 return None, 0
             fd = ctypes.c_int(-1)
@@ -263,7 +276,7 @@ class Storage(HandleLifetime):
             lib.lshm_storage_fd(handle, ctypes.byref(fd), ctypes.byref(offset))
             return fd.value, offset.value
         finally:
-            self._unpin()
+            self._unpin(pinned)
 
     @property
     def refcount(self) -> int:
@@ -280,26 +293,27 @@ class Storage(HandleLifetime):
         :class:`pyshm.Arena`: its bytes are a slice of the arena's buffer, which cannot be
         shared in place (create the arena with ``shared=True``).
         """
-        handle = self._pin()
+        pinned = [False]
         try:
-            share_in_place(handle, "share_memory_")
+            share_in_place(self._pin(pinned), "share_memory_")
         finally:
-            self._unpin()
+            self._unpin(pinned)
         return self
 
     def copy_(self, other: "Storage") -> "Storage":
         """Copy every byte of ``other`` (same nbytes) into this storage; returns self."""
         if not isinstance(other, Storage):
             raise TypeError(f"copy_ expects a pyshm.Storage, got {type(other).__name__}")
-        handle = self._pin()
+        pinned = [False]
         try:
-            source = other._pin()
+            handle = self._pin(pinned)
+            source_pinned = [False]
             try:
-                lib.lshm_storage_copy(handle, source)
+                lib.lshm_storage_copy(handle, other._pin(source_pinned))
             finally:
-                other._unpin()
+                other._unpin(source_pinned)
         finally:
-            self._unpin()
+            self._unpin(pinned)
         return self
 
     def resize_(self, nbytes: int) -> "Storage":
@@ -323,20 +337,20 @@ class Storage(HandleLifetime):
         # move the pages and shrinking unmaps the tail: either would leave a live array on
         # freed memory).
         nbytes = check_nbytes(nbytes)
-        handle = self._pin(resizing=True)
+        pinned = [False]
         try:
-            lib.lshm_storage_resize(handle, nbytes)
+            lib.lshm_storage_resize(self._pin(pinned, resizing=True), nbytes)
         finally:
-            self._unpin()
+            self._unpin(pinned)
         return self
 
     def asarray(self, shape=None, dtype="uint8", offset: int = 0):
         """A numpy array over this storage's bytes (it keeps the memory alive)."""
-        handle = self._pin()
+        pinned = [False]
         try:
-            return array_from_storage(handle, shape, dtype, offset, self._keep)
+            return array_from_storage(self._pin(pinned), shape, dtype, offset, self._keep)
         finally:
-            self._unpin()
+            self._unpin(pinned)
 
 
 def reduce_storage_by_value(storage: Storage, protocol: int):

@@ -794,3 +794,70 @@ def test_a_storage_pinned_at_fork_is_released_by_close_in_the_child():
     finally:
         storage._unpin()
     assert handle.refcount == 2
+
+
+class _InterruptAfterRelease:
+    """Stands in for pyshm.storage._PIN_LOCK: once armed, the release is followed by a
+    KeyboardInterrupt, which is where a signal handler raises one (its first check after the
+    release, still inside _pin)."""
+
+    def __init__(self, lock):
+        self.lock = lock
+        self.armed = False
+
+    def __enter__(self):
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc_info):
+        self.lock.__exit__(*exc_info)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+_PINNING_CALLS = {
+    "resize_": lambda s, other: s.resize_(2 * PAGE),
+    "copy_": lambda s, other: s.copy_(other),
+    "copy_ from": lambda s, other: other.copy_(s),
+    "asarray": lambda s, other: s.asarray(),
+    "share_memory_": lambda s, other: s.share_memory_(),
+    "fd": lambda s, other: s.fd,
+    "reduce": lambda s, other: pyshm.reduction._reduce_storage(s),
+}
+
+
+@pytest.mark.parametrize("where", ["in _pin", "after _pin"])
+@pytest.mark.parametrize("call", sorted(_PINNING_CALLS))
+def test_an_interrupt_at_the_pin_leaves_the_storage_usable(monkeypatch, call, where):
+    # A KeyboardInterrupt (Ctrl-C: a signal handler raises it at the interpreter's next check)
+    # after _pin counted a call and before the caller's try: that pin was never given back, so
+    # resize_ refused for ever ("in use by a call on another thread"), and after an
+    # interrupted resize_ every call did ("being resized on another thread"); close() left the
+    # release to that pin. (A real SIGALRM every 0.3 ms in a loop of resize_ did it within
+    # the first few interrupts.)
+    from pyshm import storage as storage_module
+
+    s = pyshm.Storage(PAGE, resizable=True)
+    other = pyshm.Storage(PAGE)
+    if where == "in _pin":
+        lock = _InterruptAfterRelease(storage_module._PIN_LOCK)
+        monkeypatch.setattr(storage_module, "_PIN_LOCK", lock)
+        lock.armed = True
+    else:
+        pin = pyshm.Storage._pin
+
+        def pin_then_interrupt(self, *args, **kwargs):
+            pin(self, *args, **kwargs)
+            monkeypatch.undo()  # (once)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(pyshm.Storage, "_pin", pin_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _PINNING_CALLS[call](s, other)
+    monkeypatch.undo()
+    assert (s._pins, s._resizing, other._pins) == (0, False, 0)
+    if not s.is_shared:
+        s.resize_(3 * PAGE)  # nothing in flight
+    s.asarray()
+    s.close()
+    other.close()
