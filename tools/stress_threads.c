@@ -34,6 +34,8 @@
  */
 #include <lshm.h>
 
+#include "task.h" /* (tests/c: userfaultfd_number) */
+
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -612,18 +614,6 @@ static void part_planner(int rounds) {
 }
 
 /* ---- uffd: the program closes libshm's userfaultfd while threads share --------------------- */
-
-/* The number of this process's userfaultfd (libshm's), or -1. */
-static int userfaultfd_number(void) {
-    for (int fd = 0; fd < 1024; fd++) {
-        char path[64], target[64] = {0};
-        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-        ssize_t n = readlink(path, target, sizeof target - 1);
-        if (n > 0 && strcmp(target, "anon_inode:[userfaultfd]") == 0)
-            return fd;
-    }
-    return -1;
-}
 
 typedef struct uffd_arg {
     int index;

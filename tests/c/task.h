@@ -129,6 +129,22 @@ static inline int fd_count(void) {
     return n - 1;
 }
 
+/* Is fd a userfaultfd (what /proc/self/fd says it links to)? */
+static inline int is_userfaultfd(int fd) {
+    char path[64], target[64] = {0};
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    return readlink(path, target, sizeof target - 1) > 0 &&
+           strcmp(target, "anon_inode:[userfaultfd]") == 0;
+}
+
+/* The lowest fd number below 1024 that is a userfaultfd (libshm's, in these programs), or -1. */
+static inline int userfaultfd_number(void) {
+    for (int fd = 0; fd < 1024; fd++)
+        if (is_userfaultfd(fd))
+            return fd;
+    return -1;
+}
+
 /* Mappings of /proc/self/maps that overlap [p, p + n); with `shared` set, only the shared ones
  * ('s' in their permissions; private ones have 'p'). */
 static inline int count_mappings(const void *p, size_t n, int shared) {

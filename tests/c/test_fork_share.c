@@ -312,14 +312,6 @@ static void test_fork_while_unmaps_are_deferred(void) {
  * by a thread the child does not have would hang its share for ever (alarm() kills it). */
 static _Atomic int closer_stop;
 
-/* Is fd the library's userfaultfd? */
-static int is_userfaultfd(int fd) {
-    char path[64], target[64] = {0};
-    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    return readlink(path, target, sizeof target - 1) > 0 &&
-           strcmp(target, "anon_inode:[userfaultfd]") == 0;
-}
-
 static void *close_userfaultfd_and_share(void *arg) {
     (void)arg;
     int ufd = -1;

@@ -494,26 +494,6 @@ static void test_child_without_fork_handlers_leaves_the_parent_alone(void) {
     lshm_storage_release(s);
 }
 
-/* The fd number of the userfaultfd, or -1. */
-static int userfaultfd_number(void) {
-    for (int fd = 0; fd < 1024; fd++) {
-        char path[64], target[64] = {0};
-        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-        ssize_t n = readlink(path, target, sizeof target - 1);
-        if (n > 0 && strcmp(target, "anon_inode:[userfaultfd]") == 0)
-            return fd;
-    }
-    return -1;
-}
-
-/* Is fd a userfaultfd? */
-static int is_userfaultfd(int fd) {
-    char path[64], target[64] = {0};
-    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    return readlink(path, target, sizeof target - 1) > 0 &&
-           strcmp(target, "anon_inode:[userfaultfd]") == 0;
-}
-
 static int is_pipe(int fd) {
     struct stat st;
     return fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode);
