@@ -943,7 +943,9 @@ static int fence_begin(void *addr, size_t len, int required, _Atomic unsigned lo
     if (again > 0)
         return fence_begin(addr, len, required, prepared, f, 1);
     if (again < 0)
-        return unfenced(required, "its userfaultfd was closed, and no other could be opened");
+        return unfenced(required, "the program closed or replaced its userfaultfd, and no new "
+                                  "one could be set up in time (none opens, or each was taken "
+                                  "again at once)");
     if (ahead)
         goto protected;
     if (rc != 0) /* (the mappings REGISTER got to stay registered) */
