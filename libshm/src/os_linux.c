@@ -92,8 +92,141 @@ unsigned lshm__os_ncpu(void) {
     return (unsigned)cached_sysconf(&cached, _SC_NPROCESSORS_ONLN, 1);
 }
 
+/* The memory this machine could ever give a memfd: RAM plus swap, read once (0: unknown). */
+static uint64_t machine_bytes(void) {
+    static _Atomic uint64_t total; /* 0: not read yet */
+    uint64_t t = atomic_load_explicit(&total, memory_order_relaxed);
+    if (t == 0) {
+        struct sysinfo si;
+        if (sysinfo(&si) != 0)
+            return 0;
+        t = ((uint64_t)si.totalram + (uint64_t)si.totalswap) * (si.mem_unit ? si.mem_unit : 1);
+        atomic_store_explicit(&total, t, memory_order_relaxed);
+    }
+    return t;
+}
+
+/* The number in a cgroup limit file (digits, or "max": UINT64_MAX); 0 when it cannot be read. */
+static uint64_t read_limit(const char *path) {
+    char buf[32];
+    int f = open(path, O_RDONLY | O_CLOEXEC);
+    if (f < 0)
+        return 0;
+    ssize_t n = read(f, buf, sizeof buf - 1);
+    close(f);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    if (strncmp(buf, "max", 3) == 0)
+        return UINT64_MAX;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(buf, &end, 10);
+    return errno == 0 && end != buf ? (uint64_t)v : 0;
+}
+
+/* The smallest memory limit of the cgroup `path` (as /proc/self/cgroup names it) under the
+ * hierarchy mounted at `root` and of every cgroup above it: each one caps all below it. Where
+ * the path is not there (a container that sees its own cgroup as the mount's root) the root's
+ * limit still counts. UINT64_MAX: none. */
+static uint64_t smallest_limit(const char *root, const char *path, size_t path_len,
+                               const char *file) {
+    uint64_t least = UINT64_MAX;
+    char full[4096];
+    for (;;) {
+        while (path_len > 0 && path[path_len - 1] == '/')
+            path_len--;
+        int n = snprintf(full, sizeof full, "%s%.*s/%s", root, (int)path_len, path, file);
+        uint64_t limit = n > 0 && (size_t)n < sizeof full ? read_limit(full) : 0;
+        if (limit > 0 && limit < least)
+            least = limit;
+        if (path_len == 0)
+            return least;
+        while (path_len > 0 && path[path_len - 1] != '/')
+            path_len--;
+    }
+}
+
+/* What this process's memory cgroup lets it hold (cgroup v1's memory.limit_in_bytes, or v2's
+ * memory.max, the smallest of its cgroup and those above), plus the machine's swap (shared
+ * memory can be swapped out; a cgroup's own swap limit is left out, so this never says less
+ * than there is). Read once, as machine_bytes (a process moved to another cgroup later keeps
+ * the first answer). UINT64_MAX: no limit, or none could be read. */
+static uint64_t cgroup_bytes(void) {
+    static _Atomic uint64_t room; /* 0: not read yet */
+    uint64_t r = atomic_load_explicit(&room, memory_order_relaxed);
+    if (r != 0)
+        return r;
+    r = UINT64_MAX;
+    char buf[8192];
+    int f = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
+    ssize_t len = f < 0 ? -1 : read(f, buf, sizeof buf - 1);
+    if (f >= 0)
+        close(f);
+    uint64_t limit = UINT64_MAX;
+    for (char *line = buf; len > 0 && line < buf + len;) {
+        /* "hierarchy-id:controllers:path"; v1's memory controller, else v2's "0::path" */
+        char *eol = memchr(line, '\n', (size_t)(buf + len - line));
+        char *next = eol != NULL ? eol + 1 : buf + len;
+        char *c1 = memchr(line, ':', (size_t)(next - line));
+        char *c2 = c1 != NULL ? memchr(c1 + 1, ':', (size_t)(next - c1 - 1)) : NULL;
+        if (c2 != NULL) {
+            const char *path = c2 + 1;
+            size_t path_len = (size_t)((eol != NULL ? eol : next) - path);
+            int v1 = 0;
+            for (const char *item = c1 + 1; item < c2;) { /* "cpu,memory": items */
+                const char *comma = memchr(item, ',', (size_t)(c2 - item));
+                const char *item_end = comma != NULL ? comma : c2;
+                if (item_end - item == 6 && memcmp(item, "memory", 6) == 0)
+                    v1 = 1;
+                item = item_end + 1;
+            }
+            if (v1) {
+                limit = smallest_limit("/sys/fs/cgroup/memory", path, path_len,
+                                       "memory.limit_in_bytes");
+                break;
+            }
+            if (c2 == c1 + 1 && line[0] == '0' && c1 == line + 1 &&
+                access("/sys/fs/cgroup/cgroup.controllers", F_OK) == 0)
+                limit = smallest_limit("/sys/fs/cgroup", path, path_len, "memory.max");
+        }
+        line = next;
+    }
+    if (limit != UINT64_MAX) {
+        struct sysinfo si;
+        uint64_t swap = sysinfo(&si) == 0
+                            ? (uint64_t)si.totalswap * (si.mem_unit ? si.mem_unit : 1)
+                            : UINT64_MAX;
+        r = limit > UINT64_MAX - swap ? UINT64_MAX : limit + swap;
+    }
+    atomic_store_explicit(&room, r, memory_order_relaxed);
+    return r;
+}
+
+/* Every page of our memfds is allocated before anyone maps them (no SIGBUS later), and an
+ * allocation beyond what the process can hold does not fail: it ends in an OOM killer, the
+ * machine's (which picks its victims among all processes) or its memory cgroup's (which
+ * SIGKILLs this process or another one of its container). So a memfd of more than either is
+ * -ENOMEM at once. */
+static int memory_room(uint64_t size) {
+    uint64_t machine = machine_bytes();
+    if (machine > 0 && size > machine)
+        return LSHM_FAIL(-ENOMEM, "a memfd of %llu bytes: more than this machine's memory "
+                         "(RAM and swap: %llu bytes)", (unsigned long long)size,
+                         (unsigned long long)machine);
+    uint64_t cgroup = cgroup_bytes();
+    if (size > cgroup)
+        return LSHM_FAIL(-ENOMEM, "a memfd of %llu bytes: more than this process's memory "
+                         "cgroup lets it hold (its memory limit, and swap: %llu bytes)",
+                         (unsigned long long)size, (unsigned long long)cgroup);
+    return 0;
+}
+
 int lshm__os_memfd_create(size_t nbytes, int *fd) {
     LSHM_OS_FAULT("memfd_create");
+    int rc = memory_room(nbytes);
+    if (rc != 0)
+        return rc;
     int r = memfd_create("lshm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (r < 0) {
         int e = errno;
@@ -116,29 +249,10 @@ int lshm__os_ftruncate(int fd, uint64_t size) {
     return 0;
 }
 
-/* The memory this machine could ever give a memfd: RAM plus swap, read once (0: unknown). */
-static uint64_t machine_bytes(void) {
-    static _Atomic uint64_t total; /* 0: not read yet */
-    uint64_t t = atomic_load_explicit(&total, memory_order_relaxed);
-    if (t == 0) {
-        struct sysinfo si;
-        if (sysinfo(&si) != 0)
-            return 0;
-        t = ((uint64_t)si.totalram + (uint64_t)si.totalswap) * (si.mem_unit ? si.mem_unit : 1);
-        atomic_store_explicit(&total, t, memory_order_relaxed);
-    }
-    return t;
-}
-
 int lshm__os_memfd_sized(uint64_t size, int *fd) {
-    /* Every page of such a memfd is allocated before anyone maps it (no SIGBUS later): one
-     * bigger than the machine would only end in the OOM killer, which picks its victims
-     * among all processes, before the allocation could fail. */
-    uint64_t machine = machine_bytes();
-    if (machine > 0 && size > machine)
-        return LSHM_FAIL(-ENOMEM, "a memfd of %llu bytes: more than this machine's memory "
-                         "(RAM and swap: %llu bytes)", (unsigned long long)size,
-                         (unsigned long long)machine);
+    if (size > SIZE_MAX) /* (a 32-bit size_t, which memory_room is given: no such memfd) */
+        return LSHM_FAIL(-ENOMEM, "a memfd of %llu bytes: more than this process can address",
+                         (unsigned long long)size);
     int rc = lshm__os_memfd_create((size_t)size, fd);
     if (rc != 0)
         return rc;
