@@ -282,7 +282,9 @@ LSHM_API int lshm_storage_copy(lshm_storage *dst, const lshm_storage *src);
  * running out of memory is -ENOMEM/-ENOSPC here and never SIGBUS later). At most
  * LSHM_SLAB_MAX_BYTES: a slab storage shared at once (lshm_storage_create, then
  * lshm_storage_share: a range of its slab's memfd); larger: a fresh segment of its own.
- * flags: 0. Errors: -EINVAL, -EOVERFLOW, -ENOMEM, -ENOSPC, -EMFILE/-ENFILE (no fd left). */
+ * flags: 0. Errors: -EINVAL, -EOVERFLOW, -ENOMEM (also: more than the machine, or the process's
+ * memory cgroup, can hold), -ENOSPC, -EMFILE/-ENFILE (no fd left), -EFBIG (past RLIMIT_FSIZE,
+ * which holds for memfds too; no SIGXFSZ). */
 LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out);
 
 /* Share in place: replace the storage's memory with a fresh memfd holding the same bytes.
@@ -330,8 +332,11 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * pthread_atfork handler), so a child sees every storage shared completely or not at all, and
  * no storage lock held. A fork() from inside a callback the library calls during a share or
  * resize (an allocator's alloc) does not wait.
- * Errors: -EINVAL (NULL), -EBUSY (memory that would move, with other references), -ENOMEM,
- * -ENOSPC, -EMFILE, -ENFILE, other -errno from the kernel. */
+ * Errors: -EINVAL (NULL), -EBUSY (memory that would move, with other references), -ENOMEM
+ * (also: a memfd of more than the machine, or the process's memory cgroup, can hold), -ENOSPC,
+ * -EMFILE, -ENFILE, -EFBIG (a memfd written past RLIMIT_FSIZE, which holds for memfds too: the
+ * kernel's SIGXFSZ, which would kill the process, is never raised), other -errno from the
+ * kernel. */
 LSHM_API int lshm_storage_share(lshm_storage *s);
 
 /* lshm_storage_share, but never unfenced: memory shared in place whose pages cannot be

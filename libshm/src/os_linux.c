@@ -22,6 +22,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
@@ -236,11 +237,35 @@ int lshm__os_memfd_create(size_t nbytes, int *fd) {
     return 0;
 }
 
+/* RLIMIT_FSIZE holds for memfds too, and a write or ftruncate that would take a file past it
+ * does not just fail (EFBIG): the kernel sends SIGXFSZ first, whose default action kills the
+ * process (Python ignores it; a C program dies). So what would end past it is -EFBIG here,
+ * without the signal; `what` names the call. */
+static int past_file_size_limit(uint64_t end, uint64_t *limit) {
+    struct rlimit lim;
+    if (getrlimit(RLIMIT_FSIZE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY ||
+        end <= (uint64_t)lim.rlim_cur)
+        return 0;
+    *limit = (uint64_t)lim.rlim_cur;
+    return 1;
+}
+
+static int file_size_room(uint64_t end, const char *what, int fd) {
+    uint64_t limit;
+    if (!past_file_size_limit(end, &limit))
+        return 0;
+    return LSHM_FAIL(-EFBIG, "%s(fd %d) up to %llu bytes: past RLIMIT_FSIZE (%llu bytes)", what,
+                     fd, (unsigned long long)end, (unsigned long long)limit);
+}
+
 int lshm__os_ftruncate(int fd, uint64_t size) {
     LSHM_OS_FAULT("ftruncate");
     if (size > (uint64_t)INT64_MAX)
         return LSHM_FAIL(-EOVERFLOW, "ftruncate to %llu bytes: too large",
                          (unsigned long long)size);
+    int rc = file_size_room(size, "ftruncate", fd);
+    if (rc != 0)
+        return rc;
     if (ftruncate(fd, (off_t)size) != 0) {
         int e = errno;
         return LSHM_FAIL(-e, "ftruncate(fd %d, %llu bytes): %s", fd, (unsigned long long)size,
@@ -351,6 +376,9 @@ int lshm__os_seal_readonly(int fd) {
 
 int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {
     LSHM_OS_FAULT("pwrite");
+    int rc = n > 0 ? file_size_room(offset + n, "pwrite", fd) : 0;
+    if (rc != 0)
+        return rc;
     const char *p = buf;
     while (n > 0) {
         /* Linux writes at most 0x7ffff000 bytes per call; the loop also covers short writes. */
@@ -607,6 +635,9 @@ int lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len) {
     static const char zero = 0;
     if (atomic_load_explicit(&collapse_refused, memory_order_relaxed))
         return -EINVAL;
+    uint64_t limit, last = offset + (len - 1) / LSHM__HUGE_BYTES * LSHM__HUGE_BYTES;
+    if (len > 0 && past_file_size_limit(last + 1, &limit)) /* (its byte written below) */
+        return -EFBIG;
     for (size_t off = 0; off < len; off += LSHM__HUGE_BYTES)
         if (pwrite(fd, &zero, 1, (off_t)(offset + off)) != 1)
             return -errno;
