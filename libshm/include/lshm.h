@@ -364,7 +364,8 @@ LSHM_API int lshm_storage_share_fenced(lshm_storage *s);
  * in between, a fresh share swapped in chunks is faster. What is kept holds memory (and one fd
  * per entry) after the release: at most 256 memfds and at most LSHM_POOL_BYTES bytes in total
  * (environment variable, read once at the first share, decimal bytes; default 1/8 of
- * physical memory; 0 disables the pool).
+ * physical memory, or of the process's memory cgroup limit where that is less; 0 disables the
+ * pool).
  * Safety: a memfd is pooled only if nobody else can still reach it: never exported (no
  * lshm_storage_fd call on the storage, hence never sent to another process), never sealed
  * read-only (lshm_storage_seal_readonly), and no fork() since its share began (a child

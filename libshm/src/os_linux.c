@@ -148,17 +148,14 @@ static uint64_t smallest_limit(const char *root, const char *path, size_t path_l
     }
 }
 
-/* What this process's memory cgroup lets it hold (cgroup v1's memory.limit_in_bytes, or v2's
- * memory.max, the smallest of its cgroup and those above), plus the machine's swap (shared
- * memory can be swapped out; a cgroup's own swap limit is left out, so this never says less
- * than there is). Read once, as machine_bytes (a process moved to another cgroup later keeps
- * the first answer). UINT64_MAX: no limit, or none could be read. */
-static uint64_t cgroup_bytes(void) {
-    static _Atomic uint64_t room; /* 0: not read yet */
-    uint64_t r = atomic_load_explicit(&room, memory_order_relaxed);
+/* This process's memory cgroup limit (cgroup v1's memory.limit_in_bytes, or v2's memory.max,
+ * the smallest of its cgroup and those above), read once, as machine_bytes (a process moved to
+ * another cgroup later keeps the first answer). UINT64_MAX: no limit, or none could be read. */
+static uint64_t cgroup_limit(void) {
+    static _Atomic uint64_t cached; /* 0: not read yet */
+    uint64_t r = atomic_load_explicit(&cached, memory_order_relaxed);
     if (r != 0)
         return r;
-    r = UINT64_MAX;
     char buf[8192];
     int f = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
     ssize_t len = f < 0 ? -1 : read(f, buf, sizeof buf - 1);
@@ -193,15 +190,27 @@ static uint64_t cgroup_bytes(void) {
         }
         line = next;
     }
-    if (limit != UINT64_MAX) {
-        struct sysinfo si;
-        uint64_t swap = sysinfo(&si) == 0
-                            ? (uint64_t)si.totalswap * (si.mem_unit ? si.mem_unit : 1)
-                            : UINT64_MAX;
-        r = limit > UINT64_MAX - swap ? UINT64_MAX : limit + swap;
-    }
-    atomic_store_explicit(&room, r, memory_order_relaxed);
-    return r;
+    atomic_store_explicit(&cached, limit, memory_order_relaxed);
+    return limit;
+}
+
+/* What this process's memory cgroup lets it hold: its limit plus the machine's swap (shared
+ * memory can be swapped out; a cgroup's own swap limit is left out, so this never says less
+ * than there is). UINT64_MAX: no limit. */
+static uint64_t cgroup_bytes(void) {
+    uint64_t limit = cgroup_limit();
+    if (limit == UINT64_MAX)
+        return limit;
+    uint64_t phys = lshm__os_phys_bytes(), machine = machine_bytes();
+    if (machine == 0 || phys == 0)
+        return UINT64_MAX; /* (the swap unknown: no limit from here) */
+    uint64_t swap = machine > phys ? machine - phys : 0;
+    return limit > UINT64_MAX - swap ? UINT64_MAX : limit + swap;
+}
+
+uint64_t lshm__os_memory_bytes(void) {
+    uint64_t phys = lshm__os_phys_bytes(), limit = cgroup_limit();
+    return phys == 0 || limit < phys ? (limit == UINT64_MAX ? 0 : limit) : phys;
 }
 
 /* Every page of our memfds is allocated before anyone maps them (no SIGBUS later), and an
