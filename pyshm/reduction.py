@@ -848,7 +848,9 @@ def _exact_dtype(array: np.ndarray, dtype: np.dtype) -> Optional[np.ndarray]:
 # token of it is found here (_own_storage), as pyshm.ref promises: the holder alone went with
 # the message, and a pickle unpickled again here (Ray does it at every ray.get in the
 # driver), or in another process, then got DeliveryError while an array of it lived.
-_RANGE_HOLDERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+# id of each such owner or Storage -> (a weak reference to it, the holder): by identity, as
+# two Storage handles on one storage compare equal.
+_RANGE_HOLDERS: dict = {}
 
 
 def _keep_range_holder(made: Any, fields: tuple) -> None:
@@ -858,7 +860,15 @@ def _keep_range_holder(made: Any, fields: tuple) -> None:
     ref = _state.ranges.get((key, size, offset, nbytes))
     holder = ref() if ref is not None else None
     if holder is not None and holder is not made:
-        _RANGE_HOLDERS[made] = holder
+        made_id = id(made)
+        _RANGE_HOLDERS[made_id] = (
+            weakref.ref(made, lambda ref: _range_holder_released(made_id, ref)), holder)
+
+
+def _range_holder_released(made_id: int, ref: "weakref.ref") -> None:
+    entry = _RANGE_HOLDERS.get(made_id)
+    if entry is not None and entry[0] is ref:  # (not a later object's of the same id)
+        del _RANGE_HOLDERS[made_id]
 
 
 def rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:

@@ -21,6 +21,7 @@ import textwrap
 import threading
 import time
 import warnings
+from multiprocessing.reduction import ForkingPickler
 from typing import NamedTuple
 
 import numpy as np
@@ -118,6 +119,18 @@ def test_a_ref_unpickled_here_again_while_an_array_of_it_lives_is_that_memory(nb
     out = run_python(READ_AND_WRITE, data).decode().split()
     assert out == [str(7 * nbytes - 6), "uint8", f"({nbytes},)"]
     assert first[0] == 2 and (first[1:] == 8).all()  # the other process wrote our memory
+    # a Storage sent by reference the same way, unpickled here by two handles (equal: one
+    # storage), the first of them dropped
+    storage = pyshm.Storage(nbytes)
+    data = bytes(ForkingPickler.dumps(storage))
+    del storage
+    gc.collect()
+    one, two = ForkingPickler.loads(data), ForkingPickler.loads(data)
+    assert one == two
+    del one
+    gc.collect()
+    three = ForkingPickler.loads(data)
+    assert three == two and three.data_ptr == two.data_ptr
 
 
 def test_a_ref_travels_through_cloudpickle():
