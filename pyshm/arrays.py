@@ -110,7 +110,10 @@ ArrayOwner.storage = _owner_storage  # (kept: the method it always had)
 
 
 def is_shared(array: Any) -> bool:
-    """True when ``array`` is a view of a pyshm storage that lives in shared memory."""
+    """True when ``array`` is a view of a pyshm storage that lives in shared memory (or is
+    such a :class:`Storage`)."""
+    if isinstance(array, Storage):
+        return array.is_shared
     owner = owner_of(array)
     if owner is None:
         return False
@@ -132,7 +135,11 @@ def share_memory_(array: Any) -> Any:
     changing nothing, for an array of a private :class:`pyshm.Arena`: its bytes are a slice of
     the arena's buffer, which cannot be shared in place without the array losing its storage;
     create the arena with ``shared=True`` or share ``pyshm.copy(array, shared=True)``.
+
+    A :class:`Storage` is shared as by its own ``share_memory_()``.
     """
+    if isinstance(array, Storage):
+        return array.share_memory_()
     base = getattr(array, "base", None)
     owner = base if type(base) is ArrayOwner else owner_of(array)
     if owner is None:

@@ -842,6 +842,35 @@ def _exact_dtype(array: np.ndarray, dtype: np.dtype) -> Optional[np.ndarray]:
     return array.view(dtype) if dtype.metadata is not None else array
 
 
+# The holder a range of our memory is registered to (the array it was sent as, or the message
+# that carries it until it is delivered), for each array or Storage of ours made from a token
+# of that range: while one lives, its memory stays fetchable with the token's secret, and a
+# token of it is found here (_own_storage), as pyshm.ref promises: the holder alone went with
+# the message, and a pickle unpickled again here (Ray does it at every ray.get in the
+# driver), or in another process, then got DeliveryError while an array of it lived.
+# id of each such owner or Storage -> (a weak reference to it, the holder): by identity, as
+# two Storage handles on one storage compare equal.
+_RANGE_HOLDERS: dict = {}
+
+
+def _keep_range_holder(made: Any, fields: tuple) -> None:
+    """Let `made` (a new owner or Storage of our own memory, from a token's checked `fields`)
+    keep the holder that range is registered to alive."""
+    key, _, size, offset, nbytes = fields[:5]
+    ref = _state.ranges.get((key, size, offset, nbytes))
+    holder = ref() if ref is not None else None
+    if holder is not None and holder is not made:
+        made_id = id(made)
+        _RANGE_HOLDERS[made_id] = (
+            weakref.ref(made, lambda ref: _range_holder_released(made_id, ref)), holder)
+
+
+def _range_holder_released(made_id: int, ref: "weakref.ref") -> None:
+    entry = _RANGE_HOLDERS.get(made_id)
+    if entry is not None and entry[0] is ref:  # (not a later object's of the same id)
+        del _RANGE_HOLDERS[made_id]
+
+
 def rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
     """The array a pickled pyshm array names (the memory may be ours, mapped here already, or
     fetched from its sender); on a thread an exception would wedge, an Undelivered instead of
@@ -912,6 +941,8 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
             handle = None
             if mapping is not None:
                 owner.facts = facts  # (for sending it on: see _export)
+            else:
+                _keep_range_holder(owner, fields)
             try:
                 array = np.asarray(owner)
             except (TypeError, ValueError, OverflowError) as exc:
@@ -927,6 +958,8 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         else:
             flat = wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping,
                         readonly=bool(flags & _ffi.STORAGE_READONLY))
+        if mapping is None:
+            _keep_range_holder(flat.base, fields)  # (the owner the array is made over)
     finally:
         if handle is not None:
             lib.lshm_storage_release(handle)
@@ -942,7 +975,8 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
 def _rebuild_storage(batch, token) -> Storage:
     try:
         _check_reachable(token)
-        mapping, handle, facts = _resolve(batch, _check_token(token))
+        fields = _check_token(token)
+        mapping, handle, facts = _resolve(batch, fields)
         if facts is not None and facts[0] & _ffi.STORAGE_READONLY and not (
                 lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY):
             # (memory of ours, writable here, named read-only: a Storage of it would be
@@ -957,7 +991,10 @@ def _rebuild_storage(batch, token) -> Storage:
         if stand_in is None:
             raise
         return stand_in
-    return Storage.from_handle(handle, keep=mapping)
+    storage = Storage.from_handle(handle, keep=mapping)
+    if mapping is None:
+        _keep_range_holder(storage, fields)
+    return storage
 
 
 # --------------------------------------------------------------------------------------------
@@ -1306,11 +1343,13 @@ def share_readonly(array: Any) -> Any:
     shared = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED)
     segment = lib.lshm_storage_segment(handle) if shared else None
     if segment:
-        # A view of a segment: alone in it only if it covers the whole of it.
+        # A view of a segment: alone in it only if it covers the whole of it, but for the end
+        # of its last page (a receiver maps a whole memfd, whose size is whole pages when its
+        # sender shared an array in place).
         nbytes = lib.lshm_storage_nbytes(handle)
         size = lib.lshm_segment_size(segment)
         offset = (lib.lshm_storage_data(handle) or 0) - (lib.lshm_segment_data(segment) or 0)
-        if offset != 0 or nbytes != size:
+        if offset != 0 or not nbytes <= size <= -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE:
             raise ValueError(
                 f"this array's {nbytes} bytes at offset {offset} share a {size}-byte memfd (a "
                 "slab, or an arena's buffer) with other arrays; sealing it read-only would "

@@ -376,6 +376,7 @@ def trim_pool() -> int:
     (arrays under 1 MiB, and from 64 MiB up; between them a fresh share is faster, so nothing is
     kept). Only memfds nobody else can reach are kept (never sent, no fork since), at most
     ``LSHM_POOL_BYTES`` bytes (environment, read at the first share; default 1/8 of physical
-    memory, ``0`` disables the pool) and 256 entries. Call this to release them now.
+    memory, or of the memory cgroup's limit where that is less; ``0`` disables the pool) and 256
+    entries. Call this to release them now.
     """
     return int(lib.lshm_pool_trim())

@@ -155,6 +155,21 @@ def test_foreign_memory_type_error_points_to_copy(foreign):
     assert pyshm.storage_of(foreign) is None
 
 
+def test_the_array_functions_given_a_storage_answer_for_it():
+    # pyshm.share_memory_(storage) raised TypeError saying a pyshm.Storage was "not backed by
+    # a pyshm storage", and pyshm.is_shared(storage) said False for a shared one
+    storage = pyshm.Storage(100_000)
+    address = storage.data_ptr
+    assert pyshm.is_shared(storage) is False
+    assert pyshm.share_memory_(storage) is storage
+    assert storage.is_shared and storage.data_ptr == address
+    assert pyshm.is_shared(storage) is True
+    assert pyshm.is_shared(pyshm.Storage(10, shared=True)) is True
+    storage.close()
+    with pytest.raises(ValueError, match="closed"):
+        pyshm.share_memory_(storage)
+
+
 def test_zero_size_and_scalar_shapes():
     empty = pyshm.empty((0, 5), np.float32)
     assert empty.shape == (0, 5)

@@ -21,6 +21,7 @@ import textwrap
 import threading
 import time
 import warnings
+from multiprocessing.reduction import ForkingPickler
 from typing import NamedTuple
 
 import numpy as np
@@ -92,6 +93,44 @@ def test_a_ref_unpickled_here_is_a_view_of_the_array():
     assert back.ctypes.data == array[3:9, ::2].ctypes.data and back.strides == (256, 8)
     back[0, 0] = 5
     assert array[3, 0] == 5
+
+
+@pytest.mark.parametrize("nbytes", [100_000, 3 << 20])
+def test_a_ref_unpickled_here_again_while_an_array_of_it_lives_is_that_memory(nbytes):
+    # A ref can be unpickled while this process has the memory. Once the array was dropped,
+    # the first unpickling here gave an array over it, but the next one (Ray's ray.get of an
+    # object the driver put unpickles every time) raised DeliveryError while that array still
+    # held the memory, and so did another process given the pickle.
+    array = pyshm.zeros(nbytes, np.uint8)
+    array[:] = 7
+    address = array.ctypes.data
+    data = pickle.dumps(pyshm.ref(array))
+    del array
+    gc.collect()
+    first = pickle.loads(data)
+    assert first.ctypes.data == address
+    gc.collect()
+    second = pickle.loads(data)
+    assert second.ctypes.data == address and (second == 7).all()
+    second[0] = 1
+    assert first[0] == 1
+    del second
+    gc.collect()
+    out = run_python(READ_AND_WRITE, data).decode().split()
+    assert out == [str(7 * nbytes - 6), "uint8", f"({nbytes},)"]
+    assert first[0] == 2 and (first[1:] == 8).all()  # the other process wrote our memory
+    # a Storage sent by reference the same way, unpickled here by two handles (equal: one
+    # storage), the first of them dropped
+    storage = pyshm.Storage(nbytes)
+    data = bytes(ForkingPickler.dumps(storage))
+    del storage
+    gc.collect()
+    one, two = ForkingPickler.loads(data), ForkingPickler.loads(data)
+    assert one == two
+    del one
+    gc.collect()
+    three = ForkingPickler.loads(data)
+    assert three == two and three.data_ptr == two.data_ptr
 
 
 def test_a_ref_travels_through_cloudpickle():

@@ -1,4 +1,5 @@
-"""Running into vm.max_map_count while sharing: a clean MemoryError, the array unchanged.
+"""Running into vm.max_map_count, or into a memory cgroup's limit, while sharing: a clean
+MemoryError, the array unchanged.
 
 Small arrays shared one every other page split their slab into one mapping per page, the
 worst case the README states. The sysctl is lowered for a moment (root only; it is global, so
@@ -219,3 +220,124 @@ def test_mappings_at_the_limit_from_inside_the_process(huge):
     assert done.returncode == 0, done.stderr[-3000:]
     outcomes = done.stdout.split()
     assert len(outcomes) == 7 and outcomes[0] == "refused", done.stdout
+
+
+# A memory cgroup (a container's memory limit) smaller than the shared memory asked for: every
+# page of a memfd is allocated when it is made, and a memory cgroup that cannot hold them does
+# not fail the allocation but runs its OOM killer (before: SIGKILL for the process, or for
+# whichever process of the cgroup it picked). Each way in is refused at once, changing nothing.
+CGROUP_CHILD = r"""
+import errno, os, numpy as np, pyshm
+
+N = 512 << 20  # beyond the cgroup's 256 MiB
+
+def fds():
+    return sorted(os.listdir('/proc/self/fd'))
+
+def refused(make):
+    try:
+        make()
+    except MemoryError as exc:
+        assert exc.errno == errno.ENOMEM and 'memory cgroup' in str(exc), exc
+        return
+    raise AssertionError('not refused')
+
+fds_before = fds()
+for resizable in (False, True):  # chunked in place; one memfd filled with pwrite
+    s = pyshm.Storage(N, resizable=resizable)
+    a = s.asarray()
+    a[:1 << 20] = 7  # (a few pages touched: the memfd needs all of them)
+    address = s.data_ptr
+    refused(s.share_memory_)
+    assert not s.is_shared and s.data_ptr == address and (a[:1 << 20] == 7).all()
+    assert s.resizable == resizable
+    del a
+    s.close()
+refused(lambda: pyshm.empty(N, np.uint8, shared=True))
+refused(lambda: pyshm.Storage(N, shared=True))
+refused(lambda: pyshm.copy(np.zeros(N, np.uint8), shared=True))  # (calloc: not touched)
+assert fds() == fds_before, (fds_before, fds())
+small = pyshm.empty(32 << 20, np.uint8)  # what fits is shared as before
+small[:] = 3
+pyshm.share_memory_(small)
+assert pyshm.is_shared(small) and (small == 3).all()
+print('ok')
+"""
+
+
+def _memory_cgroup_dir():
+    """This process's memory cgroup directory and its limit file's name (v1 or v2), or None."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return "/sys/fs/cgroup/memory" + path.rstrip("/"), "memory.limit_in_bytes"
+    for line in lines:
+        if line.startswith("0::") and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            return "/sys/fs/cgroup" + line[3:].rstrip("/"), "memory.max"
+    return None
+
+
+def _run_in_memory_cgroup(code: str, limit: int) -> subprocess.CompletedProcess:
+    """Run `code` in a new Python process inside a new memory cgroup of `limit` bytes, made
+    under this process's (skips the test where it cannot be made: not root, no cgroup)."""
+    found = _memory_cgroup_dir()
+    if found is None or not os.access(found[0], os.W_OK):
+        pytest.skip("needs a writable memory cgroup (root)")
+    parent, limit_file = found
+    cgroup = os.path.join(parent, f"pyshm-test-{os.getpid()}")
+    try:
+        os.mkdir(cgroup)
+        with open(os.path.join(cgroup, limit_file), "w") as f:
+            f.write(str(limit))
+    except OSError as exc:
+        if os.path.isdir(cgroup):
+            os.rmdir(cgroup)
+        pytest.skip(f"cannot make a memory cgroup here: {exc}")
+    procs = os.path.join(cgroup, "cgroup.procs")
+
+    def enter():  # (in the child, before it runs Python)
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.pop("LSHM_POOL_BYTES", None)
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=120, preexec_fn=enter)
+    finally:
+        os.rmdir(cgroup)
+
+
+def test_shared_memory_beyond_the_memory_cgroups_limit_is_a_memory_error_at_once():
+    done = _run_in_memory_cgroup(CGROUP_CHILD, 256 << 20)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout == "ok\n"
+
+
+# The memfds libshm keeps for reuse (its pool) count against a memory cgroup too: by default
+# at most an eighth of the memory the process may use, its cgroup's limit where that is less
+# than the machine's RAM (before: an eighth of the machine's RAM, 3 GiB here, so a program
+# that shares and drops one array of 64 to 76 MiB at a time in a 512 MiB cgroup was SIGKILLed
+# by the cgroup's OOM killer at its sixth, for the memfds kept).
+POOL_CHILD = r"""
+import numpy as np, pyshm
+
+for k in range(12):
+    a = pyshm.empty((64 + k) << 20, np.uint8)
+    a[:] = k
+    pyshm.share_memory_(a)
+    assert (a[::4096] == k).all()
+    del a
+assert pyshm.trim_pool() <= 1  # (64 MiB: one of them at most)
+print('ok')
+"""
+
+
+def test_the_memfds_kept_for_reuse_fit_the_memory_cgroup():
+    done = _run_in_memory_cgroup(POOL_CHILD, 512 << 20)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout == "ok\n"

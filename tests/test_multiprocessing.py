@@ -939,6 +939,26 @@ def test_readonly_sharing_any_size(pool, nbytes):
     assert pool.apply(readonly_probe, (copy,))["writeable"] is False
 
 
+def share_readonly_here(array):
+    try:
+        return pyshm.share_readonly(array) is array, bool(array.flags.writeable)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+@pytest.mark.parametrize("nbytes", [100_000, 102_400])
+def test_share_readonly_of_memory_received_says_what_it_is_whatever_its_size(pool, nbytes):
+    # A receiver maps the whole memfd, whole pages: an array of it that is not (100,000 bytes)
+    # was refused with a ValueError saying its memfd held other arrays too (a slab, an
+    # arena's buffer), where the same array in whole pages (102,400 bytes) got what it is:
+    # read-only memory is read-only already, writable memory was handed out writable.
+    readonly = pyshm.share_readonly(pyshm.copy(np.zeros(nbytes, np.uint8)))
+    assert pool.apply(share_readonly_here, (readonly,)) == (True, False)
+    writable = pyshm.share_memory_(pyshm.copy(np.zeros(nbytes, np.uint8)))
+    name, message = pool.apply(share_readonly_here, (writable,))
+    assert name == "ShmPermissionError" and "handed out writable" in message, message
+
+
 def test_readonly_refusals_change_nothing():
     small = pyshm.empty(100, np.uint8, shared=True)  # a slab view
     storage = pyshm.storage_of(small)

@@ -282,7 +282,9 @@ LSHM_API int lshm_storage_copy(lshm_storage *dst, const lshm_storage *src);
  * running out of memory is -ENOMEM/-ENOSPC here and never SIGBUS later). At most
  * LSHM_SLAB_MAX_BYTES: a slab storage shared at once (lshm_storage_create, then
  * lshm_storage_share: a range of its slab's memfd); larger: a fresh segment of its own.
- * flags: 0. Errors: -EINVAL, -EOVERFLOW, -ENOMEM, -ENOSPC, -EMFILE/-ENFILE (no fd left). */
+ * flags: 0. Errors: -EINVAL, -EOVERFLOW, -ENOMEM (also: more than the machine, or the process's
+ * memory cgroup, can hold), -ENOSPC, -EMFILE/-ENFILE (no fd left), -EFBIG (past RLIMIT_FSIZE,
+ * which holds for memfds too; no SIGXFSZ). */
 LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_storage **out);
 
 /* Share in place: replace the storage's memory with a fresh memfd holding the same bytes.
@@ -330,8 +332,11 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * pthread_atfork handler), so a child sees every storage shared completely or not at all, and
  * no storage lock held. A fork() from inside a callback the library calls during a share or
  * resize (an allocator's alloc) does not wait.
- * Errors: -EINVAL (NULL), -EBUSY (memory that would move, with other references), -ENOMEM,
- * -ENOSPC, -EMFILE, -ENFILE, other -errno from the kernel. */
+ * Errors: -EINVAL (NULL), -EBUSY (memory that would move, with other references), -ENOMEM
+ * (also: a memfd of more than the machine, or the process's memory cgroup, can hold), -ENOSPC,
+ * -EMFILE, -ENFILE, -EFBIG (a memfd written past RLIMIT_FSIZE, which holds for memfds too: the
+ * kernel's SIGXFSZ, which would kill the process, is never raised), other -errno from the
+ * kernel. */
 LSHM_API int lshm_storage_share(lshm_storage *s);
 
 /* lshm_storage_share, but never unfenced: memory shared in place whose pages cannot be
@@ -359,7 +364,8 @@ LSHM_API int lshm_storage_share_fenced(lshm_storage *s);
  * in between, a fresh share swapped in chunks is faster. What is kept holds memory (and one fd
  * per entry) after the release: at most 256 memfds and at most LSHM_POOL_BYTES bytes in total
  * (environment variable, read once at the first share, decimal bytes; default 1/8 of
- * physical memory; 0 disables the pool).
+ * physical memory, or of the process's memory cgroup limit where that is less; 0 disables the
+ * pool).
  * Safety: a memfd is pooled only if nobody else can still reach it: never exported (no
  * lshm_storage_fd call on the storage, hence never sent to another process), never sealed
  * read-only (lshm_storage_seal_readonly), and no fork() since its share began (a child

@@ -61,7 +61,9 @@ int lshm__round_pages(size_t nbytes, size_t *out);
 uint64_t lshm__page_floor(uint64_t x);
 /* Whether x (a file offset, length or address) is a whole number of pages. */
 int lshm__page_aligned(uint64_t x);
-/* memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING); `nbytes` only names the file in /proc. */
+/* memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING) for a memfd that will hold `nbytes`: -ENOMEM
+ * at once when that is more than this machine's RAM and swap, or than its memory cgroup lets
+ * the process hold (its pages would end in an OOM killer, not in an error). */
 int lshm__os_memfd_create(size_t nbytes, int *fd);
 int lshm__os_ftruncate(int fd, uint64_t size);
 /* memfd_create, ftruncate to `size`, seal_size: a new memfd of `size` bytes no holder can
@@ -99,6 +101,9 @@ int lshm__os_check_mapped(const void *p, size_t len);
 int lshm__os_fault_point(const char *site);
 /* Physical memory in bytes (sysconf; 0 when unknown). */
 uint64_t lshm__os_phys_bytes(void);
+/* The memory this process may use: physical memory, or its memory cgroup's limit where that is
+ * less (read once; 0 when unknown). */
+uint64_t lshm__os_memory_bytes(void);
 /* Online CPUs (sysconf, cached; at least 1). */
 unsigned lshm__os_ncpu(void);
 /* mmap(MAP_SHARED) len bytes of fd at a page-aligned offset, PROT_READ (readonly) or

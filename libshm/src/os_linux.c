@@ -22,6 +22,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
@@ -92,30 +93,6 @@ unsigned lshm__os_ncpu(void) {
     return (unsigned)cached_sysconf(&cached, _SC_NPROCESSORS_ONLN, 1);
 }
 
-int lshm__os_memfd_create(size_t nbytes, int *fd) {
-    LSHM_OS_FAULT("memfd_create");
-    int r = memfd_create("lshm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (r < 0) {
-        int e = errno;
-        return LSHM_FAIL(-e, "memfd_create for %zu bytes: %s", nbytes, strerror(e));
-    }
-    *fd = r;
-    return 0;
-}
-
-int lshm__os_ftruncate(int fd, uint64_t size) {
-    LSHM_OS_FAULT("ftruncate");
-    if (size > (uint64_t)INT64_MAX)
-        return LSHM_FAIL(-EOVERFLOW, "ftruncate to %llu bytes: too large",
-                         (unsigned long long)size);
-    if (ftruncate(fd, (off_t)size) != 0) {
-        int e = errno;
-        return LSHM_FAIL(-e, "ftruncate(fd %d, %llu bytes): %s", fd, (unsigned long long)size,
-                         strerror(e));
-    }
-    return 0;
-}
-
 /* The memory this machine could ever give a memfd: RAM plus swap, read once (0: unknown). */
 static uint64_t machine_bytes(void) {
     static _Atomic uint64_t total; /* 0: not read yet */
@@ -130,15 +107,186 @@ static uint64_t machine_bytes(void) {
     return t;
 }
 
-int lshm__os_memfd_sized(uint64_t size, int *fd) {
-    /* Every page of such a memfd is allocated before anyone maps it (no SIGBUS later): one
-     * bigger than the machine would only end in the OOM killer, which picks its victims
-     * among all processes, before the allocation could fail. */
+/* The number in a cgroup limit file (digits, or "max": UINT64_MAX); 0 when it cannot be read. */
+static uint64_t read_limit(const char *path) {
+    char buf[32];
+    int f = open(path, O_RDONLY | O_CLOEXEC);
+    if (f < 0)
+        return 0;
+    ssize_t n = read(f, buf, sizeof buf - 1);
+    close(f);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    if (strncmp(buf, "max", 3) == 0)
+        return UINT64_MAX;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(buf, &end, 10);
+    return errno == 0 && end != buf ? (uint64_t)v : 0;
+}
+
+/* The smallest memory limit of the cgroup `path` (as /proc/self/cgroup names it) under the
+ * hierarchy mounted at `root` and of every cgroup above it: each one caps all below it. Where
+ * the path is not there (a container that sees its own cgroup as the mount's root) the root's
+ * limit still counts. UINT64_MAX: none. */
+static uint64_t smallest_limit(const char *root, const char *path, size_t path_len,
+                               const char *file) {
+    uint64_t least = UINT64_MAX;
+    char full[4096];
+    for (;;) {
+        while (path_len > 0 && path[path_len - 1] == '/')
+            path_len--;
+        int n = snprintf(full, sizeof full, "%s%.*s/%s", root, (int)path_len, path, file);
+        uint64_t limit = n > 0 && (size_t)n < sizeof full ? read_limit(full) : 0;
+        if (limit > 0 && limit < least)
+            least = limit;
+        if (path_len == 0)
+            return least;
+        while (path_len > 0 && path[path_len - 1] != '/')
+            path_len--;
+    }
+}
+
+/* This process's memory cgroup limit (cgroup v1's memory.limit_in_bytes, or v2's memory.max,
+ * the smallest of its cgroup and those above), read once, as machine_bytes (a process moved to
+ * another cgroup later keeps the first answer). UINT64_MAX: no limit, or none could be read. */
+static uint64_t cgroup_limit(void) {
+    static _Atomic uint64_t cached; /* 0: not read yet */
+    uint64_t r = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (r != 0)
+        return r;
+    char buf[8192];
+    int f = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
+    ssize_t len = f < 0 ? -1 : read(f, buf, sizeof buf - 1);
+    if (f >= 0)
+        close(f);
+    uint64_t limit = UINT64_MAX;
+    for (char *line = buf; len > 0 && line < buf + len;) {
+        /* "hierarchy-id:controllers:path"; v1's memory controller, else v2's "0::path" */
+        char *eol = memchr(line, '\n', (size_t)(buf + len - line));
+        char *next = eol != NULL ? eol + 1 : buf + len;
+        char *c1 = memchr(line, ':', (size_t)(next - line));
+        char *c2 = c1 != NULL ? memchr(c1 + 1, ':', (size_t)(next - c1 - 1)) : NULL;
+        if (c2 != NULL) {
+            const char *path = c2 + 1;
+            size_t path_len = (size_t)((eol != NULL ? eol : next) - path);
+            int v1 = 0;
+            for (const char *item = c1 + 1; item < c2;) { /* "cpu,memory": items */
+                const char *comma = memchr(item, ',', (size_t)(c2 - item));
+                const char *item_end = comma != NULL ? comma : c2;
+                if (item_end - item == 6 && memcmp(item, "memory", 6) == 0)
+                    v1 = 1;
+                item = item_end + 1;
+            }
+            if (v1) {
+                limit = smallest_limit("/sys/fs/cgroup/memory", path, path_len,
+                                       "memory.limit_in_bytes");
+                break;
+            }
+            if (c2 == c1 + 1 && line[0] == '0' && c1 == line + 1 &&
+                access("/sys/fs/cgroup/cgroup.controllers", F_OK) == 0)
+                limit = smallest_limit("/sys/fs/cgroup", path, path_len, "memory.max");
+        }
+        line = next;
+    }
+    atomic_store_explicit(&cached, limit, memory_order_relaxed);
+    return limit;
+}
+
+/* What this process's memory cgroup lets it hold: its limit plus the machine's swap (shared
+ * memory can be swapped out; a cgroup's own swap limit is left out, so this never says less
+ * than there is). UINT64_MAX: no limit. */
+static uint64_t cgroup_bytes(void) {
+    uint64_t limit = cgroup_limit();
+    if (limit == UINT64_MAX)
+        return limit;
+    uint64_t phys = lshm__os_phys_bytes(), machine = machine_bytes();
+    if (machine == 0 || phys == 0)
+        return UINT64_MAX; /* (the swap unknown: no limit from here) */
+    uint64_t swap = machine > phys ? machine - phys : 0;
+    return limit > UINT64_MAX - swap ? UINT64_MAX : limit + swap;
+}
+
+uint64_t lshm__os_memory_bytes(void) {
+    uint64_t phys = lshm__os_phys_bytes(), limit = cgroup_limit();
+    return phys == 0 || limit < phys ? (limit == UINT64_MAX ? 0 : limit) : phys;
+}
+
+/* Every page of our memfds is allocated before anyone maps them (no SIGBUS later), and an
+ * allocation beyond what the process can hold does not fail: it ends in an OOM killer, the
+ * machine's (which picks its victims among all processes) or its memory cgroup's (which
+ * SIGKILLs this process or another one of its container). So a memfd of more than either is
+ * -ENOMEM at once. */
+static int memory_room(uint64_t size) {
     uint64_t machine = machine_bytes();
     if (machine > 0 && size > machine)
         return LSHM_FAIL(-ENOMEM, "a memfd of %llu bytes: more than this machine's memory "
                          "(RAM and swap: %llu bytes)", (unsigned long long)size,
                          (unsigned long long)machine);
+    uint64_t cgroup = cgroup_bytes();
+    if (size > cgroup)
+        return LSHM_FAIL(-ENOMEM, "a memfd of %llu bytes: more than this process's memory "
+                         "cgroup lets it hold (its memory limit, and swap: %llu bytes)",
+                         (unsigned long long)size, (unsigned long long)cgroup);
+    return 0;
+}
+
+int lshm__os_memfd_create(size_t nbytes, int *fd) {
+    LSHM_OS_FAULT("memfd_create");
+    int rc = memory_room(nbytes);
+    if (rc != 0)
+        return rc;
+    int r = memfd_create("lshm", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (r < 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "memfd_create for %zu bytes: %s", nbytes, strerror(e));
+    }
+    *fd = r;
+    return 0;
+}
+
+/* RLIMIT_FSIZE holds for memfds too, and a write or ftruncate that would take a file past it
+ * does not just fail (EFBIG): the kernel sends SIGXFSZ first, whose default action kills the
+ * process (Python ignores it; a C program dies). So what would end past it is -EFBIG here,
+ * without the signal; `what` names the call. */
+static int past_file_size_limit(uint64_t end, uint64_t *limit) {
+    struct rlimit lim;
+    if (getrlimit(RLIMIT_FSIZE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY ||
+        end <= (uint64_t)lim.rlim_cur)
+        return 0;
+    *limit = (uint64_t)lim.rlim_cur;
+    return 1;
+}
+
+static int file_size_room(uint64_t end, const char *what, int fd) {
+    uint64_t limit;
+    if (!past_file_size_limit(end, &limit))
+        return 0;
+    return LSHM_FAIL(-EFBIG, "%s(fd %d) up to %llu bytes: past RLIMIT_FSIZE (%llu bytes)", what,
+                     fd, (unsigned long long)end, (unsigned long long)limit);
+}
+
+int lshm__os_ftruncate(int fd, uint64_t size) {
+    LSHM_OS_FAULT("ftruncate");
+    if (size > (uint64_t)INT64_MAX)
+        return LSHM_FAIL(-EOVERFLOW, "ftruncate to %llu bytes: too large",
+                         (unsigned long long)size);
+    int rc = file_size_room(size, "ftruncate", fd);
+    if (rc != 0)
+        return rc;
+    if (ftruncate(fd, (off_t)size) != 0) {
+        int e = errno;
+        return LSHM_FAIL(-e, "ftruncate(fd %d, %llu bytes): %s", fd, (unsigned long long)size,
+                         strerror(e));
+    }
+    return 0;
+}
+
+int lshm__os_memfd_sized(uint64_t size, int *fd) {
+    if (size > SIZE_MAX) /* (a 32-bit size_t, which memory_room is given: no such memfd) */
+        return LSHM_FAIL(-ENOMEM, "a memfd of %llu bytes: more than this process can address",
+                         (unsigned long long)size);
     int rc = lshm__os_memfd_create((size_t)size, fd);
     if (rc != 0)
         return rc;
@@ -237,6 +385,9 @@ int lshm__os_seal_readonly(int fd) {
 
 int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {
     LSHM_OS_FAULT("pwrite");
+    int rc = n > 0 ? file_size_room(offset + n, "pwrite", fd) : 0;
+    if (rc != 0)
+        return rc;
     const char *p = buf;
     while (n > 0) {
         /* Linux writes at most 0x7ffff000 bytes per call; the loop also covers short writes. */
@@ -493,6 +644,9 @@ int lshm__os_collapse(int fd, uint64_t offset, void *addr, size_t len) {
     static const char zero = 0;
     if (atomic_load_explicit(&collapse_refused, memory_order_relaxed))
         return -EINVAL;
+    uint64_t limit, last = offset + (len - 1) / LSHM__HUGE_BYTES * LSHM__HUGE_BYTES;
+    if (len > 0 && past_file_size_limit(last + 1, &limit)) /* (its byte written below) */
+        return -EFBIG;
     for (size_t off = 0; off < len; off += LSHM__HUGE_BYTES)
         if (pwrite(fd, &zero, 1, (off_t)(offset + off)) != 1)
             return -errno;

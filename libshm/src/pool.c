@@ -9,8 +9,9 @@
  * memfd: never exported (fd handed out or sealed read-only) and no fork since the share began
  * (a child inherits the fd and the mapping): a fork empties the pool in parent and child, and
  * bumps the epoch that a share records (lshm__pool_epoch), so a storage shared before a fork
- * never gives its memfd back. At most LSHM_POOL_BYTES bytes (read at the first use; default a
- * eighth of physical memory, 0 disables it) and 256 entries. Interface: internal.h.
+ * never gives its memfd back. At most LSHM_POOL_BYTES bytes (read at the first use; default an
+ * eighth of the memory the process may use: physical memory, or its memory cgroup's limit if
+ * less; 0 disables it) and 256 entries. Interface: internal.h.
  */
 #include "internal.h"
 
@@ -57,8 +58,9 @@ static int worth_keeping(size_t capacity) {
 }
 
 static void pool_init(void) {
-    uint64_t phys = lshm__os_phys_bytes();
-    uint64_t limit = phys / 8;
+    /* (the memory this process may use: its memory cgroup's limit where that is less than the
+     * machine's, since kept memfds count against it too, and the cgroup's OOM killer kills) */
+    uint64_t limit = lshm__os_memory_bytes() / 8;
     const char *env = getenv("LSHM_POOL_BYTES");
     if (env != NULL && *env != '\0') {
         char *end = NULL;

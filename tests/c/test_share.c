@@ -1,7 +1,7 @@
 /*
  * test_share.c -- lshm_storage_share in one process: same address, raw pointers keep
  * aliasing, idempotence, 8 threads at once, WHOLE_PAGES and foreign storages, zero bytes,
- * and failure atomicity (every fault point, and a real RLIMIT_NOFILE limit).
+ * and failure atomicity (every fault point, and real RLIMIT_NOFILE and RLIMIT_FSIZE limits).
  */
 #ifndef LSHM_TESTING
 #define LSHM_TESTING /* the fault-injection hooks of internal.h */
@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -861,6 +862,62 @@ static void test_rlimit_nofile(void) {
     lshm_storage_release(s);
 }
 
+/* RLIMIT_FSIZE holds for memfds too, and a write or ftruncate past it does not just fail: the
+ * kernel sends SIGXFSZ first, whose default action kills the process. So every share that would
+ * go past it must be -EFBIG, the storage as it was: a memfd sized past it (chunked, a storage
+ * created shared), one filled with pwrite (a resizable storage), a slab memfd and a pooled one
+ * made while the limit was higher. In a child, with SIGXFSZ at its default. */
+static void test_rlimit_fsize(void) {
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        signal(SIGXFSZ, SIG_DFL);
+        const size_t big = (size_t)4 << 20, pooled = 32 * page; /* (above the slabs) */
+        lshm_storage *s, *t, *slab[40];
+        for (int i = 0; i < 40; i++) {
+            ASSERT_OK(lshm_storage_create(page, NULL, 0, &slab[i]));
+            fill(lshm_storage_data(slab[i]), page, (unsigned)i);
+        }
+        ASSERT_OK(lshm_storage_share(slab[0])); /* the slab's memfd, made without a limit */
+        ASSERT_OK(lshm_storage_create(pooled, NULL, 0, &t));
+        ASSERT_OK(lshm_storage_share(t));
+        lshm_storage_release(t); /* its memfd goes to the pool */
+        struct rlimit lim = {(rlim_t)8 * page, (rlim_t)8 * page};
+        ASSERT_OK(setrlimit(RLIMIT_FSIZE, &lim));
+        for (int resizable = 0; resizable < 2; resizable++) {
+            ASSERT_OK(lshm_storage_create(big, NULL, resizable ? LSHM_STORAGE_RESIZABLE : 0, &s));
+            void *data = lshm_storage_data(s);
+            fill(data, big, 50);
+            ASSERT_ERR(lshm_storage_share(s), -EFBIG);
+            ASSERT(strstr(lshm_last_error(), "RLIMIT_FSIZE") != NULL);
+            ASSERT_PTR_EQ(lshm_storage_data(s), data);
+            ASSERT_EQ(lshm_storage_flags(s), resizable ? LSHM_STORAGE_RESIZABLE : 0);
+            ASSERT(check(data, big, 50));
+            lshm_storage_release(s);
+        }
+        ASSERT_ERR(lshm_storage_create_shared(big, 0, &s), -EFBIG);
+        ASSERT_OK(lshm_storage_create(pooled, NULL, 0, &t));
+        fill(lshm_storage_data(t), pooled, 51);
+        ASSERT_ERR(lshm_storage_share(t), -EFBIG); /* (the pooled memfd, refilled) */
+        ASSERT_EQ(lshm_storage_flags(t), 0);
+        ASSERT(check(lshm_storage_data(t), pooled, 51));
+        /* Refused past the limit in the slab's memfd (in a slab of the parent's, each gets a
+         * memfd of its own instead: a page, which fits). */
+        for (int i = 1; i < 40; i++) {
+            int rc = lshm_storage_share(slab[i]);
+            ASSERT(rc == 0 || rc == -EFBIG);
+            ASSERT_EQ(lshm_storage_flags(slab[i]), rc == 0 ? LSHM_STORAGE_SHARED : 0);
+            ASSERT(check(lshm_storage_data(slab[i]), page, (unsigned)i));
+        }
+        _exit(0);
+    }
+    int status;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    if (WIFSIGNALED(status))
+        TEST_FAIL("the child was killed by signal %d", WTERMSIG(status));
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 static void test_large(void) {
     const size_t n = (64u << 20) + 3;
     lshm_storage *s;
@@ -1334,6 +1391,7 @@ int main(void) {
     RUN_TEST(test_chunked_huge);
     RUN_TEST(test_huge_share_under_rlimit_as);
     RUN_TEST(test_rlimit_nofile);
+    RUN_TEST(test_rlimit_fsize);
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
     RUN_TEST(test_seal_readonly);
