@@ -383,12 +383,9 @@ int lshm__os_seal_readonly(int fd) {
                      strerror(e));
 }
 
-int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {
-    LSHM_OS_FAULT("pwrite");
-    int rc = n > 0 ? file_size_room(offset + n, "pwrite", fd) : 0;
-    if (rc != 0)
-        return rc;
-    const char *p = buf;
+/* pwrite's loop; a short write is checked against RLIMIT_FSIZE before the next one (the
+ * kernel shortens a write that straddles the limit, then signals at it). */
+static int pwrite_loop(int fd, const char *p, size_t n, uint64_t offset) {
     while (n > 0) {
         /* Linux writes at most 0x7ffff000 bytes per call; the loop also covers short writes. */
         ssize_t w = pwrite(fd, p, n, (off_t)offset);
@@ -404,8 +401,22 @@ int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {
         p += w;
         n -= (size_t)w;
         offset += (uint64_t)w;
+        int rc = n > 0 ? file_size_room(offset + n, "pwrite", fd) : 0;
+        if (rc != 0)
+            return rc;
     }
     return 0;
+}
+
+int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {
+    LSHM_OS_FAULT("pwrite");
+    int rc = n > 0 ? file_size_room(offset + n, "pwrite", fd) : 0;
+    return rc != 0 ? rc : pwrite_loop(fd, buf, n, offset);
+}
+
+int lshm__os_pwrite_inside(int fd, const void *buf, size_t n, uint64_t offset) {
+    LSHM_OS_FAULT("pwrite");
+    return pwrite_loop(fd, buf, n, offset);
 }
 
 /* Allocate [offset, offset + len) of fd's pages now; a file system without fallocate is not an

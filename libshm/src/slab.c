@@ -348,7 +348,7 @@ int lshm__slab_share(lshm_storage *s) {
         return rc;
     lshm__os_allocate_ahead(m->fd, ahead_from, ahead_to - ahead_from);
     void *mapped = NULL;
-    rc = lshm__os_pwrite_all(m->fd, data, s->capacity, offset);
+    rc = lshm__os_pwrite_inside(m->fd, data, s->capacity, offset); /* (sized: memfd_new) */
     if (rc == 0)
         rc = lshm__os_map_fd(m->fd, offset, s->capacity, 0, data, &mapped);
     if (rc != 0) {
