@@ -97,8 +97,20 @@ def storage_of(array: Any) -> Optional[Storage]:
     The result is a new handle with its own reference: closing it never affects the array.
     Two handles on the same storage compare equal.
     """
-    owner = owner_of(array)
+    owner = _pyshm_owner(array)
     return None if owner is None else _owner_storage(owner)
+
+
+def _pyshm_owner(array: Any) -> Optional[ArrayOwner]:
+    """The owner of the pyshm memory under ``array``, also where its base chain ends at
+    another exporter (``numpy.from_dlpack(a)``, ``torch.from_numpy(a).numpy()``): found by
+    address, as pickling finds it (reduction.pyshm_owner), else None."""
+    owner = owner_of(array)
+    if owner is not None or type(array) is not np.ndarray:
+        return owner
+    from .reduction import pyshm_owner  # (reduction imports this module)
+
+    return pyshm_owner(array)
 
 
 def _owner_storage(owner: ArrayOwner) -> Storage:
@@ -114,7 +126,7 @@ def is_shared(array: Any) -> bool:
     such a :class:`Storage`)."""
     if isinstance(array, Storage):
         return array.is_shared
-    owner = owner_of(array)
+    owner = _pyshm_owner(array)
     if owner is None:
         return False
     if owner.facts is not None:  # memory received: what its flags are (no C view made for it)
@@ -141,7 +153,7 @@ def share_memory_(array: Any) -> Any:
     if isinstance(array, Storage):
         return array.share_memory_()
     base = getattr(array, "base", None)
-    owner = base if type(base) is ArrayOwner else owner_of(array)
+    owner = base if type(base) is ArrayOwner else _pyshm_owner(array)
     if owner is None:
         raise TypeError(
             f"share_memory_ needs an array whose memory pyshm owns (got {type(array).__name__} "

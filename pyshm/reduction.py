@@ -1192,6 +1192,17 @@ def as_pyshm(array: np.ndarray) -> Optional[np.ndarray]:
     return _found_by_address(array)
 
 
+def pyshm_owner(array: Any) -> Optional[ArrayOwner]:
+    """:func:`pyshm._memory.owner_of`, or for a numpy array whose base chain ends at another
+    exporter over pyshm memory of this process (see as_pyshm), that memory's owner: what
+    pickling finds, is_shared, storage_of, share_memory_ and share_readonly find too."""
+    owner = owner_of(array)
+    if owner is None and type(array) is np.ndarray:
+        found = _found_by_address(array)
+        owner = None if found is None else owner_of(found)
+    return owner
+
+
 try:
     from numpy.lib.array_utils import byte_bounds as _byte_bounds  # (numpy 2)
 except ImportError:  # (numpy 1)
@@ -1332,7 +1343,7 @@ def share_readonly(array: Any) -> Any:
 
     :class:`TypeError` for memory pyshm does not own.
     """
-    owner = owner_of(array)
+    owner = pyshm_owner(array)
     if owner is None or owner.handle is None:
         raise TypeError(
             "share_readonly needs an array whose memory pyshm owns; use "

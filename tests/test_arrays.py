@@ -170,6 +170,35 @@ def test_the_array_functions_given_a_storage_answer_for_it():
         pyshm.share_memory_(storage)
 
 
+@pytest.mark.parametrize("size", [4096, 3 << 20])  # (a slab's range; memory of its own)
+def test_the_array_functions_find_pyshm_memory_through_dlpack(size):
+    # numpy.from_dlpack(a) of a pyshm array ends its base chain at a DLPack capsule: is_shared
+    # said False, storage_of None, share_memory_ and share_readonly raised TypeError, while
+    # pickling (and pyshm.ref) found the same memory by address
+    a = pyshm.empty(size, np.uint8)
+    a[:] = 7
+    address = a.ctypes.data
+    b = np.from_dlpack(a)
+    assert b.ctypes.data == address and pyshm.is_shared(b) is False
+    assert pyshm.storage_of(b) == pyshm.storage_of(a)
+    assert pyshm.share_memory_(b) is b
+    assert pyshm.is_shared(a) and pyshm.is_shared(b)
+    assert a.ctypes.data == b.ctypes.data == address and int(b[-1]) == 7
+    c = pyshm.empty(size, np.uint8)
+    d = np.from_dlpack(c)
+    if size < (1 << 20):  # (a slab's range: refused, nothing changed)
+        pyshm.share_memory_(c)
+        with pytest.raises(ValueError, match="other storages"):
+            pyshm.share_readonly(d)
+    else:
+        assert pyshm.share_readonly(d) is d
+        assert pyshm.is_shared(c)
+    numpy_own = np.from_dlpack(np.zeros(size, np.uint8))  # (numpy's memory: still not ours)
+    assert pyshm.storage_of(numpy_own) is None and not pyshm.is_shared(numpy_own)
+    with pytest.raises(TypeError):
+        pyshm.share_memory_(numpy_own)
+
+
 def test_zero_size_and_scalar_shapes():
     empty = pyshm.empty((0, 5), np.float32)
     assert empty.shape == (0, 5)
