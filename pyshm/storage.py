@@ -255,7 +255,9 @@ class Storage(HandleLifetime):
 
     @property
     def fd(self) -> Optional[int]:
-        """The memfd behind a shared storage (borrowed: dup it to keep it), else None."""
+        """The memfd behind a shared storage (borrowed: dup it to keep it), else None (not
+        shared). Raises :class:`pyshm.ShmError` (errno EBADF) where the storage has no fd open
+        any more: memory received from another process and mapped, whose fd was closed."""
         fd, _ = self._fd_offset()
         return fd
 
