@@ -413,6 +413,50 @@ def test_torch_dataloader_left_early_does_not_wait_for_its_workers(method):
     assert time.monotonic() - started < 4
 
 
+def part_as_tensor(array):
+    """In a worker: rows 10 to 19 of the array received, as a tensor of their own storage."""
+    import torch
+
+    return torch.from_numpy(array[10:20])
+
+
+def part_through_dlpack(array):
+    return np.from_dlpack(array[10:20])
+
+
+def memfd_mappings():
+    with open("/proc/self/maps") as maps:
+        return sum("/memfd:" in line for line in maps)
+
+
+@pytest.mark.parametrize("make", [lambda: pyshm.zeros((100, 3), np.float32, shared=True),
+                                  lambda: pyshm.zeros((100, 3), np.float32),
+                                  lambda: pyshm.zeros((1 << 16, 3), np.float32)],
+                         ids=["slab", "small-shared-in-place", "big-shared-in-place"])
+def test_a_part_of_our_memory_sent_back_from_its_own_storage_is_at_its_own_address(make):
+    # a worker's tensor (or DLPack view) over part of an array it received has a storage of
+    # that part only, found by address: its token names a range of our memory that we never
+    # registered. It must still come back as our memory at its own address, not as a second
+    # mapping of it fetched from the worker (there numpy cannot see the overlap: a[10:20] =
+    # back[::-1] would read rows it has overwritten)
+    torch_or_skip()
+    with mp.get_context("fork").Pool(1) as pool:
+        for part in (part_as_tensor, part_through_dlpack):
+            array = make()
+            array[:] = np.arange(array.shape[0], dtype=np.float32)[:, None]
+            pyshm.ref(array)  # (shared in place now, if not yet: its memfd is mapped)
+            maps_before = memfd_mappings()
+            for _ in range(3):
+                back = pool.apply(part, (array,))
+                back = back.numpy() if not isinstance(back, np.ndarray) else back
+                assert back.ctypes.data == array[10:20].ctypes.data, part.__name__
+                assert np.shares_memory(back, array)
+            array[10:20] = back[::-1]
+            assert array[10:20, 0].tolist() == list(range(19, 9, -1))
+            del back
+            assert memfd_mappings() <= maps_before  # (none of our memory mapped once more)
+
+
 def test_torch_registered_when_imported_after_pyshm():
     engine_or_skip("torch")  # (its child imports torch)
     out = run_python("""
