@@ -413,6 +413,44 @@ def test_torch_dataloader_left_early_does_not_wait_for_its_workers(method):
     assert time.monotonic() - started < 4
 
 
+def write_storage(storage):
+    storage[1] = 5
+    return storage
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_torch_storages_over_pyshm_memory_are_the_same_memory(method):
+    # torch's reducer for storages moves a storage into torch's own shared memory, as its
+    # tensor reducer does: the parent's tensor (and every tensor over that storage) would
+    # leave the array, and the worker's write would land elsewhere
+    torch = torch_or_skip()
+    import torch.multiprocessing as tmp
+
+    array = pyshm.zeros(1 << 12, np.float32, shared=True)
+    tensor = torch.from_numpy(array)
+    typed = torch.TypedStorage(wrap_storage=tensor.untyped_storage(), dtype=torch.float32,
+                               _internal=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated")  # (torch's own)
+        with tmp.get_context(method).Pool(1) as pool:
+            back = pool.apply(write_storage, (tensor.untyped_storage(),))
+            assert tensor.untyped_storage().data_ptr() == array.ctypes.data  # not moved
+            assert back.data_ptr() == array.ctypes.data and back.nbytes() == array.nbytes
+            assert array.view(np.uint8)[1] == 5  # the worker's write, in our memory
+            back = pool.apply(write_storage, (typed,))
+            assert type(back) is torch.TypedStorage and back.dtype == torch.float32
+            assert back.data_ptr() == array.ctypes.data and array[1] == 5
+            # read-only memory goes as a copy of its bytes (a storage has no read-only flag)
+            frozen = pyshm.share_readonly(pyshm.copy(np.arange(8, dtype=np.uint8)))
+            back = pool.apply(write_storage, (torch.from_numpy(frozen).untyped_storage(),))
+            assert back.tolist() == [0, 5, 2, 3, 4, 5, 6, 7] and frozen[1] == 1
+            # storages of torch's own memory still go torch's way
+            plain = torch.zeros(4)
+            assert pool.apply(write_storage, (plain.untyped_storage(),)).nbytes() == 16
+            assert plain.is_shared()
+
+
 def part_as_tensor(array):
     """In a worker: rows 10 to 19 of the array received, as a tensor of their own storage."""
     import torch
