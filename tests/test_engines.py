@@ -430,6 +430,8 @@ def test_torch_storages_over_pyshm_memory_are_the_same_memory(method):
     tensor = torch.from_numpy(array)
     typed = torch.TypedStorage(wrap_storage=tensor.untyped_storage(), dtype=torch.float32,
                                _internal=True)
+    # (a tensor subclass, which its forked worker knows too)
+    globals()["TensorSubclass"] = type("TensorSubclass", (torch.Tensor,), {"__module__": __name__})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", "TypedStorage is deprecated")  # (torch's own)
@@ -445,6 +447,11 @@ def test_torch_storages_over_pyshm_memory_are_the_same_memory(method):
             frozen = pyshm.share_readonly(pyshm.copy(np.arange(8, dtype=np.uint8)))
             back = pool.apply(write_storage, (torch.from_numpy(frozen).untyped_storage(),))
             assert back.tolist() == [0, 5, 2, 3, 4, 5, 6, 7] and frozen[1] == 1
+            if method == "fork":  # (a tensor subclass pickles its storage on its own)
+                sub = torch.from_numpy(array).as_subclass(TensorSubclass)  # noqa: F821
+                back = pool.apply(add_one_tensor, (sub,))
+                assert type(back) is TensorSubclass and back.data_ptr() == array.ctypes.data
+                assert sub.data_ptr() == array.ctypes.data and array[0] == 1
             # storages of torch's own memory still go torch's way
             plain = torch.zeros(4)
             assert pool.apply(write_storage, (plain.untyped_storage(),)).nbytes() == 16
@@ -478,7 +485,7 @@ def test_a_part_of_our_memory_sent_back_from_its_own_storage_is_at_its_own_addre
     # mapping of it fetched from the worker (there numpy cannot see the overlap: a[10:20] =
     # back[::-1] would read rows it has overwritten)
     torch_or_skip()
-    with mp.get_context("fork").Pool(1) as pool:
+    with mp.get_context("spawn").Pool(1) as pool:
         for part in (part_as_tensor, part_through_dlpack):
             array = make()
             array[:] = np.arange(array.shape[0], dtype=np.float32)[:, None]
