@@ -912,6 +912,12 @@ def test_dask_tensors_over_pyshm_memory_are_the_same_memory(caplog):
         assert backs[1].data_ptr() == parameter.data_ptr()
         assert client.gather(client.map(fill_tensor_with, halves, [6.0, 6.0], pure=False)) \
             and (array[:100] == 6).all() and (array[100:200] == 6).all()
+        # a view of slab memory: it goes as its numpy view and comes back as a storage of that
+        # part (before: fetched from the worker, a second mapping at another address)
+        small = pyshm.zeros(64, np.float32, shared=True)
+        part = torch.from_numpy(small)[8:16]
+        back = client.submit(fill_tensor_with, part, 7.0, pure=False).result()
+        assert back.data_ptr() == part.data_ptr() and (small[8:16] == 7).all()
         # read-only memory (no read-only flag) and torch's own memory: by value, as before
         for copied in (torch.from_numpy(readonly), torch.zeros(64)):
             back = client.submit(fill_tensor_with, copied, 9.0, pure=False).result()
