@@ -840,7 +840,10 @@ def _own_part_back(fields: tuple, shape, dtype, strides, start, writeable
                     or bool(flags & _ffi.STORAGE_READONLY))
         owner = ArrayOwner(handle, shape, dtype, delta + start, readonly, strides=strides,
                            adopt=True, data=data)
-    except Exception:
+    except (TypeError, ValueError):  # (a dtype the interface cannot describe: the general
+        lib.lshm_storage_release(handle)  # path makes it through a flat view)
+        return None
+    except BaseException:
         lib.lshm_storage_release(handle)
         raise
     try:
