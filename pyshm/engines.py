@@ -17,7 +17,8 @@ What each hook does, and the engine's extension point it uses:
   unchanged. So torch.multiprocessing ``Queue``, ``Pool``, ``DataLoader`` workers returning
   such tensors (fork and spawn) carry the same memory. A tensor over memory shared read-only
   goes by value (a copy of its bytes, not torch's reducer, which would move it away from its
-  array): a tensor has no read-only flag.
+  array): a tensor has no read-only flag. Torch's reducer for storages is wrapped the same
+  way (_storage_reducer).
 * **joblib** (loky and multiprocessing backends) pickles numpy arrays with its own reducers,
   which copy big ones into memmapped files of a temporary folder (read-only, or copy-on-write
   in the worker) and small ones by value, both ways. joblib has no registry for those, so the
@@ -123,11 +124,19 @@ def _tensor_bytes(tensor: Any):
                 tensor.is_quantized or tensor.is_nested:
             return None
         storage = tensor.untyped_storage()
-        if storage.resizable():
-            return None  # torch's own memory (memory torch borrows, as from numpy, is not)
     except (RuntimeError, NotImplementedError, AttributeError):
         return None  # (tensors without storage: meta, functional wrappers...)
-    return reduction.bytes_at(storage.data_ptr(), storage.nbytes())
+    return _storage_bytes(storage)
+
+
+def _storage_bytes(storage: Any):
+    """The pyshm byte array of a torch ``UntypedStorage``'s bytes, or None."""
+    try:
+        if storage.device.type != "cpu" or storage.resizable():
+            return None  # torch's own memory (memory torch borrows, as from numpy, is not)
+        return reduction.bytes_at(storage.data_ptr(), storage.nbytes())
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
 
 
 class _Reduced:
@@ -265,8 +274,40 @@ def _tensor_reducer(original):
     return reduce_tensor
 
 
+def _rebuild_storage(data):
+    """The ``UntypedStorage`` of a storage of pyshm memory sent (_storage_reducer)."""
+    if not isinstance(data, np.ndarray):
+        return data  # (an Undelivered stand-in)
+    torch = _torch() if "torch" in sys.modules else __import__("torch")
+    if not data.flags.writeable:  # (sent by value when read-only: a forged pickle)
+        data = np.array(data)
+    return torch.from_numpy(data).untyped_storage()
+
+
+def _storage_reducer(original):
+    """torch's reducer for ``UntypedStorage`` (typed storages reduce to theirs) moves the
+    storage into torch's own shared memory, as its tensor reducer does: every tensor over a
+    storage of pyshm memory would leave it. Such a storage goes as its pyshm bytes, by
+    reference (read-only memory: a copy, as for tensors); any other goes to torch's."""
+
+    def reduce_storage(storage):
+        data = _storage_bytes(storage) if type(storage) is _torch().UntypedStorage else None
+        if data is None or not _sendable(data):
+            return original(storage)
+        reduced = reduction.reduce_ndarray(data)
+        if reduced[1][1].readonly:  # (the ticket: a storage has no read-only flag either)
+            return _rebuild_storage, (np.array(data),)
+        return _rebuild_storage, (_Reduced(reduced),)
+
+    reduce_storage._pyshm_wraps = original
+    return reduce_storage
+
+
 def _install_torch() -> None:
     reductions = sys.modules["torch.multiprocessing.reductions"]
+    for kind, reducer in list(ForkingPickler._extra_reducers.items()):
+        if reducer is reductions.reduce_storage:
+            ForkingPickler.register(kind, _storage_reducer(reducer))
     original = reductions.reduce_tensor
     wrapped = None
     # every type torch registered its tensor reducer for (torch.Tensor, Parameter, the legacy

@@ -800,6 +800,61 @@ def _own_array_back(token: Any, shape, dtype, strides, start, writeable
     return _exact_dtype(array.view(), dtype)
 
 
+def _own_part_back(fields: tuple, shape, dtype, strides, start, writeable
+                   ) -> Optional[np.ndarray]:
+    """For a checked token's fields (_check_token) naming part of a range we exported but not
+    that range itself: an array over the storage of ours that holds it, at its own address;
+    else None (the general path decides). A receiver makes such tokens for memory it found by
+    address (bytes_at: a tensor over part of an array it received, a DLPack view), whose
+    storage is that part alone. Without this, memory of a slab (or shared in place) that no
+    storage of ours views exactly would be fetched back from the receiver and mapped a second
+    time: the same bytes at another address, whose overlap with our arrays numpy cannot see.
+    Only for a token whose secret is ours for that memfd (vouched), as _own_array_back."""
+    key, address, size, offset, nbytes, readonly, secret, solo = fields
+    if solo is not None or key not in _state.secrets or (
+            _state.ranges.get((key, size, offset, nbytes)) is not None):
+        return None  # (not ours, or a range of ours: the general path finds its storage)
+    if not _fits(nbytes, shape, dtype, strides, start):
+        return None
+    with _state.lock:
+        level = _channel.vouched(key, address, secret)
+        if not level:
+            return None
+        handle = None
+        for (k, s, o, n), ref in list(_state.ranges.items()):
+            holder = ref() if k == key and s == size and o <= offset and (
+                offset + nbytes <= o + n) else None
+            try:
+                found = handle_of(holder) if holder is not None else None
+            except ValueError:  # (a closed Storage)
+                found = None
+            if found:
+                handle = lib.lshm_storage_retain(found)
+                delta = offset - o
+                break
+        if handle is None:
+            return None
+    try:
+        flags, data = lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0
+        readonly = (readonly or level == _channel.READ_ONLY
+                    or bool(flags & _ffi.STORAGE_READONLY))
+        owner = ArrayOwner(handle, shape, dtype, delta + start, readonly, strides=strides,
+                           adopt=True, data=data)
+    except (TypeError, ValueError):  # (a dtype the interface cannot describe: the general
+        lib.lshm_storage_release(handle)  # path makes it through a flat view)
+        return None
+    except BaseException:
+        lib.lshm_storage_release(handle)
+        raise
+    try:
+        array = _exact_dtype(np.asarray(owner), dtype)
+    except (TypeError, ValueError, OverflowError):
+        return None  # (the general path says why)
+    if array is not None and not writeable and array.flags.writeable:
+        array.flags.writeable = False
+    return array
+
+
 def _mapped_array(fields: tuple, shape, dtype, strides, start, writeable
                   ) -> Optional[np.ndarray]:
     """For a checked token's fields (_check_token): an array of a memfd received and mapped
@@ -915,6 +970,8 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         return array
     fields = _check_token(token)
     array = _mapped_array(fields, shape, dtype, strides, start, writeable)
+    if array is None:
+        array = _own_part_back(fields, shape, dtype, strides, start, writeable)
     if array is not None:
         return array
     mapping, handle, facts = _resolve(batch, fields)

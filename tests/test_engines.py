@@ -452,6 +452,95 @@ def test_torch_dataloader_left_early_does_not_wait_for_its_workers(method):
     assert time.monotonic() - started < 4
 
 
+def write_storage(storage):
+    storage[1] = 5
+    return storage
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_torch_storages_over_pyshm_memory_are_the_same_memory(method):
+    # torch's reducer for storages moves a storage into torch's own shared memory, as its
+    # tensor reducer does: the parent's tensor (and every tensor over that storage) would
+    # leave the array, and the worker's write would land elsewhere
+    torch = torch_or_skip()
+    import torch.multiprocessing as tmp
+
+    array = pyshm.zeros(1 << 12, np.float32, shared=True)
+    tensor = torch.from_numpy(array)
+    typed = torch.TypedStorage(wrap_storage=tensor.untyped_storage(), dtype=torch.float32,
+                               _internal=True)
+    # (a tensor subclass, which its forked worker knows too)
+    globals()["TensorSubclass"] = type("TensorSubclass", (torch.Tensor,), {"__module__": __name__})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated")  # (torch's own)
+        with tmp.get_context(method).Pool(1) as pool:
+            back = pool.apply(write_storage, (tensor.untyped_storage(),))
+            assert tensor.untyped_storage().data_ptr() == array.ctypes.data  # not moved
+            assert back.data_ptr() == array.ctypes.data and back.nbytes() == array.nbytes
+            assert array.view(np.uint8)[1] == 5  # the worker's write, in our memory
+            back = pool.apply(write_storage, (typed,))
+            assert type(back) is torch.TypedStorage and back.dtype == torch.float32
+            assert back.data_ptr() == array.ctypes.data and array[1] == 5
+            # read-only memory goes as a copy of its bytes (a storage has no read-only flag)
+            frozen = pyshm.share_readonly(pyshm.copy(np.arange(8, dtype=np.uint8)))
+            back = pool.apply(write_storage, (torch.from_numpy(frozen).untyped_storage(),))
+            assert back.tolist() == [0, 5, 2, 3, 4, 5, 6, 7] and frozen[1] == 1
+            if method == "fork":  # (a tensor subclass pickles its storage on its own)
+                sub = torch.from_numpy(array).as_subclass(TensorSubclass)  # noqa: F821
+                back = pool.apply(add_one_tensor, (sub,))
+                assert type(back) is TensorSubclass and back.data_ptr() == array.ctypes.data
+                assert sub.data_ptr() == array.ctypes.data and array[0] == 1
+            # storages of torch's own memory still go torch's way
+            plain = torch.zeros(4)
+            assert pool.apply(write_storage, (plain.untyped_storage(),)).nbytes() == 16
+            assert plain.is_shared()
+
+
+def part_as_tensor(array):
+    """In a worker: rows 10 to 19 of the array received, as a tensor of their own storage."""
+    import torch
+
+    return torch.from_numpy(array[10:20])
+
+
+def part_through_dlpack(array):
+    return np.from_dlpack(array[10:20])
+
+
+def memfd_mappings():
+    with open("/proc/self/maps") as maps:
+        return sum("/memfd:" in line for line in maps)
+
+
+@pytest.mark.parametrize("make", [lambda: pyshm.zeros((100, 3), np.float32, shared=True),
+                                  lambda: pyshm.zeros((100, 3), np.float32),
+                                  lambda: pyshm.zeros((1 << 16, 3), np.float32)],
+                         ids=["slab", "small-shared-in-place", "big-shared-in-place"])
+def test_a_part_of_our_memory_sent_back_from_its_own_storage_is_at_its_own_address(make):
+    # a worker's tensor (or DLPack view) over part of an array it received has a storage of
+    # that part only, found by address: its token names a range of our memory that we never
+    # registered. It must still come back as our memory at its own address, not as a second
+    # mapping of it fetched from the worker (there numpy cannot see the overlap: a[10:20] =
+    # back[::-1] would read rows it has overwritten)
+    torch_or_skip()
+    with mp.get_context("spawn").Pool(1) as pool:
+        for part in (part_as_tensor, part_through_dlpack):
+            array = make()
+            array[:] = np.arange(array.shape[0], dtype=np.float32)[:, None]
+            pyshm.ref(array)  # (shared in place now, if not yet: its memfd is mapped)
+            maps_before = memfd_mappings()
+            for _ in range(3):
+                back = pool.apply(part, (array,))
+                back = back.numpy() if not isinstance(back, np.ndarray) else back
+                assert back.ctypes.data == array[10:20].ctypes.data, part.__name__
+                assert np.shares_memory(back, array)
+            array[10:20] = back[::-1]
+            assert array[10:20, 0].tolist() == list(range(19, 9, -1))
+            del back
+            assert memfd_mappings() <= maps_before  # (none of our memory mapped once more)
+
+
 def test_torch_registered_when_imported_after_pyshm():
     engine_or_skip("torch")  # (its child imports torch)
     out = run_python("""
@@ -862,6 +951,12 @@ def test_dask_tensors_over_pyshm_memory_are_the_same_memory(caplog):
         assert backs[1].data_ptr() == parameter.data_ptr()
         assert client.gather(client.map(fill_tensor_with, halves, [6.0, 6.0], pure=False)) \
             and (array[:100] == 6).all() and (array[100:200] == 6).all()
+        # a view of slab memory: it goes as its numpy view and comes back as a storage of that
+        # part (before: fetched from the worker, a second mapping at another address)
+        small = pyshm.zeros(64, np.float32, shared=True)
+        part = torch.from_numpy(small)[8:16]
+        back = client.submit(fill_tensor_with, part, 7.0, pure=False).result()
+        assert back.data_ptr() == part.data_ptr() and (small[8:16] == 7).all()
         # read-only memory (no read-only flag) and torch's own memory: by value, as before
         for copied in (torch.from_numpy(readonly), torch.zeros(64)):
             back = client.submit(fill_tensor_with, copied, 9.0, pure=False).result()
