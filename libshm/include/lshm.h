@@ -733,8 +733,8 @@ LSHM_API int lshm_arena_free(lshm_arena *arena, lshm_storage *s);
  * allocated in the iteration must have been freed. Errors: -EINVAL (NULL, planned arena),
  * -EBUSY (storages not freed; nothing changes), -ENOMEM, -ENOSPC, -EMFILE, -ECANCELED
  * (planning or the new buffer failed, or lshm_arena_interrupt stopped the plan: the iteration
- * is ended anyway, allocs fall back to ordinary allocation, and the next end_iteration tries
- * again). */
+ * is ended anyway, the plan and buffer the arena had stay and serve the next iterations'
+ * allocs that fit them, and the next end_iteration plans again). */
 LSHM_API int lshm_arena_end_iteration(lshm_arena *arena);
 
 /* Interrupt the plan an lshm_arena_end_iteration of `arena` is making on another thread (as

@@ -219,17 +219,11 @@ static void buffer_free(lshm_arena *a) {
     a->have_buffer = 0;
 }
 
-/* Make sure a buffer of at least `size` bytes exists; *reused says it existed already. */
-static int buffer_ensure(lshm_arena *a, uint64_t size, int *reused) {
-    *reused = 0;
-    if (a->have_buffer && a->buffer_size >= size) {
-        *reused = 1;
-        return 0;
-    }
+/* A new buffer of `size` bytes in *out; the arena is not changed. */
+static int buffer_make(const lshm_arena *a, uint64_t size, lshm_arena_buffer **out) {
     if (size > SIZE_MAX)
         return LSHM_FAIL(-EOVERFLOW, "an arena of %llu bytes does not fit in memory",
                          (unsigned long long)size);
-    buffer_free(a);
     lshm_arena_buffer *buf = calloc(1, sizeof *buf);
     if (buf == NULL)
         return LSHM_FAIL(-ENOMEM, "malloc of an arena buffer struct failed");
@@ -252,11 +246,7 @@ static int buffer_ensure(lshm_arena *a, uint64_t size, int *reused) {
     }
     atomic_init(&buf->refcount, 1);
     buf->size = (size_t)size;
-    a->buf = buf;
-    a->segment = buf->segment;
-    a->buffer = buf->data;
-    a->buffer_size = buf->size;
-    a->have_buffer = 1;
+    *out = buf;
     return 0;
 
 fail:
@@ -264,11 +254,44 @@ fail:
     return rc;
 }
 
+/* Replace the arena's buffer by `buf` (its reference is taken over). */
+static void buffer_set(lshm_arena *a, lshm_arena_buffer *buf) {
+    buffer_free(a);
+    a->buf = buf;
+    a->segment = buf->segment;
+    a->buffer = buf->data;
+    a->buffer_size = buf->size;
+    a->have_buffer = 1;
+}
+
+/* Does the arena's buffer hold `size` bytes already? */
+static int buffer_fits(const lshm_arena *a, uint64_t size) {
+    return a->have_buffer && a->buffer_size >= size;
+}
+
+/* Make sure a buffer of at least `size` bytes exists; *reused says it existed already. The old
+ * buffer goes first (a planned arena's buffer is only too small after a trim anyway). */
+static int buffer_ensure(lshm_arena *a, uint64_t size, int *reused) {
+    *reused = buffer_fits(a, size);
+    if (*reused)
+        return 0;
+    buffer_free(a);
+    lshm_arena_buffer *buf = NULL;
+    int rc = buffer_make(a, size, &buf);
+    if (rc != 0)
+        return rc;
+    buffer_set(a, buf);
+    return 0;
+}
+
 /* ---- plans --------------------------------------------------------------------------------- */
 
-/* Plan n tensors and install the plan (sizes are taken over: the arena frees them). */
+/* Plan n tensors and install the plan (sizes are taken over: the arena frees them). With
+ * `with_buffer`, a buffer the plan fits in is made too, before anything is installed: a
+ * failure (the planner's, or no memory for the buffer) leaves the plan and buffer as they
+ * were. */
 static int install_plan(lshm_arena *a, size_t n, uint64_t *sizes, const int64_t *firsts,
-                        const int64_t *lasts, const lshm_plan_options *opts) {
+                        const int64_t *lasts, const lshm_plan_options *opts, int with_buffer) {
     uint64_t *offsets = n > 0 ? malloc(n * sizeof *offsets) : NULL;
     if (n > 0 && offsets == NULL) {
         free(sizes);
@@ -276,9 +299,19 @@ static int install_plan(lshm_arena *a, size_t n, uint64_t *sizes, const int64_t 
     }
     lshm_plan_result result;
     int rc = lshm_plan(n, sizes, firsts, lasts, NULL, opts, offsets, &result);
+    uint64_t managed = 0, need = result.arena_size;
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        managed += sizes[i]; /* cannot wrap: lshm_plan refused sums that overflow */
+        if (sizes[i] > 0 && offsets[i] + sizes[i] > need)
+            need = offsets[i] + sizes[i];
+    }
+    lshm_arena_buffer *buf = NULL;
+    if (rc == 0 && with_buffer && !buffer_fits(a, need))
+        rc = buffer_make(a, need, &buf);
     if (rc == 0)
-        rc = slab_reserve(a, n);
+        rc = slab_reserve(a, n); /* (only grows: harmless if kept with the old plan) */
     if (rc != 0) {
+        lshm_arena_buffer_release(buf);
         free(sizes);
         free(offsets);
         return rc;
@@ -290,17 +323,13 @@ static int install_plan(lshm_arena *a, size_t n, uint64_t *sizes, const int64_t 
     a->count = n;
     a->plan = result;
     a->have_plan = 1;
-    uint64_t managed = 0, need = result.arena_size;
-    for (size_t i = 0; i < n; i++) {
-        managed += sizes[i]; /* cannot wrap: lshm_plan refused sums that overflow */
-        if (sizes[i] > 0 && offsets[i] + sizes[i] > need)
-            need = offsets[i] + sizes[i];
-    }
     a->need = need;
     a->stats.managed_bytes = managed;
     a->stats.arena_bytes = need;
     a->stats.lower_bound = result.lower_bound;
     a->stats.storages = n;
+    if (buf != NULL)
+        buffer_set(a, buf);
     return 0;
 }
 
@@ -364,7 +393,7 @@ int lshm_arena_create(size_t n, const uint64_t *sizes, const int64_t *firsts,
     if (n > 0)
         memcpy(copy, sizes, n * sizeof *copy);
     /* (the caller's options, so that lshm_plan_interrupt(opts) reaches this plan) */
-    if ((rc = install_plan(a, n, copy, firsts, lasts, opts != NULL ? opts : &a->opts)) != 0) {
+    if ((rc = install_plan(a, n, copy, firsts, lasts, opts != NULL ? opts : &a->opts, 0)) != 0) {
         arena_free(a);
         return rc;
     }
@@ -734,7 +763,9 @@ int lshm_arena_end_iteration(lshm_arena *a) {
         firsts[k] = a->records[k].first;
         lasts[k] = a->records[k].last;
     }
-    rc = install_plan(a, n, sizes, firsts, lasts, &a->opts); /* takes sizes */
+    /* (with its buffer: when there is no memory for it, the old plan and buffer stay, and
+     * serve the next iterations that fit them) */
+    rc = install_plan(a, n, sizes, firsts, lasts, &a->opts, 1); /* takes sizes */
     if (rc != 0) {
         free(firsts);
         free(lasts);
@@ -747,8 +778,5 @@ int lshm_arena_end_iteration(lshm_arena *a) {
     a->lasts = lasts;
     if (had_plan)
         a->stats.replans++;
-    int reused = 0;
-    if ((rc = buffer_ensure(a, a->need, &reused)) != 0)
-        return rc; /* no buffer: allocs fall back and mark a misfit until one can be made */
     return 0;
 }

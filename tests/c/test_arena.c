@@ -4,6 +4,10 @@
  * reuse and trim, -EBUSY on live references, a shared arena seen from a forked child,
  * record-then-replay with a grown request that re-plans, stats, and bad input.
  */
+#ifndef LSHM_TESTING
+#define LSHM_TESTING /* the fault-injection hooks of internal.h (a re-plan that fails) */
+#endif
+#include "internal.h"
 #include "task.h"
 
 #include <errno.h>
@@ -701,6 +705,57 @@ static void test_interrupt_plans(void) {
     free(live), free(b.sizes), free(b.firsts), free(b.lasts);
 }
 
+/* A re-plan that fails (no memory for the planner or for the grown buffer: each fault point
+ * of end_iteration in turn) keeps the plan and buffer it had, and they serve the next
+ * iterations that fit them; it used to install the new plan with no buffer, so every later
+ * iteration fell back to ordinary memory and failed to re-plan again, for good. */
+static void test_failed_replan_keeps_the_plan(void) {
+    const size_t req[4] = {1000, 2000, 3000, 500}, grown[4] = {1000, 2000, 90000, 500};
+    lshm_storage *seen[4];
+    for (unsigned flags = 0; flags <= LSHM_ARENA_SHARED; flags += LSHM_ARENA_SHARED) {
+        int failures = 0;
+        for (int nth = 1;; nth++) {
+            lshm_arena *a = NULL;
+            ASSERT_OK(lshm_arena_create_recording(NULL, flags, &a));
+            run_iteration(a, req, seen);
+            ASSERT_OK(lshm_arena_end_iteration(a)); /* the plan of req, and its buffer */
+            uint64_t size = lshm_arena_size(a);
+            void *data = lshm_arena_data(a);
+            ASSERT(data != NULL);
+            run_iteration(a, grown, seen); /* request 2 misfits */
+            lshm__fault_arm(nth, -ENOMEM);
+            int rc = lshm_arena_end_iteration(a);
+            int hit = lshm__fault_points_hit();
+            lshm__fault_arm(0, 0);
+            if (rc == 0) { /* the fault was absorbed (the planner can do without), or none */
+                ASSERT_GE(lshm_arena_size(a), 90000);
+                ASSERT_OK(lshm_arena_destroy(a));
+                if (hit < nth)
+                    break; /* every fault point was tried */
+                continue;
+            }
+            failures++;
+            ASSERT_EQ(rc, -ENOMEM);
+            ASSERT_UINT_EQ(lshm_arena_size(a), size);
+            ASSERT_PTR_EQ(lshm_arena_data(a), data);
+            lshm_arena_counters before, after;
+            ASSERT_OK(lshm_arena_stats(a, &before));
+            ASSERT_UINT_EQ(before.arena_bytes, size);
+            run_iteration(a, req, seen); /* fits the old plan: served from its buffer */
+            ASSERT_OK(lshm_arena_stats(a, &after));
+            ASSERT_UINT_EQ(after.fallback_count, before.fallback_count);
+            ASSERT_UINT_EQ(after.reuse_count, before.reuse_count + 4);
+            ASSERT_OK(lshm_arena_end_iteration(a));
+            ASSERT_PTR_EQ(lshm_arena_data(a), data);
+            run_iteration(a, grown, seen); /* and the grown one re-plans now */
+            ASSERT_OK(lshm_arena_end_iteration(a));
+            ASSERT_GE(lshm_arena_size(a), 90000);
+            ASSERT_OK(lshm_arena_destroy(a));
+        }
+        ASSERT_GE(failures, 2); /* the planner's and the buffer's */
+    }
+}
+
 int main(void) {
     RUN_TEST(test_slab_in_place);
     RUN_TEST(test_cycles_reuse_and_trim);
@@ -714,5 +769,6 @@ int main(void) {
     RUN_TEST(test_buffer_reference_outlives_replan_and_trim);
     RUN_TEST(test_fini_of_an_arena_storage_is_refused);
     RUN_TEST(test_interrupt_plans);
+    RUN_TEST(test_failed_replan_keeps_the_plan);
     return 0;
 }
