@@ -114,7 +114,8 @@ def read_trace(path: str):
     """Read a trace CSV ``id,lower,upper,size[,...]`` into (ids, sizes, firsts, lasts).
 
     Every value is checked as it is read (``size`` in [0, 2**64), ``lower`` and ``upper`` in
-    int64, ``lower <= upper``): a bad one is a :class:`ValueError` naming the file and line.
+    int64, ``lower <= upper``): a bad one is a :class:`ValueError` naming the file and line,
+    as is a line the csv module refuses. A leading byte order mark is ignored.
     """
     ids, sizes, firsts, lasts, _ = read_trace_lines(path)
     return ids, sizes, firsts, lasts
@@ -123,30 +124,40 @@ def read_trace(path: str):
 def read_trace_lines(path: str):
     """read_trace, plus the file's line number of each tensor (for error messages: the
     command line's plan)."""
-    ids, sizes, firsts, lasts, lines = [], [], [], [], []
     with open(path, newline="") as handle:
         reader = csv.DictReader(handle)
-        missing = {"id", "lower", "upper", "size"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: missing column(s) {sorted(missing)}")
-        for row in reader:
-            line = reader.line_num  # the file's line (blank lines and quoted newlines count)
-            where = f"{path}:{line}"
-            if row.get("id") is None:  # DictReader fills missing cells with None
-                raise ValueError(f"{where}: fewer cells than columns in row {_row_text(row)}")
-            try:
-                lower = _checks.int64(_cell_int(row, "lower"), "lower")
-                upper = _checks.int64(_cell_int(row, "upper"), "upper")
-                size = _checks.uint64(_cell_int(row, "size"), "size")
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise ValueError(f"{where}: {exc} in row {_row_text(row)}") from None
-            if lower > upper:
-                raise ValueError(f"{where}: lower {lower} > upper {upper} in row {_row_text(row)}")
-            ids.append(row["id"])
-            firsts.append(lower)
-            lasts.append(upper)
-            sizes.append(size)
-            lines.append(line)
+        try:
+            return _read_rows(path, reader)
+        except csv.Error as exc:  # (e.g. a field over csv.field_size_limit())
+            raise ValueError(f"{path}:{reader.reader.line_num}: {exc}") from None
+
+
+def _read_rows(path: str, reader: csv.DictReader):
+    ids, sizes, firsts, lasts, lines = [], [], [], [], []
+    names = reader.fieldnames
+    if names and names[0].startswith("\ufeff"):  # a byte order mark (spreadsheets write one)
+        reader.fieldnames = [names[0][1:], *names[1:]]
+    missing = {"id", "lower", "upper", "size"} - set(reader.fieldnames or ())
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {sorted(missing)}")
+    for row in reader:
+        line = reader.line_num  # the file's line (blank lines and quoted newlines count)
+        where = f"{path}:{line}"
+        if row.get("id") is None:  # DictReader fills missing cells with None
+            raise ValueError(f"{where}: fewer cells than columns in row {_row_text(row)}")
+        try:
+            lower = _checks.int64(_cell_int(row, "lower"), "lower")
+            upper = _checks.int64(_cell_int(row, "upper"), "upper")
+            size = _checks.uint64(_cell_int(row, "size"), "size")
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"{where}: {exc} in row {_row_text(row)}") from None
+        if lower > upper:
+            raise ValueError(f"{where}: lower {lower} > upper {upper} in row {_row_text(row)}")
+        ids.append(row["id"])
+        firsts.append(lower)
+        lasts.append(upper)
+        sizes.append(size)
+        lines.append(line)
     return ids, sizes, firsts, lasts, lines
 
 

@@ -501,3 +501,34 @@ def test_ctrl_c_interrupts_a_big_plan():
     assert word == "interrupted"
     assert float(seconds) < 5.0
     assert threads.strip() == "[]"  # (the helper thread ended: its call stopped)
+
+
+def test_cli_plan_csv_the_reader_refuses_names_the_line(tmp_path):
+    # a cell over csv.field_size_limit() (128 KiB) made the csv module raise csv.Error, which
+    # came out of `python -m pyshm plan` as a traceback instead of a line naming file and line
+    trace = tmp_path / "long.csv"
+    trace.write_text("id,lower,upper,size\n0,0,2,16\n1,1,3," + "1" * 200_000 + "\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "pyshm", "plan", str(trace)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"pyshm: error: {trace}:3: field larger than field limit")
+    with pytest.raises(ValueError, match="long.csv:3: field larger"):
+        planner.read_trace(str(trace))
+
+
+def test_trace_with_a_byte_order_mark(tmp_path):
+    # a CSV saved by a spreadsheet starts with a UTF-8 byte order mark: its first column read
+    # as '\ufeffid', and the file was refused for a missing column 'id' it visibly has
+    trace = tmp_path / "bom.csv"
+    trace.write_bytes(b"\xef\xbb\xbfid,lower,upper,size\r\n7,0,2,16\r\n8,1,3,8\r\n")
+    assert planner.read_trace(str(trace)) == (["7", "8"], [16, 8], [0, 1], [2, 3])
+    out = tmp_path / "out.csv"
+    result = subprocess.run(
+        [sys.executable, "-m", "pyshm", "plan", str(trace), "-o", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert out.read_text().splitlines()[0] == "id,lower,upper,size,offset"
