@@ -41,7 +41,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         i = int(found.group(1))
         raise ValueError(f"{args.trace}:{lines[i]}: (id {ids[i]}) {exc}") from None
     seconds = time.perf_counter() - start
-    if args.output:
+    # (with --capacity, the goal is a plan that fits: the best plan above it is a failure)
+    fits = args.capacity == 0 or result.arena_size <= args.capacity
+    if args.output and fits:
         planner.write_trace(args.output, ids, sizes, firsts, lasts, result.offsets)
     print(f"trace        {args.trace}")
     print(f"tensors      {len(sizes)}")
@@ -50,6 +52,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"ratio        {result.ratio:.4f}{' (optimal)' if result.optimal else ''}")
     print(f"strategy     {result.strategy}")
     print(f"time         {seconds * 1e3:.1f} ms")
+    if args.capacity:
+        print(f"capacity     {args.capacity} ({'met' if fits else 'not met'})")
+    if not fits:
+        print(f"pyshm: error: no plan found fits in --capacity {args.capacity} bytes "
+              f"(best: {result.arena_size}){'; nothing written' if args.output else ''}",
+              file=sys.stderr)
+        return 1
     if args.output:
         print(f"offsets      written to {args.output}")
     return 0
@@ -79,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds for improvement and exact search (default 1)")
     plan.add_argument("--alignment", type=int, default=1, help="offset alignment (default 1)")
     plan.add_argument("--capacity", type=int, default=0,
-                      help="target arena bytes: stop at a plan that fits (default 0: minimise)")
+                      help="target arena bytes: stop at a plan that fits, exit 1 when none is "
+                      "found (default 0: minimise)")
     plan.add_argument("--inclusive", action="store_true",
                       help="ranges are [lower, upper] instead of [lower, upper)")
     plan.set_defaults(func=_cmd_plan)

@@ -532,3 +532,28 @@ def test_trace_with_a_byte_order_mark(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert out.read_text().splitlines()[0] == "id,lower,upper,size,offset"
+
+
+def test_cli_plan_capacity_not_met_fails(tmp_path):
+    # --capacity asks for a plan that fits; when none was found the command printed the larger
+    # plan, wrote it and exited 0, as if it had succeeded
+    trace = tmp_path / "trace.csv"
+    trace.write_text("id,lower,upper,size\n0,0,2,16\n1,1,3,16\n")
+    out = tmp_path / "out.csv"
+
+    def run(capacity):
+        return subprocess.run(
+            [sys.executable, "-m", "pyshm", "plan", str(trace), "-o", str(out),
+             "--capacity", str(capacity), "--time-limit", "0"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )
+
+    result = run(31)  # the lower bound is 32
+    assert result.returncode == 1
+    assert result.stderr.startswith("pyshm: error: no plan found fits in --capacity 31 bytes")
+    assert "capacity     31 (not met)" in result.stdout
+    assert not out.exists()
+    result = run(32)
+    assert result.returncode == 0, result.stderr
+    assert "capacity     32 (met)" in result.stdout
+    assert out.exists()
