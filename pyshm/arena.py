@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -72,6 +73,19 @@ def _unless_no_data(func, *args) -> bool:
             return False
         raise
     return True
+
+
+def _locked(method):
+    """``method`` under the arena's lock: the C arena is not thread-safe, and two threads in
+    it at once (an alloc beside a free, a re-plan beside an offset read) corrupted its records
+    or read freed memory."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class _ArenaKeep(HandleLifetime):
@@ -148,8 +162,10 @@ class Arena(HandleLifetime):
       tensor's bytes, or the bytes of a buffer the arena no longer uses). :meth:`free` raises
       :class:`BufferError` while another :class:`~pyshm.Storage` handle on a buffer slice
       exists.
-    * An arena is not thread-safe: use it from one thread at a time. Its arrays are ordinary
-      arrays and may be used from any thread.
+    * Threads may call an arena's methods at once: each takes the arena's lock, so they run
+      one at a time. A recording arena's iteration is still one sequence of events: allocs of
+      threads interleaving differently each iteration fall back and re-plan more. Its arrays
+      are ordinary arrays and may be used from any thread.
     """
 
     def __init__(
@@ -192,6 +208,7 @@ class Arena(HandleLifetime):
 
     def _setup(self, handle: _ffi.ArenaHandle, *, recording: bool, shared: bool, alignment: int,
                inclusive: bool) -> None:
+        self._lock = threading.RLock()  # (held by every method: see _locked)
         self._handle = handle
         self._recording = recording
         self._shared = shared
@@ -222,6 +239,7 @@ class Arena(HandleLifetime):
     def closed(self) -> bool:
         return self._handle is None
 
+    @_locked
     def close(self) -> None:
         """Free the storages, the slab and the buffer (idempotent).
 
@@ -248,9 +266,11 @@ class Arena(HandleLifetime):
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    @_locked
     def __len__(self) -> int:
         return lib.lshm_arena_count(self._as_parameter_)
 
+    @_locked
     def __repr__(self) -> str:
         if self._handle is None:
             return "<pyshm.Arena closed>"
@@ -260,19 +280,23 @@ class Arena(HandleLifetime):
 
     # ---- planned arenas -------------------------------------------------------------------
 
+    @_locked
     def allocate(self) -> "Arena":
         """Back every planned tensor with its slice of the buffer (kept between calls)."""
         lib.lshm_arena_allocate(self._as_parameter_)
         return self
 
+    @_locked
     def deallocate(self) -> None:
         """Detach every storage; :class:`BufferError` while arrays from :meth:`array` live."""
         lib.lshm_arena_deallocate(self._as_parameter_)
 
+    @_locked
     def trim(self) -> None:
         """Free the kept buffer (the next :meth:`allocate` maps a new one)."""
         lib.lshm_arena_trim(self._as_parameter_)
 
+    @_locked
     def array(self, i: int, shape: Optional[ShapeLike] = None, dtype: Any = np.uint8) -> np.ndarray:
         """A numpy array over planned tensor ``i`` (the arena must be allocated).
 
@@ -283,6 +307,7 @@ class Arena(HandleLifetime):
         lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
         return self._wrap(out, shape, dtype)
 
+    @_locked
     def storage(self, i: int) -> Storage:
         """A :class:`Storage` handle (its own reference) on planned tensor ``i``; it keeps the
         arena alive, as its arrays do."""
@@ -292,6 +317,7 @@ class Arena(HandleLifetime):
 
     # ---- recording arenas -----------------------------------------------------------------
 
+    @_locked
     def empty(self, shape: ShapeLike, dtype: Any = np.float64) -> np.ndarray:
         """Recording arenas: one allocation, served from the plan when it fits."""
         dtype = array_dtype(dtype)
@@ -302,6 +328,7 @@ class Arena(HandleLifetime):
         self._live[_ffi.address(out)] = out
         return self._wrap(out, dims, dtype)
 
+    @_locked
     def free(self, array: Any) -> None:
         """Recording arenas: tensor ``array`` (from :meth:`empty`) is dead from now on."""
         owner = owner_of(array)
@@ -324,6 +351,7 @@ class Arena(HandleLifetime):
         lib.lshm_arena_free(self._as_parameter_, self._live[key])
         del self._live[key]
 
+    @_locked
     def end_iteration(self) -> None:
         """Recording arenas: end the iteration (plans after the first, or after a misfit). A
         plan of 2,000 allocations or more is made on a helper thread while this one waits, so
@@ -338,12 +366,14 @@ class Arena(HandleLifetime):
     # ---- information ----------------------------------------------------------------------
 
     @property
+    @_locked
     def size(self) -> int:
         """Bytes of the current plan's buffer (0 before a recording arena's first plan). A
         tensor that is never live (first == last, half-open) still gets a slice of its size,
         so it can be larger than the plan's ``arena_size``."""
         return int(lib.lshm_arena_size(self._as_parameter_))
 
+    @_locked
     def offset(self, i: int) -> int:
         """Offset of tensor ``i`` in the buffer (and in ``.fd``)."""
         value = ctypes.c_uint64()
@@ -351,6 +381,7 @@ class Arena(HandleLifetime):
         return int(value.value)
 
     @property
+    @_locked
     def plan(self) -> Optional[Plan]:
         """The current plan (None for a recording arena before its first plan)."""
         result = _ffi.PlanResult()
@@ -361,6 +392,7 @@ class Arena(HandleLifetime):
         return plan_from_result(offsets, result, self._alignment, self._inclusive)
 
     @property
+    @_locked
     def stats(self) -> ArenaStats:
         counters = _ffi.ArenaCounters()
         lib.lshm_arena_stats(self._as_parameter_, ctypes.byref(counters))
@@ -371,6 +403,7 @@ class Arena(HandleLifetime):
         return self._shared
 
     @property
+    @_locked
     def fd(self) -> Optional[int]:
         """The memfd of a shared arena's buffer (borrowed: dup it to keep it), else None."""
         if not self._shared:
@@ -381,6 +414,7 @@ class Arena(HandleLifetime):
         return fd.value
 
     @property
+    @_locked
     def data_ptr(self) -> int:
         """Address of the buffer's first byte (0 when there is none)."""
         return lib.lshm_arena_data(self._as_parameter_) or 0

@@ -544,3 +544,39 @@ def test_ctrl_c_interrupts_an_arena_s_big_plan(how):
     assert word == "interrupted"
     assert float(seconds) < 5.0
     assert threads.strip() == "[]"
+
+
+THREADS_ON_ONE_ARENA = """
+import threading, numpy as np, pyshm
+errors = []
+def work(a, rounds):
+    try:
+        for it in range(rounds):
+            xs = [a.empty((64 + it % 5,), np.float64) for _ in range(8)]
+            for x in xs:
+                x[:] = 1
+                a.free(x)
+            a.stats, a.size, len(a), repr(a)
+    except Exception as exc:
+        errors.append(repr(exc))
+for shared in (False, True):
+    a = pyshm.Arena.recording(shared=shared)
+    for iteration in range(3):
+        threads = [threading.Thread(target=work, args=(a, 150)) for _ in range(4)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        a.end_iteration()
+    a.close()
+print(len(errors), errors[:3])
+"""
+
+
+def test_threads_calling_one_arena_at_once():
+    # the C arena is not thread-safe, and each pyshm.Arena method calls it without the GIL:
+    # threads sharing a recording arena corrupted its records (free of a live storage refused
+    # as "not allocated in this iteration", outstanding storages nobody holds) or crashed the
+    # interpreter (SIGILL/SIGSEGV). Each method now holds the arena's lock
+    done = subprocess.run([sys.executable, "-c", THREADS_ON_ONE_ARENA], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "0 []", done.stdout
