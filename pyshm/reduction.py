@@ -1413,11 +1413,15 @@ def share_readonly(array: Any) -> Any:
     if segment:
         # A view of a segment: alone in it only if it covers the whole of it, but for the end
         # of its last page (a receiver maps a whole memfd, whose size is whole pages when its
-        # sender shared an array in place).
+        # sender shared an array in place). Never a shared arena's tensor (a slot, made in
+        # place): the arena's buffer holds the other tensors, in that last page too, and serves
+        # every later allocation.
         nbytes = lib.lshm_storage_nbytes(handle)
         size = lib.lshm_segment_size(segment)
         offset = (lib.lshm_storage_data(handle) or 0) - (lib.lshm_segment_data(segment) or 0)
-        if offset != 0 or not nbytes <= size <= -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE:
+        in_arena = bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_INPLACE)
+        if in_arena or offset != 0 or not (
+                nbytes <= size <= -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE):
             raise ValueError(
                 f"this array's {nbytes} bytes at offset {offset} share a {size}-byte memfd (a "
                 "slab, or an arena's buffer) with other arrays; sealing it read-only would "

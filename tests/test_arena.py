@@ -580,3 +580,39 @@ def test_threads_calling_one_arena_at_once():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "0 []", done.stdout
+
+
+@pytest.mark.parametrize("sizes", [[64, 64], [2048, 2048], [4096]])
+def test_share_readonly_of_a_shared_arena_tensor_is_refused(sizes):
+    # the first tensor of a small shared arena (its size rounded up to a page covers the whole
+    # memfd) passed share_readonly's "alone in its memfd" check: the arena's whole memfd was
+    # sealed F_SEAL_FUTURE_WRITE, for good, so the other tensors (and those of every later
+    # allocate) could not be attached writable by another process any more
+    import fcntl
+
+    from pyshm import reduction
+
+    n = len(sizes)
+    arena = pyshm.Arena(sizes, [0] * n, [1] * n, shared=True).allocate()
+    first = arena.array(0)
+    with pytest.raises(ValueError, match="arena"):
+        pyshm.share_readonly(first)
+    assert fcntl.fcntl(arena.fd, fcntl.F_GET_SEALS) & reduction.F_SEAL_FUTURE_WRITE == 0
+    attached = pyshm.Storage.attach(arena.fd, arena.size)
+    assert not attached.readonly
+    attached.close()
+    del first
+    arena.deallocate()
+    arena.close()
+    # a recording arena's tensor, alone in the buffer that serves the next iterations
+    recording = pyshm.Arena.recording(shared=True)
+    x = recording.empty((8,))
+    recording.free(x)
+    recording.end_iteration()
+    x = recording.empty((8,))
+    with pytest.raises(ValueError, match="arena"):
+        pyshm.share_readonly(x)
+    assert fcntl.fcntl(recording.fd, fcntl.F_GET_SEALS) & reduction.F_SEAL_FUTURE_WRITE == 0
+    recording.free(x)
+    del x
+    recording.close()
