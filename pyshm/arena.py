@@ -25,7 +25,6 @@ from ._memory import (
     owner_of,
 )
 from ._planning import (
-    WAIT_APART_FROM,
     Plan,
     big_plan,
     inputs,
@@ -204,6 +203,7 @@ class Arena(HandleLifetime):
         self = cls.__new__(cls)
         self._setup(out, recording=True, shared=shared, alignment=int(opts.alignment),
                     inclusive=False)
+        self._time_limit = float(opts.time_limit)
         return self
 
     def _setup(self, handle: _ffi.ArenaHandle, *, recording: bool, shared: bool, alignment: int,
@@ -219,6 +219,7 @@ class Arena(HandleLifetime):
         self._live: dict = {}
         # allocations of this iteration: end_iteration waits apart for a big one's plan
         self._allocs = 0
+        self._time_limit = 0.0  # (a recording arena's: its plans may take that long)
         # the owners of the arrays handed out (each keeps the arena alive: its keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
         # buffer address (None: ordinary memory) -> the _ArenaKeep its arrays share
@@ -354,12 +355,13 @@ class Arena(HandleLifetime):
     @_locked
     def end_iteration(self) -> None:
         """Recording arenas: end the iteration (plans after the first, or after a misfit). A
-        plan of 2,000 allocations or more is made on a helper thread while this one waits, so
-        that Ctrl-C stops it (see :func:`pyshm.planner.plan`; the next iteration plans again)."""
+        plan of 2,000 allocations or more, or with a ``time_limit`` of 0.5 s or more, is made
+        on a helper thread while this one waits, so that Ctrl-C stops it (see
+        :func:`pyshm.planner.plan`; the next iteration plans again)."""
         handle = self._as_parameter_
         # (apart whether it plans or not: a helper thread costs about 0.1 ms, an iteration of
-        # that many allocations far more)
-        apart, self._allocs = self._allocs >= WAIT_APART_FROM, 0
+        # that many allocations, or a plan that may take that budget, far more)
+        apart, self._allocs = big_plan(self._allocs, self._time_limit), 0
         interruptibly(functools.partial(lib.lshm_arena_end_iteration, handle),
                       functools.partial(lib.lshm_arena_interrupt, handle), apart)
 

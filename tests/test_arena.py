@@ -616,3 +616,42 @@ def test_share_readonly_of_a_shared_arena_tensor_is_refused(sizes):
     recording.free(x)
     del x
     recording.close()
+
+
+INTERRUPTED_BUDGET = """
+import os, signal, threading, time, numpy as np, pyshm
+rng = np.random.default_rng(3)
+n = 300  # (allocations and frees in a random order: a plan above the lower bound, which the
+sizes = rng.integers(1, 50, n) * 1000 + rng.integers(0, 999, n)  # search spends its budget on)
+events, live, k = [], [], 0
+while k < n or live:
+    if k < n and (not live or rng.random() < 0.55):
+        events.append((True, k)); live.append(k); k += 1
+    else:
+        events.append((False, live.pop(int(rng.integers(0, len(live))))))
+arena = pyshm.Arena.recording(time_limit=60)
+arrays = {}
+for alloc, i in events:
+    if alloc:
+        arrays[i] = arena.empty((int(sizes[i]),), np.uint8)
+    else:
+        arena.free(arrays.pop(i))
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+started = time.monotonic()
+try:
+    arena.end_iteration()
+    print("planned", time.monotonic() - started)
+except KeyboardInterrupt:
+    print("interrupted", time.monotonic() - started)
+"""
+
+
+def test_ctrl_c_interrupts_a_recording_arena_s_plan_with_a_budget():
+    # pyshm.plan and pyshm.Arena wait apart (interruptibly) for a plan with a time_limit of
+    # 0.5 s or more, but a recording arena's end_iteration did so only from 2,000 allocations:
+    # Arena.recording(time_limit=60) planning 300 allocations was deaf to Ctrl-C for 60 s
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_BUDGET], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    word, seconds = done.stdout.split()
+    assert word == "interrupted" and float(seconds) < 5.0, done.stdout
