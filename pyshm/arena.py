@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -85,6 +86,19 @@ def _locked(method):
             return method(self, *args, **kwargs)
 
     return locked
+
+
+# Every arena's lock is made anew in a fork's child: a thread of the parent that held one at the
+# fork does not exist there, and the child's first call would wait for it forever.
+_ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+
+
+def _new_locks_in_child() -> None:
+    for arena in list(_ARENAS):
+        arena._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)
 
 
 class _ArenaKeep(HandleLifetime):
@@ -209,6 +223,7 @@ class Arena(HandleLifetime):
     def _setup(self, handle: _ffi.ArenaHandle, *, recording: bool, shared: bool, alignment: int,
                inclusive: bool) -> None:
         self._lock = threading.RLock()  # (held by every method: see _locked)
+        _ARENAS.add(self)
         self._handle = handle
         self._recording = recording
         self._shared = shared

@@ -655,3 +655,36 @@ def test_ctrl_c_interrupts_a_recording_arena_s_plan_with_a_budget():
     assert done.returncode == 0, done.stderr[-3000:]
     word, seconds = done.stdout.split()
     assert word == "interrupted" and float(seconds) < 5.0, done.stdout
+
+
+FORK_WHILE_LOCKED = """
+import os, threading, time, numpy as np, pyshm
+a = pyshm.Arena.recording()
+x = a.empty((4,)); a.free(x); a.end_iteration()
+hold, release = threading.Event(), threading.Event()
+def holder():
+    with a._lock:  # (as a thread inside one of the arena's methods)
+        hold.set(); release.wait()
+t = threading.Thread(target=holder); t.start(); hold.wait()
+pid = os.fork()
+if pid == 0:
+    y = a.empty((4,)); a.free(y); a.end_iteration(); os._exit(7)
+release.set(); t.join()
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print(os.waitstatus_to_exitcode(status)); break
+    time.sleep(0.02)
+else:
+    os.kill(pid, 9); os.waitpid(pid, 0); print("hung")
+"""
+
+
+def test_fork_while_another_thread_is_in_the_arena():
+    # the arena's lock (see test_threads_calling_one_arena_at_once) is made anew in a fork's
+    # child: held by a thread of the parent at the fork, the child's first call waited forever
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_LOCKED], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "7"
