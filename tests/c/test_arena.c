@@ -713,7 +713,7 @@ static void test_failed_replan_keeps_the_plan(void) {
     const size_t req[4] = {1000, 2000, 3000, 500}, grown[4] = {1000, 2000, 90000, 500};
     lshm_storage *seen[4];
     for (unsigned flags = 0; flags <= LSHM_ARENA_SHARED; flags += LSHM_ARENA_SHARED) {
-        int failures = 0;
+        int failures = 0, fds = fd_count(), maps = map_count();
         for (int nth = 1;; nth++) {
             lshm_arena *a = NULL;
             ASSERT_OK(lshm_arena_create_recording(NULL, flags, &a));
@@ -753,6 +753,8 @@ static void test_failed_replan_keeps_the_plan(void) {
             ASSERT_OK(lshm_arena_destroy(a));
         }
         ASSERT_GE(failures, 2); /* the planner's and the buffer's */
+        ASSERT_EQ(fd_count(), fds); /* (no buffer made for a failed plan is left behind) */
+        ASSERT_EQ(map_count(), maps);
     }
 }
 
