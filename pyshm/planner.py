@@ -115,7 +115,8 @@ def read_trace(path: str):
 
     Every value is checked as it is read (``size`` in [0, 2**64), ``lower`` and ``upper`` in
     int64, ``lower <= upper``): a bad one is a :class:`ValueError` naming the file and line,
-    as is a line the csv module refuses. A leading byte order mark is ignored.
+    as is a line the csv module refuses. A byte order mark and blanks around the column
+    names are ignored.
     """
     ids, sizes, firsts, lasts, _ = read_trace_lines(path)
     return ids, sizes, firsts, lasts
@@ -135,8 +136,10 @@ def read_trace_lines(path: str):
 def _read_rows(path: str, reader: csv.DictReader):
     ids, sizes, firsts, lasts, lines = [], [], [], [], []
     names = reader.fieldnames
-    if names and names[0].startswith("\ufeff"):  # a byte order mark (spreadsheets write one)
-        reader.fieldnames = [names[0][1:], *names[1:]]
+    if names:
+        # without a byte order mark (spreadsheets write one) or blanks around the names
+        # ("id, lower, upper, size" by hand); int() takes the numbers' blanks already
+        reader.fieldnames = [name.strip(" \t\ufeff") for name in names]
     missing = {"id", "lower", "upper", "size"} - set(reader.fieldnames or ())
     if missing:
         raise ValueError(f"{path}: missing column(s) {sorted(missing)}")

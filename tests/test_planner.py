@@ -557,3 +557,11 @@ def test_cli_plan_capacity_not_met_fails(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "capacity     32 (met)" in result.stdout
     assert out.exists()
+
+
+def test_trace_with_blanks_around_the_column_names(tmp_path):
+    # "id, lower, upper, size" (typed by hand) was refused for missing columns 'lower', 'size'
+    # and 'upper' (read as ' lower', ...), while the cells' blanks were accepted
+    trace = tmp_path / "blanks.csv"
+    trace.write_text("id, lower, upper ,\tsize\n7, 0, 2, 16\n8, 1, 3, 8\n")
+    assert planner.read_trace(str(trace)) == (["7", "8"], [16, 8], [0, 1], [2, 3])
