@@ -75,6 +75,11 @@ def _unless_no_data(func, *args) -> bool:
     return True
 
 
+def _check_shared(shared: Any) -> None:
+    if shared not in (True, False):  # (a string such as "no" would read as true)
+        raise TypeError(f"shared must be a bool, got {shared!r}")
+
+
 def _locked(method):
     """``method`` under the arena's lock: the C arena is not thread-safe, and two threads in
     it at once (an alloc beside a free, a re-plan beside an offset read) corrupted its records
@@ -192,6 +197,7 @@ class Arena(HandleLifetime):
         shared: bool = False,
         time_limit: float = 0.0,
     ) -> None:
+        _check_shared(shared)
         n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
         opts = options(alignment, inclusive, time_limit)
         out = _ffi.ArenaHandle()
@@ -209,6 +215,7 @@ class Arena(HandleLifetime):
         cls, *, shared: bool = False, alignment: int = 64, time_limit: float = 0.0
     ) -> "Arena":
         """A record-then-replay arena: use :meth:`empty`, :meth:`free`, :meth:`end_iteration`."""
+        _check_shared(shared)
         opts = options(alignment, False, time_limit)
         out = _ffi.ArenaHandle()
         lib.lshm_arena_create_recording(

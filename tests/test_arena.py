@@ -688,3 +688,14 @@ def test_fork_while_another_thread_is_in_the_arena():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "7"
+
+
+@pytest.mark.parametrize("make", [
+    lambda shared: pyshm.Arena([64], [0], [1], shared=shared),
+    lambda shared: pyshm.Arena.recording(shared=shared),
+])
+def test_arena_refuses_a_non_bool_shared(make):
+    # shared="no" made a shared arena (a memfd) whose .shared said "no"
+    with pytest.raises(TypeError, match="shared must be a bool"):
+        make("no")
+    assert make(False).shared is False and make(True).shared is True
