@@ -15,7 +15,9 @@ What is secret:
   that yields a read-only fd; a token carries one of them (the read-only one for read-only
   memory), and a request gets the fd of a memfd only with its secret. A read-only fd is handed
   out only if the memfd is sealed against writes (``F_SEAL_FUTURE_WRITE``), so no holder can
-  map it writable;
+  map it writable. A request carries the secret bound to the address it is sent to (HMAC:
+  for_server), so a stranger that binds the name of a sender that is gone learns nothing from
+  the requests of receivers still holding its pickles that opens memory anywhere else;
 * every pickled *message* has a batch secret (see below); it lets the holder of the message
   fetch, in the same round trip, the fds of the other memfds named in that message, and none
   other. Peers of another uid are refused (``SO_PEERCRED``) before they can say anything.
@@ -145,11 +147,12 @@ def reachable(address: Any) -> bool:
     return True
 
 # ---- wire format ---------------------------------------------------------------------------
-# request: _HEAD, the batch proof (id 0: none), `fetches` x _ITEM, `acks` x _PROOF
+# request: _HEAD, the batch proof (id 0: none), `fetches` x _ITEM, `acks` x _PROOF; an item's
+# secret is the memfd's secret bound to the server's address (for_server)
 # reply: one status byte per fetch (0 nothing, 1 fd), one flags byte (1: the batch is
 # released), then one _EXTRA per extra fd; the fds ride on the first message, and on "+"
 # messages after it, _MAX_FDS_PER_MESSAGE at a time, in order: asked ones, then extras.
-MAGIC = b"pyS2"
+MAGIC = b"pyS3"  # (pyS2: secrets not bound to the address)
 _HEAD = struct.Struct("=4sIII")  # magic, fetches, acks, most extras wanted
 _PROOF = struct.Struct("=Q16s")  # batch id, batch secret
 _ITEM = struct.Struct("=QQ16s")  # memfd key (st_dev, st_ino), its secret
@@ -246,6 +249,18 @@ def stand_in(error: Exception) -> Optional[Undelivered]:
     return Undelivered(error)
 
 
+def for_server(secret: bytes, address: bytes) -> bytes:
+    """A memfd's `secret` as a request to the fd server at `address` carries it, bound to that
+    address (HMAC): the server there compares it with its own secrets bound the same way.
+    The name of a sender that is gone is free, and a stranger of this uid that binds it reads
+    the requests of receivers still holding its pickles; a secret opens a memfd in more than
+    one process (receivers export memory with the secrets it came with, forked children
+    derive theirs from their parent's: vouch, forked_secret), so a request must open nothing
+    at any other address. A batch's secret goes as it is: it opens nothing but that batch,
+    in its own sender."""
+    return hmac.new(secret, b"pyshm-request:" + address, "sha256").digest()[:SECRET_BYTES]
+
+
 def parse_request(data: bytes) -> tuple:
     """(proof, fetches, acks, most extras) of a request; ValueError if malformed.
 
@@ -272,10 +287,14 @@ def parse_request(data: bytes) -> tuple:
     return proof, fetches, [ack for ack in acks if ack[0]], min(max_extras, MAX_EXTRAS)
 
 
-def build_request(proof: Optional[tuple], fetches: list, acks: list, max_extras: int) -> bytes:
+def build_request(proof: Optional[tuple], fetches: list, acks: list, max_extras: int,
+                  address: bytes) -> bytes:
+    """The request for the server at `address`; each fetch's secret goes as it opens memory
+    there only (for_server)."""
     batch, secret = proof if proof else (0, bytes(SECRET_BYTES))
     parts = [_HEAD.pack(MAGIC, len(fetches), len(acks), max_extras), _PROOF.pack(batch, secret)]
-    parts.extend(_ITEM.pack(key[0], key[1], item_secret) for key, item_secret in fetches)
+    parts.extend(_ITEM.pack(key[0], key[1], for_server(item_secret, address))
+                 for key, item_secret in fetches)
     parts.extend(_PROOF.pack(*ack) for ack in acks)
     return b"".join(parts)
 
@@ -749,14 +768,15 @@ def lookup(key: tuple) -> Optional[Any]:
         return holder
 
 
-def _access(key: tuple, secret: bytes) -> int:
-    """0: `secret` proves nothing about `key`; 1: writable; 2: read-only (lock held)."""
+def _access(key: tuple, secret: bytes, address: bytes) -> int:
+    """0: `secret` (as a request to `address` carries it: for_server) proves nothing about
+    `key`; 1: writable; 2: read-only (lock held)."""
     pair = state.secrets.get(key)
     if pair is None:
         return 0
-    if hmac.compare_digest(pair[0], secret):
+    if hmac.compare_digest(for_server(pair[0], address), secret):
         return 1
-    if hmac.compare_digest(pair[1], secret):
+    if hmac.compare_digest(for_server(pair[1], address), secret):
         return 2
     return 0
 
@@ -782,6 +802,7 @@ def serve(request: bytes) -> tuple:
     """The reply (bytes, fds, what keeps the fds open) to one request; ValueError if
     malformed. The one place that decides who gets which fd."""
     proof, fetches, acks, max_extras = parse_request(request)
+    address = own_address()
     status = bytearray(len(fetches))
     fds: list = []
     holders: list = []
@@ -796,7 +817,7 @@ def serve(request: bytes) -> tuple:
             if found is not None and hmac.compare_digest(found.secret, proof[1]):
                 batch = found
         for i, (key, secret) in enumerate(fetches):
-            access = _access(key, secret)
+            access = _access(key, secret, address) if address is not None else 0
             if access and _fd_for(key, access == 2, fds, holders):
                 status[i] = 1
                 if batch is not None:
@@ -1430,7 +1451,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         state.round_trips += 1
         if fetches:
             state.fetches += 1
-        _held.send(sock, build_request(proof, fetches, list(acks), max_extras), [],
+        _held.send(sock, build_request(proof, fetches, list(acks), max_extras, address), [],
                    _REPLY_TIMEOUT)
         reply, fds, flags, _ = peer.recv_fds(sock, 65536)
         received.extend(fds)  # (closed on every error below: an empty reply with fds too)
