@@ -334,6 +334,8 @@ class _State:
         self.next_batch = 1
         self.local = threading.local()  # .mark, .batch
         self.server: Optional[_Server] = None
+        # servers of the users this process ran as before (setuid: see _own_server)
+        self.former: list = []
         self.next_sweep = 0.0
         # receiver
         self.prefetched: dict = {}  # key -> (fd, deadline, readonly, (address, proof)): extras
@@ -411,13 +413,41 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
 
 
 def _own_server() -> "_Server":
-    """This process's fd server, started if it is not yet (lock held)."""
+    """This process's fd server, started if it is not yet (lock held). A process that changed
+    its user (setuid: a program dropping its privileges) gets a new one: receivers of its new
+    user are told that the old one is another user's (its socket's credentials are those of
+    its listen(2)), and it serves only peers of that user. The old one serves on for them
+    (what was sent to them before), and tokens made for the old one are made anew."""
     server = state.server
+    if server is not None and server.uid != os.geteuid():
+        state.former.append(server)
+        for ref in list(state.ranges.values()):
+            holder = ref()
+            if getattr(holder, "token", None) is not None:
+                holder.token = None  # (it names the old server: see reduction.reduce_ndarray)
+        server = None
     if server is None:
         server = state.server = _Server()
         for hook in _on_server_start:
             hook()
     return server
+
+
+def check_user() -> None:
+    """A new fd server if this process changed its user since its own started (see
+    _own_server): before a token made for the old one is reused (lock held or not)."""
+    server = state.server
+    if server is not None and server.uid != os.geteuid():
+        with state.lock:
+            _own_server()
+
+
+def is_own_address(address: Any) -> bool:
+    """Whether `address` is this process's fd server's, or a former one's (_own_server)."""
+    server = state.server
+    if server is not None and address == server.address:
+        return True
+    return any(address == former.address for former in state.former)
 
 
 def forked_secret(parent_secret: bytes, address: bytes) -> bytes:
@@ -798,11 +828,13 @@ def _fd_for(key: tuple, readonly: bool, fds: list, holders: list) -> bool:
     return True
 
 
-def serve(request: bytes) -> tuple:
-    """The reply (bytes, fds, what keeps the fds open) to one request; ValueError if
-    malformed. The one place that decides who gets which fd."""
+def serve(request: bytes, address: Optional[bytes] = None) -> tuple:
+    """The reply (bytes, fds, what keeps the fds open) to one request to the server at
+    `address` (ours, if None); ValueError if malformed. The one place that decides who gets
+    which fd."""
     proof, fetches, acks, max_extras = parse_request(request)
-    address = own_address()
+    if address is None:
+        address = own_address()
     status = bytearray(len(fetches))
     fds: list = []
     holders: list = []
@@ -1085,6 +1117,7 @@ class _Server:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        self.uid = os.geteuid()  # (the user its socket says it is: SO_PEERCRED of listen(2))
         self.address = b"%s%d-%s" % (_ADDRESS_PREFIX, self.pid, secrets.token_hex(16).encode())
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -1137,7 +1170,7 @@ class _Server:
         the oldest if it waited _EVICT_SECONDS already (no request takes that long to come),
         and else waits in the kernel's backlog (the socket unwatched meanwhile)."""
         sock = self.sock
-        uid = os.getuid()
+        uid = self.uid
         waiting: dict = {}  # connection -> when it was accepted, oldest first
         # (poll(2): registering a connection is no system call, see _held)
         selector = selectors.PollSelector()
@@ -1256,7 +1289,7 @@ class _Server:
         try:
             if request:  # (else closed without a request, or a poll woken for nothing)
                 self.answering = True  # before serve() releases anything: see linger()
-                reply, fds, holders = serve(request)
+                reply, fds, holders = serve(request, self.address)
                 _held.send_reply(conn, reply, fds)
                 del holders  # every fd stays open until the kernel has taken its copy
         except Exception:  # noqa: BLE001 - the server outlives any request (ValueError:
@@ -1399,7 +1432,7 @@ def queue_ack(address: bytes, proof: tuple) -> None:
     with state.lock:
         if not settle(address, proof[0]):
             return
-        if address == own_address():
+        if is_own_address(address):
             release_batch(*proof)
             return
         state.acks.setdefault(address, []).append(proof)
@@ -1544,10 +1577,10 @@ def _check_peer_user(sock: int) -> int:
     if cred is None:
         return 0  # (the request itself then says what went wrong)
     pid, peer_uid = cred
-    if peer_uid != os.getuid():
+    if peer_uid != os.geteuid():
         raise DeliveryError(
             f"pyshm: this memory was sent by a process of another user (uid {peer_uid}; this "
-            f"process runs as uid {os.getuid()}): a sender hands its memory only to processes "
+            f"process runs as uid {os.geteuid()}): a sender hands its memory only to processes "
             "of its own user. Send it by value (numpy's pickling), or run both as one user")
     return pid
 
@@ -1716,6 +1749,15 @@ def _after_fork_in_child() -> None:
         reserve, old.server.reserve = old.server.reserve, None
         if reserve is not None:
             os.close(reserve)
+    for former in old.former:  # (theirs too: see _own_server)
+        try:
+            former.sock.close()
+        except OSError:
+            pass
+        if former.reserve is not None:
+            os.close(former.reserve)
+            former.reserve = None
+    old.former = []
     old.server = None
     old.lock = threading.RLock()
     # (the secrets of the parent (and its ancestors first) for memory exported before the

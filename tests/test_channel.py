@@ -204,6 +204,47 @@ def test_a_process_of_another_user_gets_nothing_and_is_told_why():
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+DROPS_PRIVILEGES = textwrap.dedent(
+    """
+    import multiprocessing as mp, multiprocessing.connection, multiprocessing.popen_fork, os
+    import pickle, numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+
+    def child(conn):
+        try:
+            conn.send(int(pickle.loads(conn.recv_bytes()).sum()))
+        except Exception as exc:
+            conn.send(repr(exc))
+
+    def send_to_a_child(array):
+        ours, theirs = mp.Pipe()
+        p = mp.get_context("fork").Process(target=child, args=(theirs,))
+        p.start()
+        ours.send_bytes(ForkingPickler.dumps(array))
+        got = ours.recv()
+        p.join()
+        return got
+
+    early = pyshm.share_memory_(pyshm.copy(np.ones(100_000, np.uint8)))
+    print(send_to_a_child(early))  # the fd server starts, as root
+    os.setgid(65534)
+    os.setuid(65534)  # the program drops its privileges, and goes on sending
+    print(send_to_a_child(pyshm.share_memory_(pyshm.copy(np.ones(100_000, np.uint8)))))
+    print(send_to_a_child(early))
+    """
+)
+
+
+def test_a_sender_that_drops_its_privileges_goes_on_sending():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    done = subprocess.run([sys.executable, "-c", DROPS_PRIVILEGES], capture_output=True,
+                          text=True, timeout=60, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # its children, of its new user, get the memory (not "sent by another user (uid 0)")
+    assert done.stdout.split() == ["100000"] * 3, done.stdout
+
+
 def _load_and_sum(conn):
     arrays = pickle.loads(conn.recv_bytes())
     conn.send(int(sum(int(a.sum()) for a in arrays)))
@@ -1237,7 +1278,8 @@ def test_a_token_sent_on_does_not_show_its_origin_the_message_it_came_in(monkeyp
     b_address, stolen, proofs = [], [], []
     serve = _channel.serve
 
-    def serve_and_look(request):  # (A, hostile: it tries every proof it is shown on B)
+    # (A, hostile: it tries every proof it is shown on B)
+    def serve_and_look(request, address=None):
         proof = _channel.parse_request(request)[0]
         if proof is not None and b_address:
             proofs.append(proof)
@@ -1251,7 +1293,7 @@ def test_a_token_sent_on_does_not_show_its_origin_the_message_it_came_in(monkeyp
                         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as pages:
                             stolen.append(pages[0])
                         os.close(fd)
-        return serve(request)
+        return serve(request, address)
 
     monkeypatch.setattr(_channel, "serve", serve_and_look)
     b = subprocess.Popen([sys.executable, "-c", SEND_ON_BESIDE_OWN_MEMORY], env=_env(),
