@@ -15,7 +15,9 @@ What is secret:
   that yields a read-only fd; a token carries one of them (the read-only one for read-only
   memory), and a request gets the fd of a memfd only with its secret. A read-only fd is handed
   out only if the memfd is sealed against writes (``F_SEAL_FUTURE_WRITE``), so no holder can
-  map it writable;
+  map it writable. A request carries the secret bound to the address it is sent to (HMAC:
+  for_server), so a stranger that binds the name of a sender that is gone learns nothing from
+  the requests of receivers still holding its pickles that opens memory anywhere else;
 * every pickled *message* has a batch secret (see below); it lets the holder of the message
   fetch, in the same round trip, the fds of the other memfds named in that message, and none
   other. Peers of another uid are refused (``SO_PEERCRED``) before they can say anything.
@@ -145,11 +147,12 @@ def reachable(address: Any) -> bool:
     return True
 
 # ---- wire format ---------------------------------------------------------------------------
-# request: _HEAD, the batch proof (id 0: none), `fetches` x _ITEM, `acks` x _PROOF
+# request: _HEAD, the batch proof (id 0: none), `fetches` x _ITEM, `acks` x _PROOF; an item's
+# secret is the memfd's secret bound to the server's address (for_server)
 # reply: one status byte per fetch (0 nothing, 1 fd), one flags byte (1: the batch is
 # released), then one _EXTRA per extra fd; the fds ride on the first message, and on "+"
 # messages after it, _MAX_FDS_PER_MESSAGE at a time, in order: asked ones, then extras.
-MAGIC = b"pyS2"
+MAGIC = b"pyS3"  # (pyS2: secrets not bound to the address)
 _HEAD = struct.Struct("=4sIII")  # magic, fetches, acks, most extras wanted
 _PROOF = struct.Struct("=Q16s")  # batch id, batch secret
 _ITEM = struct.Struct("=QQ16s")  # memfd key (st_dev, st_ino), its secret
@@ -246,6 +249,18 @@ def stand_in(error: Exception) -> Optional[Undelivered]:
     return Undelivered(error)
 
 
+def for_server(secret: bytes, address: bytes) -> bytes:
+    """A memfd's `secret` as a request to the fd server at `address` carries it, bound to that
+    address (HMAC): the server there compares it with its own secrets bound the same way.
+    The name of a sender that is gone is free, and a stranger of this uid that binds it reads
+    the requests of receivers still holding its pickles; a secret opens a memfd in more than
+    one process (receivers export memory with the secrets it came with, forked children
+    derive theirs from their parent's: vouch, forked_secret), so a request must open nothing
+    at any other address. A batch's secret goes as it is: it opens nothing but that batch,
+    in its own sender."""
+    return hmac.new(secret, b"pyshm-request:" + address, "sha256").digest()[:SECRET_BYTES]
+
+
 def parse_request(data: bytes) -> tuple:
     """(proof, fetches, acks, most extras) of a request; ValueError if malformed.
 
@@ -272,10 +287,14 @@ def parse_request(data: bytes) -> tuple:
     return proof, fetches, [ack for ack in acks if ack[0]], min(max_extras, MAX_EXTRAS)
 
 
-def build_request(proof: Optional[tuple], fetches: list, acks: list, max_extras: int) -> bytes:
+def build_request(proof: Optional[tuple], fetches: list, acks: list, max_extras: int,
+                  address: bytes) -> bytes:
+    """The request for the server at `address`; each fetch's secret goes as it opens memory
+    there only (for_server)."""
     batch, secret = proof if proof else (0, bytes(SECRET_BYTES))
     parts = [_HEAD.pack(MAGIC, len(fetches), len(acks), max_extras), _PROOF.pack(batch, secret)]
-    parts.extend(_ITEM.pack(key[0], key[1], item_secret) for key, item_secret in fetches)
+    parts.extend(_ITEM.pack(key[0], key[1], for_server(item_secret, address))
+                 for key, item_secret in fetches)
     parts.extend(_PROOF.pack(*ack) for ack in acks)
     return b"".join(parts)
 
@@ -315,6 +334,8 @@ class _State:
         self.next_batch = 1
         self.local = threading.local()  # .mark, .batch
         self.server: Optional[_Server] = None
+        # servers of the users this process ran as before (setuid: see _own_server)
+        self.former: list = []
         self.next_sweep = 0.0
         # receiver
         self.prefetched: dict = {}  # key -> (fd, deadline, readonly, (address, proof)): extras
@@ -392,13 +413,41 @@ def export(key: tuple, holder: Any, size: int, offset: int, nbytes: int,
 
 
 def _own_server() -> "_Server":
-    """This process's fd server, started if it is not yet (lock held)."""
+    """This process's fd server, started if it is not yet (lock held). A process that changed
+    its user (setuid: a program dropping its privileges) gets a new one: receivers of its new
+    user are told that the old one is another user's (its socket's credentials are those of
+    its listen(2)), and it serves only peers of that user. The old one serves on for them
+    (what was sent to them before), and tokens made for the old one are made anew."""
     server = state.server
+    if server is not None and server.uid != os.geteuid():
+        state.former.append(server)
+        for ref in list(state.ranges.values()):
+            holder = ref()
+            if getattr(holder, "token", None) is not None:
+                holder.token = None  # (it names the old server: see reduction.reduce_ndarray)
+        server = None
     if server is None:
         server = state.server = _Server()
         for hook in _on_server_start:
             hook()
     return server
+
+
+def check_user() -> None:
+    """A new fd server if this process changed its user since its own started (see
+    _own_server): before a token made for the old one is reused (lock held or not)."""
+    server = state.server
+    if server is not None and server.uid != os.geteuid():
+        with state.lock:
+            _own_server()
+
+
+def is_own_address(address: Any) -> bool:
+    """Whether `address` is this process's fd server's, or a former one's (_own_server)."""
+    server = state.server
+    if server is not None and address == server.address:
+        return True
+    return any(address == former.address for former in state.former)
 
 
 def forked_secret(parent_secret: bytes, address: bytes) -> bytes:
@@ -749,16 +798,30 @@ def lookup(key: tuple) -> Optional[Any]:
         return holder
 
 
-def _access(key: tuple, secret: bytes) -> int:
-    """0: `secret` proves nothing about `key`; 1: writable; 2: read-only (lock held)."""
+def _access(key: tuple, secret: bytes, address: bytes) -> int:
+    """0: `secret` (as a request to `address` carries it: for_server) proves nothing about
+    `key`; 1: writable; 2: read-only (lock held)."""
     pair = state.secrets.get(key)
     if pair is None:
         return 0
-    if hmac.compare_digest(pair[0], secret):
+    bound = _bound.get(key)
+    if bound is None or bound[0] is not pair or bound[1] != address:
+        # (computed once per memfd and server: a request of 2,000 items naming our memfds
+        # costs no 4,000 HMACs with the lock held)
+        if len(_bound) > 2 * len(state.secrets) + 1024:
+            _bound.clear()
+        bound = _bound[key] = (pair, address, for_server(pair[0], address),
+                               for_server(pair[1], address))
+    if hmac.compare_digest(bound[2], secret):
         return 1
-    if hmac.compare_digest(pair[1], secret):
+    if hmac.compare_digest(bound[3], secret):
         return 2
     return 0
+
+
+# memfd key -> (its secrets, server address, both bound to it: for_server), for _access; an
+# entry holds only while state.secrets has that very pair
+_bound: dict = {}
 
 
 def _fd_for(key: tuple, readonly: bool, fds: list, holders: list) -> bool:
@@ -778,10 +841,13 @@ def _fd_for(key: tuple, readonly: bool, fds: list, holders: list) -> bool:
     return True
 
 
-def serve(request: bytes) -> tuple:
-    """The reply (bytes, fds, what keeps the fds open) to one request; ValueError if
-    malformed. The one place that decides who gets which fd."""
+def serve(request: bytes, address: Optional[bytes] = None) -> tuple:
+    """The reply (bytes, fds, what keeps the fds open) to one request to the server at
+    `address` (ours, if None); ValueError if malformed. The one place that decides who gets
+    which fd."""
     proof, fetches, acks, max_extras = parse_request(request)
+    if address is None:
+        address = own_address()
     status = bytearray(len(fetches))
     fds: list = []
     holders: list = []
@@ -796,7 +862,7 @@ def serve(request: bytes) -> tuple:
             if found is not None and hmac.compare_digest(found.secret, proof[1]):
                 batch = found
         for i, (key, secret) in enumerate(fetches):
-            access = _access(key, secret)
+            access = _access(key, secret, address) if address is not None else 0
             if access and _fd_for(key, access == 2, fds, holders):
                 status[i] = 1
                 if batch is not None:
@@ -1064,6 +1130,7 @@ class _Server:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        self.uid = os.geteuid()  # (the user its socket says it is: SO_PEERCRED of listen(2))
         self.address = b"%s%d-%s" % (_ADDRESS_PREFIX, self.pid, secrets.token_hex(16).encode())
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -1116,7 +1183,7 @@ class _Server:
         the oldest if it waited _EVICT_SECONDS already (no request takes that long to come),
         and else waits in the kernel's backlog (the socket unwatched meanwhile)."""
         sock = self.sock
-        uid = os.getuid()
+        uid = self.uid
         waiting: dict = {}  # connection -> when it was accepted, oldest first
         # (poll(2): registering a connection is no system call, see _held)
         selector = selectors.PollSelector()
@@ -1235,7 +1302,7 @@ class _Server:
         try:
             if request:  # (else closed without a request, or a poll woken for nothing)
                 self.answering = True  # before serve() releases anything: see linger()
-                reply, fds, holders = serve(request)
+                reply, fds, holders = serve(request, self.address)
                 _held.send_reply(conn, reply, fds)
                 del holders  # every fd stays open until the kernel has taken its copy
         except Exception:  # noqa: BLE001 - the server outlives any request (ValueError:
@@ -1378,7 +1445,7 @@ def queue_ack(address: bytes, proof: tuple) -> None:
     with state.lock:
         if not settle(address, proof[0]):
             return
-        if address == own_address():
+        if is_own_address(address):
             release_batch(*proof)
             return
         state.acks.setdefault(address, []).append(proof)
@@ -1430,7 +1497,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         state.round_trips += 1
         if fetches:
             state.fetches += 1
-        _held.send(sock, build_request(proof, fetches, list(acks), max_extras), [],
+        _held.send(sock, build_request(proof, fetches, list(acks), max_extras, address), [],
                    _REPLY_TIMEOUT)
         reply, fds, flags, _ = peer.recv_fds(sock, 65536)
         received.extend(fds)  # (closed on every error below: an empty reply with fds too)
@@ -1523,10 +1590,10 @@ def _check_peer_user(sock: int) -> int:
     if cred is None:
         return 0  # (the request itself then says what went wrong)
     pid, peer_uid = cred
-    if peer_uid != os.getuid():
+    if peer_uid != os.geteuid():
         raise DeliveryError(
             f"pyshm: this memory was sent by a process of another user (uid {peer_uid}; this "
-            f"process runs as uid {os.getuid()}): a sender hands its memory only to processes "
+            f"process runs as uid {os.geteuid()}): a sender hands its memory only to processes "
             "of its own user. Send it by value (numpy's pickling), or run both as one user")
     return pid
 
@@ -1695,6 +1762,15 @@ def _after_fork_in_child() -> None:
         reserve, old.server.reserve = old.server.reserve, None
         if reserve is not None:
             os.close(reserve)
+    for former in old.former:  # (theirs too: see _own_server)
+        try:
+            former.sock.close()
+        except OSError:
+            pass
+        if former.reserve is not None:
+            os.close(former.reserve)
+            former.reserve = None
+    old.former = []
     old.server = None
     old.lock = threading.RLock()
     # (the secrets of the parent (and its ancestors first) for memory exported before the

@@ -1069,6 +1069,7 @@ def reduce_ndarray(array: np.ndarray):
         # numpy's own by-value pickling (also for items of a zero-size dtype, which have no
         # bytes to send by reference)
         return array.__reduce_ex__(4)
+    _channel.check_user()  # (a process that changed its user: a token made before is not)
     token = owner.token
     # The token made at this owner's last send still holds while the storage's flags are the
     # same (a defence: once shared they do not change; a view of memory received has no C

@@ -94,7 +94,7 @@ ATTACKER = textwrap.dedent(
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.settimeout(10)
         s.connect(address)
-        s.sendall(C.build_request(proof, fetches, list(acks), C.MAX_EXTRAS))
+        s.sendall(C.build_request(proof, fetches, list(acks), C.MAX_EXTRAS, address))
         try:
             msg, fds, _, _ = socket.recv_fds(s, 65536, 253)
         except OSError:
@@ -204,6 +204,47 @@ def test_a_process_of_another_user_gets_nothing_and_is_told_why():
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+DROPS_PRIVILEGES = textwrap.dedent(
+    """
+    import multiprocessing as mp, multiprocessing.connection, multiprocessing.popen_fork, os
+    import pickle, numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+
+    def child(conn):
+        try:
+            conn.send(int(pickle.loads(conn.recv_bytes()).sum()))
+        except Exception as exc:
+            conn.send(repr(exc))
+
+    def send_to_a_child(array):
+        ours, theirs = mp.Pipe()
+        p = mp.get_context("fork").Process(target=child, args=(theirs,))
+        p.start()
+        ours.send_bytes(ForkingPickler.dumps(array))
+        got = ours.recv()
+        p.join()
+        return got
+
+    early = pyshm.share_memory_(pyshm.copy(np.ones(100_000, np.uint8)))
+    print(send_to_a_child(early))  # the fd server starts, as root
+    os.setgid(65534)
+    os.setuid(65534)  # the program drops its privileges, and goes on sending
+    print(send_to_a_child(pyshm.share_memory_(pyshm.copy(np.ones(100_000, np.uint8)))))
+    print(send_to_a_child(early))
+    """
+)
+
+
+def test_a_sender_that_drops_its_privileges_goes_on_sending():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    done = subprocess.run([sys.executable, "-c", DROPS_PRIVILEGES], capture_output=True,
+                          text=True, timeout=60, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # its children, of its new user, get the memory (not "sent by another user (uid 0)")
+    assert done.stdout.split() == ["100000"] * 3, done.stdout
+
+
 def _load_and_sum(conn):
     arrays = pickle.loads(conn.recv_bytes())
     conn.send(int(sum(int(a.sum()) for a in arrays)))
@@ -244,7 +285,8 @@ def test_readonly_memory_in_an_unsealed_memfd_is_not_sent():
 
 
 def _fetch_request(key, secret, proof=None):
-    return _channel.build_request(proof, [(key, secret)], [], _channel.MAX_EXTRAS)
+    return _channel.build_request(proof, [(key, secret)], [], _channel.MAX_EXTRAS,
+                                  _channel.own_address())
 
 
 def test_extras_need_the_batch_proof_and_a_released_batch_gives_nothing():
@@ -270,6 +312,56 @@ def test_extras_need_the_batch_proof_and_a_released_batch_gives_nothing():
     # a wrong item secret: nothing at all
     reply, fds, _ = _channel.serve(_fetch_request(key0, bytes(16)))
     assert fds == [] and reply[0] == 0
+
+
+def _capture_one_request(address, got):
+    """Listen at `address` as a stranger would once its process is gone, and keep the first
+    request that comes."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(address)
+    listener.listen(1)
+    listener.settimeout(10)
+
+    def take():
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                got.append(conn.recv(65536))
+        finally:
+            listener.close()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    return thread
+
+
+def test_a_request_caught_at_another_address_opens_nothing_here():
+    # The name of a sender that is gone (SIGKILLed, or exited before a late unpickle) is free:
+    # a stranger of this uid in the network namespace (a container of the same pod) can bind
+    # it and read the requests of receivers that still hold its pickles. A memfd's secret
+    # opens it in more than one process (its receivers export it with the secrets it came
+    # with, and forked children derive theirs from it), so such a request must open nothing
+    # at any other address: here, with a secret that our own server honours.
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, address, secret = _token_of(a)
+    gone = b"%s1-%s" % (_channel._ADDRESS_PREFIX, os.urandom(16).hex().encode())
+    got = []
+    thread = _capture_one_request(gone, got)
+    with pytest.raises(pyshm.DeliveryError):
+        _channel.fetch(gone, [(key, secret)])
+    thread.join(10)
+    (request,) = got
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(10)
+        s.connect(address)
+        s.sendall(request)  # replayed to the server that knows that secret
+        reply, fds, _, _ = socket.recv_fds(s, 65536, 253)
+    for fd in fds:
+        os.close(fd)
+    assert fds == [] and reply[0] == 0
+    (fd,), _, _ = _channel.fetch(address, [(key, secret)])  # the holder of the pickle: its fd
+    assert fd is not None
+    os.close(fd)
 
 
 # A token is plain numbers (memfd key, range, sender address) plus a secret: anyone of this
@@ -488,7 +580,8 @@ def test_the_request_parser_takes_anything(data):
         return
     if fds:
         proof, fetches, _, _ = _channel.parse_request(request)
-        assert (key, secret) in fetches  # only the issued secret opens it
+        # only the issued secret opens it (as a request to this server carries it)
+        assert (key, _channel.for_server(secret, _channel.own_address())) in fetches
         assert all(os.fstat(fd).st_ino == key[1] for fd in fds)
     assert (a == 0).all()
 
@@ -587,7 +680,7 @@ def test_a_burst_of_receivers_beyond_the_waiting_cap_all_get_answers():
     # one too many (past the 64 that wait, the rest wait in the kernel's backlog)
     a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
     key, address, secret = _token_of(a)
-    request = _channel.build_request(None, [(key, secret)], [], 0)
+    request = _channel.build_request(None, [(key, secret)], [], 0, address)
     socks = []
     try:
         for _ in range(100):
@@ -1185,7 +1278,8 @@ def test_a_token_sent_on_does_not_show_its_origin_the_message_it_came_in(monkeyp
     b_address, stolen, proofs = [], [], []
     serve = _channel.serve
 
-    def serve_and_look(request):  # (A, hostile: it tries every proof it is shown on B)
+    # (A, hostile: it tries every proof it is shown on B)
+    def serve_and_look(request, address=None):
         proof = _channel.parse_request(request)[0]
         if proof is not None and b_address:
             proofs.append(proof)
@@ -1199,7 +1293,7 @@ def test_a_token_sent_on_does_not_show_its_origin_the_message_it_came_in(monkeyp
                         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as pages:
                             stolen.append(pages[0])
                         os.close(fd)
-        return serve(request)
+        return serve(request, address)
 
     monkeypatch.setattr(_channel, "serve", serve_and_look)
     b = subprocess.Popen([sys.executable, "-c", SEND_ON_BESIDE_OWN_MEMORY], env=_env(),

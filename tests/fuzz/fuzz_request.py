@@ -9,9 +9,10 @@ batch proofs and then damaged (a flipped byte, a cut, junk appended). Properties
   - pyshm._channel.serve answers or raises ValueError; nothing else escapes (the server thread
     catches nothing but that, and would die);
   - the reply has one status byte per fetch, a flags byte and whole extra records;
-  - an fd is handed out only for an item whose secret was issued for that memfd, a read-only
-    secret only for a memfd sealed against writes; extras only with the batch's own proof and
-    only for that batch's memfds; a fetch with a proof that matches nothing gives no extras.
+  - an fd is handed out only for an item whose secret was issued for that memfd (bound to
+    this server's address: for_server), a read-only secret only for a memfd sealed against
+    writes; extras only with the batch's own proof and only for that batch's memfds; a fetch
+    with a proof that matches nothing gives no extras.
 A broken property raises AssertionError, which atheris reports as a crash (input saved).
 """
 
@@ -36,10 +37,13 @@ ARRAYS = [
 TICKETS = [reduction._export(_owner_of(a)) for a in ARRAYS]
 KEYS = [t.key for t in TICKETS]
 ISSUED = {}  # (key, secret) -> read-only?
+BOUND = {}  # (key, secret as a request to this server carries it) -> read-only?
 for t in TICKETS:
     rw, ro = C.state.secrets[t.key][:2]
     ISSUED[(t.key, rw)] = False
     ISSUED[(t.key, ro)] = True
+    BOUND[(t.key, C.for_server(rw, C.own_address()))] = False
+    BOUND[(t.key, C.for_server(ro, C.own_address()))] = True
 SEALED = {k: bool(fcntl.fcntl(pyshm.storage_of(a).fd, fcntl.F_GET_SEALS) & C.WRITE_SEALS)
           for k, a in zip(KEYS, ARRAYS)}
 INODES = {k[1]: k for k in KEYS}
@@ -72,7 +76,8 @@ def build(fdp, proof):
     use = {0: None, 1: proof, 2: (proof[0], bytes(16)),
            3: (fdp.ConsumeIntInRange(1, 2**64 - 1), fdp.ConsumeBytes(16).ljust(16, b"\0"))}
     acks = [proof] if fdp.ConsumeIntInRange(0, 7) == 0 else []
-    request = C.build_request(use[choice], fetches, acks, fdp.ConsumeIntInRange(0, 2**32 - 1))
+    request = C.build_request(use[choice], fetches, acks, fdp.ConsumeIntInRange(0, 2**32 - 1),
+                              C.own_address())
     damage = fdp.ConsumeIntInRange(0, 3)
     if damage == 1 and request:
         i = fdp.ConsumeIntInRange(0, len(request) - 1)
@@ -101,7 +106,7 @@ def TestOneInput(data: bytes) -> None:
     assert len(extras) <= max_extras
     expected = 0
     for status, item in zip(reply[:n], fetches):
-        allowed = item in ISSUED and (not ISSUED[item] or SEALED[item[0]])
+        allowed = item in BOUND and (not BOUND[item] or SEALED[item[0]])
         assert status in (0, 1) and (status == 0 or allowed), f"fd for {item!r}"
         expected += status
     if extras:
