@@ -104,6 +104,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         message = " ".join(str(exc).split())  # one line
         print(f"pyshm: error: {message}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # (Ctrl-C: one line and the shell's status for SIGINT)
+        print("pyshm: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ quality against the best anchor heuristic per trace (BEST_OF below), capacity mo
 bad input, determinism, and `python -m pyshm plan`."""
 
 import csv
+import signal
 import subprocess
 import sys
+import time
 from decimal import Decimal
 from pathlib import Path
 
@@ -557,6 +559,29 @@ def test_cli_plan_capacity_not_met_fails(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "capacity     32 (met)" in result.stdout
     assert out.exists()
+
+
+def test_cli_plan_ctrl_c_says_interrupted_without_a_traceback(tmp_path):
+    # Ctrl-C stopped the plan at once but printed a KeyboardInterrupt traceback
+    rng = np.random.default_rng(5)
+    lower = rng.integers(0, 2000, 3000)
+    rows = [f"{i},{a},{a + rng.integers(1, 200)},{rng.integers(1, 100_000)}"
+            for i, a in enumerate(lower)]
+    trace = tmp_path / "trace.csv"
+    trace.write_text("id,lower,upper,size\n" + "\n".join(rows) + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "pyshm", "plan", str(trace), "--time-limit",
+                             "60"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        time.sleep(2.0)  # (imported, read, planning: the budget keeps it busy for 60 s)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, (out, err)
+    assert err == "pyshm: interrupted\n", err
 
 
 def test_trace_with_blanks_around_the_column_names(tmp_path):
