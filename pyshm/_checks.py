@@ -87,6 +87,14 @@ def fd(value: Any, name: str = "fd") -> int:
     return integer(value, name, 0, INT_MAX, "int")
 
 
+def flag(value: Any, name: str) -> bool:
+    """True or False (numpy's bools and the ints 0 and 1 too): a string such as "no", which
+    reads as true, is a TypeError."""
+    if not isinstance(value, (bool, np.bool_, numbers.Integral)) or value not in (True, False):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def seconds(value: Any, name: str) -> float:
     """A finite real number >= 0, as a float (a C double)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):

@@ -29,6 +29,8 @@ from ._ffi import lib
 def create(nbytes: int, shared: bool, resizable: bool = False) -> _ffi.StorageHandle:
     """A new C storage of ``nbytes``; the caller owns the returned reference."""
     nbytes = check_nbytes(nbytes)
+    shared = _checks.flag(shared, "shared")
+    resizable = _checks.flag(resizable, "resizable")
     out = _ffi.StorageHandle()
     if shared:
         if resizable:

@@ -45,8 +45,7 @@ Plan.__module__ = "pyshm.planner"  # (its public home: repr, docs, pickles name 
 def options(
     alignment: int, inclusive: bool, time_limit: float, capacity: int = 0
 ) -> _ffi.PlanOptions:
-    if inclusive not in (True, False):  # (a string such as "no" would read as true)
-        raise TypeError(f"inclusive must be a bool, got {inclusive!r}")
+    inclusive = _checks.flag(inclusive, "inclusive")  # (a string such as "no" reads as true)
     alignment = _checks.uint64(alignment, "alignment")
     if alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two >= 1, got {alignment}")

@@ -76,8 +76,7 @@ def _unless_no_data(func, *args) -> bool:
 
 
 def _check_shared(shared: Any) -> None:
-    if shared not in (True, False):  # (a string such as "no" would read as true)
-        raise TypeError(f"shared must be a bool, got {shared!r}")
+    _checks.flag(shared, "shared")  # (a string such as "no" would read as true)
 
 
 def _locked(method):

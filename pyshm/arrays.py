@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import _ffi
+from . import _checks, _ffi
 from ._ffi import lib
 from ._memory import (  # noqa: F401 - ArrayOwner: public here, as before
     ArrayOwner,
@@ -71,6 +71,7 @@ def copy(array: Any, *, shared: bool = False) -> np.ndarray:
     This is the way to bring memory pyshm does not own (any numpy array, anything with the
     buffer protocol) into a storage that can then be shared in place.
     """
+    shared = _checks.flag(shared, "shared")
     source = np.asarray(array)
     if not shared or nbytes_of(source.shape, source.dtype) <= _ffi.SLAB_MAX_BYTES:
         result = empty(source.shape, source.dtype, shared=shared)

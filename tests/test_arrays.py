@@ -199,6 +199,19 @@ def test_the_array_functions_find_pyshm_memory_through_dlpack(size):
         pyshm.share_memory_(numpy_own)
 
 
+@pytest.mark.parametrize("bad", ["no", "", None, 2, 1.0, np.array([True, False])])
+def test_shared_and_resizable_must_be_bools(bad):
+    # shared="no" made shared memory (the string is true) where the caller meant private
+    for make in (lambda: pyshm.empty(8, shared=bad), lambda: pyshm.zeros(8, shared=bad),
+                 lambda: pyshm.copy(np.ones(8), shared=bad),
+                 lambda: pyshm.Storage(8, shared=bad), lambda: pyshm.Storage(8, resizable=bad)):
+        with pytest.raises(TypeError, match="must be a bool"):
+            make()
+    for good in (True, False, 1, 0, np.True_, np.False_):
+        assert pyshm.is_shared(pyshm.empty(8, shared=good)) == bool(good)
+        assert pyshm.Storage(8, resizable=good).resizable == bool(good)
+
+
 def test_zero_size_and_scalar_shapes():
     empty = pyshm.empty((0, 5), np.float32)
     assert empty.shape == (0, 5)
