@@ -754,7 +754,9 @@ static void test_failed_replan_keeps_the_plan(void) {
         }
         ASSERT_GE(failures, 2); /* the planner's and the buffer's */
         ASSERT_EQ(fd_count(), fds); /* (no buffer made for a failed plan is left behind) */
-        ASSERT_EQ(map_count(), maps);
+        /* (fewer is fine: under ASan its allocator's own mappings come and go, and merge; a
+         * leaked buffer would be one more) */
+        ASSERT_LE(map_count(), maps);
     }
 }
 
