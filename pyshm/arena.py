@@ -75,10 +75,6 @@ def _unless_no_data(func, *args) -> bool:
     return True
 
 
-def _check_shared(shared: Any) -> None:
-    _checks.flag(shared, "shared")  # (a string such as "no" would read as true)
-
-
 def _locked(method):
     """``method`` under the arena's lock: the C arena is not thread-safe, and two threads in
     it at once (an alloc beside a free, a re-plan beside an offset read) corrupted its records
@@ -196,7 +192,7 @@ class Arena(HandleLifetime):
         shared: bool = False,
         time_limit: float = 0.0,
     ) -> None:
-        _check_shared(shared)
+        shared = _checks.flag(shared, "shared")  # (a string such as "no" reads as true)
         n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
         opts = options(alignment, inclusive, time_limit)
         out = _ffi.ArenaHandle()
@@ -214,7 +210,7 @@ class Arena(HandleLifetime):
         cls, *, shared: bool = False, alignment: int = 64, time_limit: float = 0.0
     ) -> "Arena":
         """A record-then-replay arena: use :meth:`empty`, :meth:`free`, :meth:`end_iteration`."""
-        _check_shared(shared)
+        shared = _checks.flag(shared, "shared")  # (a string such as "no" reads as true)
         opts = options(alignment, False, time_limit)
         out = _ffi.ArenaHandle()
         lib.lshm_arena_create_recording(

@@ -699,3 +699,5 @@ def test_arena_refuses_a_non_bool_shared(make):
     with pytest.raises(TypeError, match="shared must be a bool"):
         make("no")
     assert make(False).shared is False and make(True).shared is True
+    # numpy's bools and 0/1 pass the check: .shared says a bool for them too
+    assert make(np.True_).shared is True and make(0).shared is False
