@@ -1755,21 +1755,15 @@ def _after_fork_in_child() -> None:
     old = state
     if old.server is not None:
         note_reached(old.server.address)  # (the parent's server: on this kernel)
-        try:
-            old.server.sock.close()
-        except OSError:
-            pass
-        reserve, old.server.reserve = old.server.reserve, None
-        if reserve is not None:
-            os.close(reserve)
-    for former in old.former:  # (theirs too: see _own_server)
-        try:
-            former.sock.close()
-        except OSError:
-            pass
-        if former.reserve is not None:
-            os.close(former.reserve)
-            former.reserve = None
+        # (and those of the users it ran as before: see _own_server)
+        for server in (old.server, *old.former):
+            try:
+                server.sock.close()
+            except OSError:
+                pass
+            reserve, server.reserve = server.reserve, None
+            if reserve is not None:
+                os.close(reserve)
     old.former = []
     old.server = None
     old.lock = threading.RLock()
