@@ -417,14 +417,11 @@ def _own_server() -> "_Server":
     its user (setuid: a program dropping its privileges) gets a new one: receivers of its new
     user are told that the old one is another user's (its socket's credentials are those of
     its listen(2)), and it serves only peers of that user. The old one serves on for them
-    (what was sent to them before), and tokens made for the old one are made anew."""
+    (what was sent to them before), and tokens made for the old one are made anew (their
+    address is not own_address(): see reduction.reduce_ndarray)."""
     server = state.server
     if server is not None and server.uid != os.geteuid():
         state.former.append(server)
-        for ref in list(state.ranges.values()):
-            holder = ref()
-            if getattr(holder, "token", None) is not None:
-                holder.token = None  # (it names the old server: see reduction.reduce_ndarray)
         server = None
     if server is None:
         server = state.server = _Server()

@@ -1073,13 +1073,15 @@ def reduce_ndarray(array: np.ndarray):
     token = owner.token
     # The token made at this owner's last send still holds while the storage's flags are the
     # same (a defence: once shared they do not change; a view of memory received has no C
-    # storage to ask, maybe) and the channel still has the range registered to this owner (not
-    # after a fork, nor once another holder took the range): then the secret and the server
-    # address are the same too. Its layout: (flags, (key, size, offset, nbytes), the weak
-    # reference registered for that range, data pointer, key, readonly, the token's fields).
+    # storage to ask, maybe), the channel still has the range registered to this owner (not
+    # after a fork, nor once another holder took the range), and it names this process's
+    # server (not a former user's: check_user): then the secret is the same too. Its layout:
+    # (flags, (key, size, offset, nbytes), the weak reference registered for that range, data
+    # pointer, key, readonly, the token's fields).
     if (token is not None and (owner.facts is not None
                                or token[0] == lib.lshm_storage_flags(owner.handle))
-            and _state.ranges.get(token[1]) is token[2]):
+            and _state.ranges.get(token[1]) is token[2]
+            and token[6][1] == _channel.own_address()):
         _, _, _, data, key, readonly, fields = token
         ticket = _channel.Ticket(key, owner, readonly, fields)
     else:
