@@ -364,6 +364,30 @@ def test_a_request_caught_at_another_address_opens_nothing_here():
     os.close(fd)
 
 
+def test_a_secret_the_memfd_no_longer_has_opens_nothing():
+    # The server keeps each memfd's secrets as bound to its address (_channel._bound: no HMAC
+    # per item of a big request); such an entry holds only while the memfd has those very
+    # secrets. A key gets new ones when its secrets were swept and a memfd of the same inode
+    # number (reused) is exported: a request with the old secret must open nothing then.
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, _, secret = _token_of(a)
+    reply, fds, _ = _channel.serve(_fetch_request(key, secret))
+    assert len(fds) == 1 and reply[0] == 1  # (the entry is made; fds are lent: not closed)
+    state = _channel.state
+    with state.lock:
+        old = state.secrets[key]
+        state.secrets[key] = (os.urandom(_channel.SECRET_BYTES),
+                              os.urandom(_channel.SECRET_BYTES), old[2])
+    try:
+        reply, fds, _ = _channel.serve(_fetch_request(key, secret))
+        assert fds == [] and reply[0] == 0
+        reply, fds, _ = _channel.serve(_fetch_request(key, state.secrets[key][0]))
+        assert len(fds) == 1 and reply[0] == 1
+    finally:
+        with state.lock:
+            state.secrets[key] = old
+
+
 # A token is plain numbers (memfd key, range, sender address) plus a secret: anyone of this
 # user on this machine can write one naming memory they were never sent. Only the secret
 # proves anything, so a token whose secret this process cannot check must never stand for
