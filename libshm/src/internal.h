@@ -105,10 +105,8 @@ int lshm__os_check_mapped(const void *p, size_t len);
 /* A bare fault point named `site`: 0, or the injected error with its message (tests only).
  * Lets a thread take the fault points of work it hands to another thread. */
 int lshm__os_fault_point(const char *site);
-/* Physical memory in bytes (sysconf; 0 when unknown). */
-uint64_t lshm__os_phys_bytes(void);
 /* The memory this process may use: physical memory, or its memory cgroup's limit where that is
- * less (read once; 0 when unknown). */
+ * less (each read once; 0 when unknown). */
 uint64_t lshm__os_memory_bytes(void);
 /* Online CPUs (sysconf, cached; at least 1). */
 unsigned lshm__os_ncpu(void);
