@@ -253,7 +253,7 @@ int lshm__os_memfd_create(size_t nbytes, int *fd) {
 /* RLIMIT_FSIZE holds for memfds too, and a write or ftruncate that would take a file past it
  * does not just fail (EFBIG): the kernel sends SIGXFSZ first, whose default action kills the
  * process (Python ignores it; a C program dies). So what would end past it is -EFBIG here,
- * without the signal; `what` names the call. */
+ * without the signal. Whether [0, end) goes past the limit (then in *limit). */
 static int past_file_size_limit(uint64_t end, uint64_t *limit) {
     struct rlimit lim;
     if (getrlimit(RLIMIT_FSIZE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY ||
@@ -263,6 +263,7 @@ static int past_file_size_limit(uint64_t end, uint64_t *limit) {
     return 1;
 }
 
+/* -EFBIG, with a message naming the call (`what`) on fd, where [0, end) goes past the limit. */
 static int file_size_room(uint64_t end, const char *what, int fd) {
     uint64_t limit;
     if (!past_file_size_limit(end, &limit))
