@@ -85,8 +85,8 @@ int lshm__os_seal_seal(int fd);
 int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset);
 /* lshm__os_pwrite_all inside a memfd sized already (lshm__os_ftruncate checked the limit
  * then), without reading RLIMIT_FSIZE first: that syscall would add 0.45 us to a 9 us slab
- * share. Only a program that lowers its limit below the memfd's size afterwards gets the
- * kernel's SIGXFSZ there, as it does for its own files. */
+ * share, and one per chunk to a chunked share. Only a program that lowers its limit below the
+ * memfd's size afterwards gets the kernel's SIGXFSZ there, as it does for its own files. */
 int lshm__os_pwrite_inside(int fd, const void *buf, size_t n, uint64_t offset);
 /* Reserve the pages of [0, size) (fallocate), so exhaustion is an error here and not a SIGBUS
  * later; a file system without fallocate (EOPNOTSUPP) is accepted as is. */
