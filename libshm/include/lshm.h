@@ -728,13 +728,14 @@ LSHM_API int lshm_arena_alloc(lshm_arena *arena, size_t nbytes, lshm_storage **o
 LSHM_API int lshm_arena_free(lshm_arena *arena, lshm_storage *s);
 
 /* Recording arenas: end the iteration. Plans the recorded events if there is no plan yet or a
- * request did not fit, creating a buffer for the new plan (a shared arena gets a new memfd),
- * and resets the alloc counter so the next alloc is the iteration's first. Every storage
- * allocated in the iteration must have been freed. Errors: -EINVAL (NULL, planned arena),
- * -EBUSY (storages not freed; nothing changes), -ENOMEM, -ENOSPC, -EMFILE, -ECANCELED
- * (planning or the new buffer failed, or lshm_arena_interrupt stopped the plan: the iteration
- * is ended anyway, the plan and buffer the arena had stay and serve the next iterations'
- * allocs that fit them, and the next end_iteration plans again). */
+ * request did not fit, creating a buffer for the new plan (a shared arena gets a new memfd)
+ * before the old buffer goes (for a moment the process holds both), and resets the alloc
+ * counter so the next alloc is the iteration's first. Every storage allocated in the iteration
+ * must have been freed. Errors: -EINVAL (NULL, planned arena), -EBUSY (storages not freed;
+ * nothing changes), -ENOMEM, -ENOSPC, -EMFILE, -EOVERFLOW (planning or the new buffer failed),
+ * -ECANCELED (lshm_arena_interrupt stopped the plan); after any of these the iteration is ended
+ * anyway, the plan and buffer the arena had stay and serve the next iterations' allocs that fit
+ * them, and the next end_iteration plans again. */
 LSHM_API int lshm_arena_end_iteration(lshm_arena *arena);
 
 /* Interrupt the plan an lshm_arena_end_iteration of `arena` is making on another thread (as
