@@ -336,8 +336,8 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * (also: a memfd of more than the machine, or the process's memory cgroup, can hold), -ENOSPC,
  * -EMFILE, -ENFILE, -EFBIG (a memfd written past RLIMIT_FSIZE, which holds for memfds too: the
  * kernel's SIGXFSZ, which would kill the process, is not raised; except in a slab's 4 MiB memfd
- * made before the limit came down, where the limit is not read at every share), other -errno
- * from the kernel. */
+ * made before the limit came down, where the limit is not read at every share, and for a limit
+ * another thread lowers while the share runs), other -errno from the kernel. */
 LSHM_API int lshm_storage_share(lshm_storage *s);
 
 /* lshm_storage_share, but never unfenced: memory shared in place whose pages cannot be
@@ -728,13 +728,14 @@ LSHM_API int lshm_arena_alloc(lshm_arena *arena, size_t nbytes, lshm_storage **o
 LSHM_API int lshm_arena_free(lshm_arena *arena, lshm_storage *s);
 
 /* Recording arenas: end the iteration. Plans the recorded events if there is no plan yet or a
- * request did not fit, creating a buffer for the new plan (a shared arena gets a new memfd),
- * and resets the alloc counter so the next alloc is the iteration's first. Every storage
- * allocated in the iteration must have been freed. Errors: -EINVAL (NULL, planned arena),
- * -EBUSY (storages not freed; nothing changes), -ENOMEM, -ENOSPC, -EMFILE, -ECANCELED
- * (planning or the new buffer failed, or lshm_arena_interrupt stopped the plan: the iteration
- * is ended anyway, the plan and buffer the arena had stay and serve the next iterations'
- * allocs that fit them, and the next end_iteration plans again). */
+ * request did not fit, creating a buffer for the new plan (a shared arena gets a new memfd)
+ * before the old buffer goes (for a moment the process holds both), and resets the alloc
+ * counter so the next alloc is the iteration's first. Every storage allocated in the iteration
+ * must have been freed. Errors: -EINVAL (NULL, planned arena), -EBUSY (storages not freed;
+ * nothing changes), -ENOMEM, -ENOSPC, -EMFILE, -EOVERFLOW (planning or the new buffer failed),
+ * -ECANCELED (lshm_arena_interrupt stopped the plan); after any of these the iteration is ended
+ * anyway, the plan and buffer the arena had stay and serve the next iterations' allocs that fit
+ * them, and the next end_iteration plans again. */
 LSHM_API int lshm_arena_end_iteration(lshm_arena *arena);
 
 /* Interrupt the plan an lshm_arena_end_iteration of `arena` is making on another thread (as

@@ -85,8 +85,8 @@ int lshm__os_seal_seal(int fd);
 int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset);
 /* lshm__os_pwrite_all inside a memfd sized already (lshm__os_ftruncate checked the limit
  * then), without reading RLIMIT_FSIZE first: that syscall would add 0.45 us to a 9 us slab
- * share. Only a program that lowers its limit below the memfd's size afterwards gets the
- * kernel's SIGXFSZ there, as it does for its own files. */
+ * share, and one per chunk to a chunked share. Only a program that lowers its limit below the
+ * memfd's size afterwards gets the kernel's SIGXFSZ there, as it does for its own files. */
 int lshm__os_pwrite_inside(int fd, const void *buf, size_t n, uint64_t offset);
 /* Reserve the pages of [0, size) (fallocate), so exhaustion is an error here and not a SIGBUS
  * later; a file system without fallocate (EOPNOTSUPP) is accepted as is. */
@@ -105,10 +105,8 @@ int lshm__os_check_mapped(const void *p, size_t len);
 /* A bare fault point named `site`: 0, or the injected error with its message (tests only).
  * Lets a thread take the fault points of work it hands to another thread. */
 int lshm__os_fault_point(const char *site);
-/* Physical memory in bytes (sysconf; 0 when unknown). */
-uint64_t lshm__os_phys_bytes(void);
 /* The memory this process may use: physical memory, or its memory cgroup's limit where that is
- * less (read once; 0 when unknown). */
+ * less (each read once; 0 when unknown). */
 uint64_t lshm__os_memory_bytes(void);
 /* Online CPUs (sysconf, cached; at least 1). */
 unsigned lshm__os_ncpu(void);

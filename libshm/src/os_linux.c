@@ -83,28 +83,30 @@ size_t lshm__os_page_size(void) {
     return (size_t)cached_sysconf(&cached, _SC_PAGESIZE, 4096);
 }
 
-uint64_t lshm__os_phys_bytes(void) {
-    long pages = sysconf(_SC_PHYS_PAGES);
-    return pages > 0 ? (uint64_t)pages * lshm__os_page_size() : 0;
-}
-
 unsigned lshm__os_ncpu(void) {
     static _Atomic long cached;
     return (unsigned)cached_sysconf(&cached, _SC_NPROCESSORS_ONLN, 1);
 }
 
-/* The memory this machine could ever give a memfd: RAM plus swap, read once (0: unknown). */
-static uint64_t machine_bytes(void) {
-    static _Atomic uint64_t total; /* 0: not read yet */
-    uint64_t t = atomic_load_explicit(&total, memory_order_relaxed);
-    if (t == 0) {
+/* This machine's RAM and swap in bytes, from one sysinfo read once (*ram 0: unknown): what it
+ * could ever give a memfd is their sum. (memory_room asks at every memfd; sysconf's
+ * _SC_PHYS_PAGES is a sysinfo call each time.) */
+static void machine_memory(uint64_t *ram, uint64_t *swap) {
+    static _Atomic uint64_t cached_ram, cached_swap; /* cached_ram 0: not read yet */
+    uint64_t r = atomic_load_explicit(&cached_ram, memory_order_acquire);
+    if (r == 0) {
         struct sysinfo si;
-        if (sysinfo(&si) != 0)
-            return 0;
-        t = ((uint64_t)si.totalram + (uint64_t)si.totalswap) * (si.mem_unit ? si.mem_unit : 1);
-        atomic_store_explicit(&total, t, memory_order_relaxed);
+        if (sysinfo(&si) != 0) {
+            *ram = *swap = 0;
+            return;
+        }
+        uint64_t unit = si.mem_unit ? si.mem_unit : 1;
+        atomic_store_explicit(&cached_swap, (uint64_t)si.totalswap * unit, memory_order_relaxed);
+        r = (uint64_t)si.totalram * unit;
+        atomic_store_explicit(&cached_ram, r, memory_order_release); /* (after the swap) */
     }
-    return t;
+    *ram = r;
+    *swap = atomic_load_explicit(&cached_swap, memory_order_relaxed);
 }
 
 /* The number in a cgroup limit file (digits, or "max": UINT64_MAX); 0 when it cannot be read. */
@@ -149,7 +151,7 @@ static uint64_t smallest_limit(const char *root, const char *path, size_t path_l
 }
 
 /* This process's memory cgroup limit (cgroup v1's memory.limit_in_bytes, or v2's memory.max,
- * the smallest of its cgroup and those above), read once, as machine_bytes (a process moved to
+ * the smallest of its cgroup and those above), read once, as machine_memory (a process moved to
  * another cgroup later keeps the first answer). UINT64_MAX: no limit, or none could be read. */
 static uint64_t cgroup_limit(void) {
     static _Atomic uint64_t cached; /* 0: not read yet */
@@ -198,19 +200,19 @@ static uint64_t cgroup_limit(void) {
  * memory can be swapped out; a cgroup's own swap limit is left out, so this never says less
  * than there is). UINT64_MAX: no limit. */
 static uint64_t cgroup_bytes(void) {
-    uint64_t limit = cgroup_limit();
-    if (limit == UINT64_MAX)
-        return limit;
-    uint64_t phys = lshm__os_phys_bytes(), machine = machine_bytes();
-    if (machine == 0 || phys == 0)
-        return UINT64_MAX; /* (the swap unknown: no limit from here) */
-    uint64_t swap = machine > phys ? machine - phys : 0;
+    uint64_t limit = cgroup_limit(), ram, swap;
+    machine_memory(&ram, &swap);
+    if (limit == UINT64_MAX || ram == 0)
+        return UINT64_MAX; /* (no limit, or the swap unknown: no limit from here) */
     return limit > UINT64_MAX - swap ? UINT64_MAX : limit + swap;
 }
 
 uint64_t lshm__os_memory_bytes(void) {
-    uint64_t phys = lshm__os_phys_bytes(), limit = cgroup_limit();
-    return phys == 0 || limit < phys ? (limit == UINT64_MAX ? 0 : limit) : phys;
+    uint64_t limit = cgroup_limit(), ram, swap;
+    machine_memory(&ram, &swap);
+    if (ram == 0 || limit < ram)
+        return limit == UINT64_MAX ? 0 : limit;
+    return ram;
 }
 
 /* Every page of our memfds is allocated before anyone maps them (no SIGBUS later), and an
@@ -219,8 +221,10 @@ uint64_t lshm__os_memory_bytes(void) {
  * SIGKILLs this process or another one of its container). So a memfd of more than either is
  * -ENOMEM at once. */
 static int memory_room(uint64_t size) {
-    uint64_t machine = machine_bytes();
-    if (machine > 0 && size > machine)
+    uint64_t ram, swap;
+    machine_memory(&ram, &swap);
+    uint64_t machine = ram + swap;
+    if (ram > 0 && size > machine)
         return LSHM_FAIL(-ENOMEM, "a memfd of %llu bytes: more than this machine's memory "
                          "(RAM and swap: %llu bytes)", (unsigned long long)size,
                          (unsigned long long)machine);
@@ -249,7 +253,7 @@ int lshm__os_memfd_create(size_t nbytes, int *fd) {
 /* RLIMIT_FSIZE holds for memfds too, and a write or ftruncate that would take a file past it
  * does not just fail (EFBIG): the kernel sends SIGXFSZ first, whose default action kills the
  * process (Python ignores it; a C program dies). So what would end past it is -EFBIG here,
- * without the signal; `what` names the call. */
+ * without the signal. Whether [0, end) goes past the limit (then in *limit). */
 static int past_file_size_limit(uint64_t end, uint64_t *limit) {
     struct rlimit lim;
     if (getrlimit(RLIMIT_FSIZE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY ||
@@ -259,6 +263,7 @@ static int past_file_size_limit(uint64_t end, uint64_t *limit) {
     return 1;
 }
 
+/* -EFBIG, with a message naming the call (`what`) on fd, where [0, end) goes past the limit. */
 static int file_size_room(uint64_t end, const char *what, int fd) {
     uint64_t limit;
     if (!past_file_size_limit(end, &limit))

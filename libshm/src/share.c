@@ -266,7 +266,9 @@ static int pwrite_chunks(int fd, char *data, size_t *off, size_t end, const lshm
         size_t chunk = next_chunk(page);
         size_t n = end - *off < chunk ? end - *off : chunk;
         void *m;
-        if ((rc = lshm__os_pwrite_all(fd, data + *off, n, *off)) != 0 ||
+        /* (fd was sized by this share, lshm__os_memfd_sized: its ftruncate checked
+         * RLIMIT_FSIZE once, not a getrlimit per chunk) */
+        if ((rc = lshm__os_pwrite_inside(fd, data + *off, n, *off)) != 0 ||
             (rc = lshm__os_map_fd(fd, *off, n, 0, data + *off, &m)) != 0)
             break;
         lshm__os_fence_wake(fence, data + *off, n);
