@@ -5,12 +5,14 @@
  * smallest limit on the way up. A child joins `outer/inner` (outer: 256 MiB, inner: no limit)
  * before its first library call (the library reads the cgroup once), then a share, a storage
  * created shared and a segment past the limit are refused, changing nothing, while one that fits
- * is made. Needs a writable memory cgroup (root): else skipped (exit 77, as meson counts it).
+ * is made; and the memfd pool's default cap follows that limit. Needs a writable memory cgroup
+ * (root): else skipped (exit 77, as meson counts it).
  */
 #include "task.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/sysinfo.h>
@@ -91,6 +93,21 @@ static void past_the_limit_above(void) {
     lshm_storage_release(s);
 }
 
+/* The pool's default cap is an eighth of what the process may use: here outer's 256 MiB, so 32
+ * MiB of 512 KiB memfds, 64 of them (an eighth of the machine's RAM would keep all 100). */
+static void pool_capped_by_the_limit_above(void) {
+    enum { COUNT = 100 };
+    const size_t each = (size_t)512 << 10;
+    lshm_storage *s[COUNT];
+    for (int i = 0; i < COUNT; i++) {
+        ASSERT_OK(lshm_storage_create(each, NULL, 0, &s[i]));
+        ASSERT_OK(lshm_storage_share(s[i]));
+    }
+    for (int i = 0; i < COUNT; i++)
+        lshm_storage_release(s[i]);
+    ASSERT_EQ(lshm_pool_trim(), (int)((LIMIT / 8) / each));
+}
+
 int main(void) {
     char dir[4096], outer[4200], inner[4300], pid_text[32];
     const char *limit_file = NULL;
@@ -115,6 +132,8 @@ int main(void) {
         snprintf(pid_text, sizeof pid_text, "%d", (int)getpid());
         if (write_file(inner, "cgroup.procs", pid_text) != 0)
             _exit(SKIP);
+        unsetenv("LSHM_POOL_BYTES"); /* (the default: read at the first share) */
+        RUN_TEST(pool_capped_by_the_limit_above);
         RUN_TEST(past_the_limit_above);
         _exit(0);
     }
