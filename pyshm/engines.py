@@ -67,6 +67,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
@@ -104,7 +105,8 @@ def install() -> frozenset:
             except (AttributeError, KeyError, TypeError, ImportError):
                 pass  # (another version of the engine: it keeps its own ways)
     for name, tensors in (("ray", _install_ray_tensors),
-                          ("distributed", _install_distributed_tensors)):
+                          ("distributed", _install_distributed_tensors),
+                          ("joblib", _add_late_joblib_tensors)):
         if name in _installed:
             try:
                 tensors()
@@ -355,6 +357,7 @@ def _install_joblib() -> None:
             return backward(a)
 
         reduce_array_memmap_backward._pyshm_wraps = backward
+        reduce_array_memmap_backward._pyshm_joblib_backward = True  # (kept by cloudpickle)
         module.reduce_array_memmap_backward = reduce_array_memmap_backward
         _repoint_loky_results(backward, reduce_array_memmap_backward)
     _install_joblib_tensors(module)
@@ -376,20 +379,21 @@ def _install_joblib_tensors(module: Any) -> None:
     """joblib pickles a pool's or an executor's arguments and results with the reducers
     get_memmapping_reducers makes for it (a dispatch table: numpy's arrays only), and torch's
     tensor reducer is ForkingPickler's, which joblib's picklers do not use: so the reducers
-    made get pyshm's for torch tensors too, once torch is imported (an executor made before
-    that sends tensors joblib's way for its life). joblib.pool and joblib.executor hold the
-    function under their own names (imported from the module)."""
+    made get pyshm's for torch tensors too (those made before torch's import get it at that
+    import: _add_late_joblib_tensors). joblib.pool and joblib.executor hold the function under
+    their own names (imported from the module)."""
     original = module.get_memmapping_reducers
     wrapped = original
     if getattr(original, "_pyshm_wraps", None) is None:
 
         def get_memmapping_reducers(*args, **kwargs):
             forward, backward = original(*args, **kwargs)
-            torch = sys.modules.get("torch")
-            if torch is not None and hasattr(torch, "nn"):
-                for kind in (torch.Tensor, torch.nn.Parameter):
-                    forward.setdefault(kind, _joblib_tensor)
-                    backward.setdefault(kind, _joblib_tensor)
+            if _with_joblib_tensors(forward) and _with_joblib_tensors(backward):
+                return forward, backward
+            # (no torch yet: dicts it can find again once torch is imported)
+            forward, backward = _Reducers(forward), _Reducers(backward)
+            for reducers in (forward, backward):
+                _reducers_without_tensors[id(reducers)] = reducers
             return forward, backward
 
         get_memmapping_reducers._pyshm_wraps = original
@@ -402,22 +406,75 @@ def _install_joblib_tensors(module: Any) -> None:
             user.get_memmapping_reducers = wrapped
 
 
+class _Reducers(dict):
+    """joblib's reducers for a pool or an executor made before torch's import, in a dict that a
+    weak reference can name; pickled (a loky worker's result reducers go to it) as a plain dict."""
+
+    __slots__ = ("__weakref__",)
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+# (the reducer dicts made before torch's import, while their pool or executor lives)
+_reducers_without_tensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_late_joblib_tensors_added = False
+
+
+def _with_joblib_tensors(reducers: dict) -> bool:
+    """Add pyshm's reducer for torch tensors to a dict of joblib's reducers; False (nothing
+    added) if torch is not imported."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "nn"):
+        return False
+    for kind in (torch.Tensor, torch.nn.Parameter):
+        reducers.setdefault(kind, _joblib_tensor)
+    return True
+
+
+def _add_late_joblib_tensors() -> None:
+    """Once torch is imported in a process that made joblib reducers before (a pool or an
+    executor, which keeps them for its life; a loky worker's result reducers, unpickled at its
+    start): they get pyshm's tensor reducer, so tensors over pyshm memory go by reference
+    through them too."""
+    global _late_joblib_tensors_added
+    if _late_joblib_tensors_added or "torch" not in sys.modules or \
+            not _with_joblib_tensors({}):
+        return
+    _late_joblib_tensors_added = True
+    for reducers in list(_reducers_without_tensors.values()):
+        _with_joblib_tensors(reducers)
+    _reducers_without_tensors.clear()
+    module = sys.modules["joblib._memmapping_reducer"]
+    backward = module.reduce_array_memmap_backward
+    for holder in _loky_result_reducers(getattr(backward, "_pyshm_wraps", backward)):
+        _with_joblib_tensors(holder)
+
+
+def _loky_result_reducers(original: Any) -> list:
+    """In a loky worker: the dicts of reducers (its result queue's, unpickled at its start)
+    whose reducer for numpy arrays is joblib's ``original`` or pyshm's wrapper of it (a copy:
+    cloudpickle sends closures by value); none elsewhere. (Found among the referrers of
+    np.ndarray: a walk over every object, once or twice per worker.)"""
+    loky = sys.modules.get("joblib.externals.loky.process_executor")
+    if loky is None or not getattr(loky, "_CURRENT_DEPTH", 0) > 0:
+        return []
+    import gc
+
+    return [holder for holder in gc.get_referrers(np.ndarray) if isinstance(holder, dict) and
+            (holder.get(np.ndarray) is original or
+             getattr(holder.get(np.ndarray), "_pyshm_joblib_backward", False))]
+
+
 def _repoint_loky_results(original: Any, wrapped: Any) -> None:
     """In a loky worker (of an executor started before this process imported pyshm), the
     reducers of its result queue, a dict it unpickled at its start, still name joblib's own
     backward reducer, so its results would come back as copies for the executor's whole
-    life: point them to pyshm's. (Found among the referrers of joblib's function: once per
-    worker, and only in loky's workers.)"""
-    loky = sys.modules.get("joblib.externals.loky.process_executor")
-    if loky is None or not getattr(loky, "_CURRENT_DEPTH", 0) > 0:
-        return
-    import gc
-
-    for holder in gc.get_referrers(original):
-        if isinstance(holder, dict):
-            for kind in (np.ndarray, np.memmap):
-                if holder.get(kind) is original:
-                    holder[kind] = wrapped
+    life: point them to pyshm's."""
+    for holder in _loky_result_reducers(original):
+        for kind in (np.ndarray, np.memmap):
+            if holder.get(kind) is original:
+                holder[kind] = wrapped
 
 
 # ---- dask.distributed -------------------------------------------------------------------------

@@ -654,6 +654,30 @@ def test_joblib_executor_started_before_pyshm_returns_the_parents_arrays():
     assert out.decode().split() == ["[True,", "True,", "True,", "True]", str(1 << 20)]
 
 
+def test_joblib_executor_made_before_torchs_import_sends_tensors_by_reference():
+    # an executor keeps the reducers it was made with (loky's workers: those of their results,
+    # from their start): one made before torch's import now sends tensors over pyshm memory as
+    # that memory both ways once torch is imported (before: by value for the executor's whole
+    # life, the workers' writes lost without a word)
+    engine_or_skip("joblib")
+    torch_or_skip()
+    out = run_python("""
+        import numpy as np
+        import pyshm
+        from joblib import Parallel, delayed
+        Parallel(n_jobs=2)(delayed(abs)(i) for i in range(2))  # (the executor, started)
+        import torch
+        a = pyshm.zeros((4, 1 << 16), np.float32, shared=True)
+        t = torch.from_numpy(a)
+        def fill(x):
+            x.numpy()[...] = 3
+            return x
+        backs = Parallel(n_jobs=2)(delayed(fill)(t[i]) for i in range(4))
+        print([b.data_ptr() == t[i].data_ptr() for i, b in enumerate(backs)], int(a.sum()))
+    """)
+    assert out.decode().split() == ["[True,", "True,", "True,", "True]", str(3 << 18)]
+
+
 # ---- attacks on the hooks (a review's findings) ----------------------------------------------
 
 
