@@ -227,6 +227,39 @@ def test_recording_free_rules():
         arena.empty(3)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_recording_dropped_array_freed_at_end_iteration(shared, no_fd_leak):
+    # An array dropped without free() used to make every later end_iteration raise
+    # BufferError until close(): nothing could free it any more.
+    arena = pyshm.Arena.recording(shared=shared)
+    for iteration in range(4):
+        kept = arena.empty(1000, np.uint8)
+        dropped = arena.empty(2000, np.uint8)  # never freed: live until the iteration's end
+        dropped[:] = 7
+        kept[:] = 1
+        other = arena.empty(3000, np.uint8)  # so it must not overlap `dropped`
+        other[:] = 9
+        assert (dropped == 7).all() and (kept == 1).all()
+        arena.free(kept)
+        arena.free(other)
+        del dropped
+        arena.end_iteration()
+    stats = arena.stats
+    # recorded once, then every iteration served from the one plan: no re-plan
+    assert (stats.iterations, stats.fallback_count, stats.replans) == (4, 3, 0)
+    assert stats.reuse_count == 9
+    plan = arena.plan
+    assert plan.arena_size >= 2000 + 3000
+    live = arena.empty(10, np.uint8)  # alive and not freed: still refused, then recovers
+    with pytest.raises(BufferError):
+        arena.end_iteration()
+    arena.free(live)
+    arena.end_iteration()
+    del kept, other, live
+    gc.collect()
+    arena.close()
+
+
 def test_wrong_kind_and_bad_input():
     with pytest.raises(ValueError):
         pyshm.Arena([1, 2], [0, 0], [1])  # mismatched lengths
