@@ -88,17 +88,35 @@ def _locked(method):
     return locked
 
 
-# Every arena's lock is made anew in a fork's child: a thread of the parent that held one at the
-# fork does not exist there, and the child's first call would wait for it forever.
+# A fork waits until no other thread is inside an arena call: it takes every arena's lock
+# first. Before, the child got the C arena as the call had left it halfway (a re-plan started
+# and not installed, a storage allocated and not yet in _live, so end_iteration refused in the
+# child forever), with a fresh lock over it. No arena method takes another arena's lock, so
+# taking them all in any order cannot deadlock. The child then makes every lock anew (the
+# forking thread holds them; a lock held there by a vanished thread would never be released).
 _ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+_HELD_FOR_FORK: list = []
+
+
+def _lock_arenas_before_fork() -> None:
+    for arena in list(_ARENAS):
+        arena._lock.acquire()
+        _HELD_FOR_FORK.append(arena)
+
+
+def _unlock_arenas_in_parent() -> None:
+    while _HELD_FOR_FORK:
+        _HELD_FOR_FORK.pop()._lock.release()
 
 
 def _new_locks_in_child() -> None:
+    _HELD_FOR_FORK.clear()
     for arena in list(_ARENAS):
         arena._lock = threading.RLock()
 
 
-os.register_at_fork(after_in_child=_new_locks_in_child)
+os.register_at_fork(before=_lock_arenas_before_fork, after_in_parent=_unlock_arenas_in_parent,
+                    after_in_child=_new_locks_in_child)
 
 
 class _ArenaKeep(HandleLifetime):
@@ -177,9 +195,11 @@ class Arena(HandleLifetime):
       exists. An array dropped without :meth:`free` is freed by the next
       :meth:`end_iteration` (its tensor is live until then).
     * Threads may call an arena's methods at once: each takes the arena's lock, so they run
-      one at a time. A recording arena's iteration is still one sequence of events: allocs of
-      threads interleaving differently each iteration fall back and re-plan more. Its arrays
-      are ordinary arrays and may be used from any thread.
+      one at a time. ``os.fork()`` waits for the arena calls in flight in other threads (a
+      plan with a ``time_limit`` may take that long), so the child never sees one halfway.
+      A recording arena's iteration is still one sequence of events: allocs of threads
+      interleaving differently each iteration fall back and re-plan more. Its arrays are
+      ordinary arrays and may be used from any thread.
     """
 
     def __init__(
