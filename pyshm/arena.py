@@ -88,17 +88,35 @@ def _locked(method):
     return locked
 
 
-# Every arena's lock is made anew in a fork's child: a thread of the parent that held one at the
-# fork does not exist there, and the child's first call would wait for it forever.
+# A fork waits until no other thread is inside an arena call: it takes every arena's lock
+# first. Before, the child got the C arena as the call had left it halfway (a re-plan started
+# and not installed, a storage allocated and not yet in _live, so end_iteration refused in the
+# child forever), with a fresh lock over it. No arena method takes another arena's lock, so
+# taking them all in any order cannot deadlock. The child then makes every lock anew (the
+# forking thread holds them; a lock held there by a vanished thread would never be released).
 _ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+_HELD_FOR_FORK: list = []
+
+
+def _lock_arenas_before_fork() -> None:
+    for arena in list(_ARENAS):
+        arena._lock.acquire()
+        _HELD_FOR_FORK.append(arena)
+
+
+def _unlock_arenas_in_parent() -> None:
+    while _HELD_FOR_FORK:
+        _HELD_FOR_FORK.pop()._lock.release()
 
 
 def _new_locks_in_child() -> None:
+    _HELD_FOR_FORK.clear()
     for arena in list(_ARENAS):
         arena._lock = threading.RLock()
 
 
-os.register_at_fork(after_in_child=_new_locks_in_child)
+os.register_at_fork(before=_lock_arenas_before_fork, after_in_parent=_unlock_arenas_in_parent,
+                    after_in_child=_new_locks_in_child)
 
 
 class _ArenaKeep(HandleLifetime):
@@ -174,11 +192,14 @@ class Arena(HandleLifetime):
       a use-after-free in C, except that it never touches unmapped memory (it may see another
       tensor's bytes, or the bytes of a buffer the arena no longer uses). :meth:`free` raises
       :class:`BufferError` while another :class:`~pyshm.Storage` handle on a buffer slice
-      exists.
+      exists. An array dropped without :meth:`free` is freed by the next
+      :meth:`end_iteration` (its tensor is live until then).
     * Threads may call an arena's methods at once: each takes the arena's lock, so they run
-      one at a time. A recording arena's iteration is still one sequence of events: allocs of
-      threads interleaving differently each iteration fall back and re-plan more. Its arrays
-      are ordinary arrays and may be used from any thread.
+      one at a time. ``os.fork()`` waits for the arena calls in flight in other threads (a
+      plan with a ``time_limit`` may take that long), so the child never sees one halfway.
+      A recording arena's iteration is still one sequence of events: allocs of threads
+      interleaving differently each iteration fall back and re-plan more. Its arrays are
+      ordinary arrays and may be used from any thread.
     """
 
     def __init__(
@@ -374,13 +395,28 @@ class Arena(HandleLifetime):
         """Recording arenas: end the iteration (plans after the first, or after a misfit). A
         plan of 2,000 allocations or more, or with a ``time_limit`` of 0.5 s or more, is made
         on a helper thread while this one waits, so that Ctrl-C stops it (see
-        :func:`pyshm.planner.plan`; the next iteration plans again)."""
+        :func:`pyshm.planner.plan`; the next iteration plans again).
+
+        An array from :meth:`empty` that was dropped without :meth:`free` (collected: no
+        array over it and no :class:`~pyshm.Storage` handle on it left) is freed here, first,
+        in the order of the allocations: it counts as live until the end of the iteration.
+        One still alive and not freed makes it raise :class:`BufferError`, the iteration
+        going on (the dropped ones are freed all the same): free or drop it and call again."""
         handle = self._as_parameter_
+        self._free_dropped(handle)
         # (apart whether it plans or not: a helper thread costs about 0.1 ms, an iteration of
         # that many allocations, or a plan that may take that budget, far more)
         apart, self._allocs = big_plan(self._allocs, self._time_limit), 0
         interruptibly(functools.partial(lib.lshm_arena_end_iteration, handle),
                       functools.partial(lib.lshm_arena_interrupt, handle), apart)
+
+    def _free_dropped(self, handle: _ffi.ArenaHandle) -> None:
+        """Free the storages of this iteration whose arrays are all gone: only the reference
+        in ``_live`` is left (an array's owner or a Storage handle holds one more)."""
+        for key, storage in list(self._live.items()):
+            if lib.lshm_storage_refcount(storage) == 1:
+                lib.lshm_arena_free(handle, storage)
+                del self._live[key]
 
     # ---- information ----------------------------------------------------------------------
 

@@ -54,6 +54,8 @@ def plan(
     busier machine may return another (valid) plan. It takes about O(n log n) on lifetimes
     that overlap little, and up to O(n * k) where each tensor overlaps k others (nested
     lifetimes of 10,000 tensors, every one alive at the midpoint: about 1 s).
+    The sizes may sum past 2**64 when they are never all live together: only the bytes live at
+    one time must fit in 64 bits, else it raises ValueError (errno EOVERFLOW).
     """
     n, sizes_a, firsts_a, lasts_a = inputs(sizes, firsts, lasts)
     opts = options(alignment, inclusive, time_limit, capacity)

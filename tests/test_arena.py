@@ -227,6 +227,39 @@ def test_recording_free_rules():
         arena.empty(3)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_recording_dropped_array_freed_at_end_iteration(shared, no_fd_leak):
+    # An array dropped without free() used to make every later end_iteration raise
+    # BufferError until close(): nothing could free it any more.
+    arena = pyshm.Arena.recording(shared=shared)
+    for iteration in range(4):
+        kept = arena.empty(1000, np.uint8)
+        dropped = arena.empty(2000, np.uint8)  # never freed: live until the iteration's end
+        dropped[:] = 7
+        kept[:] = 1
+        other = arena.empty(3000, np.uint8)  # so it must not overlap `dropped`
+        other[:] = 9
+        assert (dropped == 7).all() and (kept == 1).all()
+        arena.free(kept)
+        arena.free(other)
+        del dropped
+        arena.end_iteration()
+    stats = arena.stats
+    # recorded once, then every iteration served from the one plan: no re-plan
+    assert (stats.iterations, stats.fallback_count, stats.replans) == (4, 3, 0)
+    assert stats.reuse_count == 9
+    plan = arena.plan
+    assert plan.arena_size >= 2000 + 3000
+    live = arena.empty(10, np.uint8)  # alive and not freed: still refused, then recovers
+    with pytest.raises(BufferError):
+        arena.end_iteration()
+    arena.free(live)
+    arena.end_iteration()
+    del kept, other, live
+    gc.collect()
+    arena.close()
+
+
 def test_wrong_kind_and_bad_input():
     with pytest.raises(ValueError):
         pyshm.Arena([1, 2], [0, 0], [1])  # mismatched lengths
@@ -658,18 +691,27 @@ def test_ctrl_c_interrupts_a_recording_arena_s_plan_with_a_budget():
 
 
 FORK_WHILE_LOCKED = """
-import os, threading, time, numpy as np, pyshm
-a = pyshm.Arena.recording()
-x = a.empty((4,)); a.free(x); a.end_iteration()
-hold, release = threading.Event(), threading.Event()
-def holder():
-    with a._lock:  # (as a thread inside one of the arena's methods)
-        hold.set(); release.wait()
-t = threading.Thread(target=holder); t.start(); hold.wait()
-pid = os.fork()
+import ctypes, os, threading, time, numpy as np, pyshm
+from pyshm._ffi import ArenaCounters, lib
+a = pyshm.Arena.recording(time_limit=0.3)  # (a plan above the lower bound: it takes 0.3 s)
+rng = np.random.default_rng(0)
+live = []
+for size in rng.integers(1, 100000, 400):
+    live.append(a.empty(int(size), np.uint8))
+    if len(live) > 7:
+        a.free(live.pop(int(rng.integers(0, len(live)))))
+for x in live:
+    a.free(x)
+del live, x
+t = threading.Thread(target=a.end_iteration); t.start()
+counters = ArenaCounters()  # (read without the lock: the C call counts the iteration first)
+while lib.lshm_arena_stats(a._handle, ctypes.byref(counters)) == 0 and not counters.iterations:
+    time.sleep(0.001)
+pid = os.fork()  # while the other thread is inside end_iteration, planning
 if pid == 0:
+    print(a.stats.iterations, a.plan is not None, flush=True)
     y = a.empty((4,)); a.free(y); a.end_iteration(); os._exit(7)
-release.set(); t.join()
+t.join()
 deadline = time.monotonic() + 10
 while time.monotonic() < deadline:
     done, status = os.waitpid(pid, os.WNOHANG)
@@ -682,12 +724,14 @@ else:
 
 
 def test_fork_while_another_thread_is_in_the_arena():
-    # the arena's lock (see test_threads_calling_one_arena_at_once) is made anew in a fork's
-    # child: held by a thread of the parent at the fork, the child's first call waited forever
+    # A fork while another thread was inside an arena call gave the child the arena as that
+    # call had left it halfway (here: the iteration counted, its plan not installed), under a
+    # fresh lock. Now the fork waits for the call: the child sees it done, and its own
+    # iteration works (a lock held by a thread that does not exist there is made anew).
     done = subprocess.run([sys.executable, "-c", FORK_WHILE_LOCKED], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "7"
+    assert done.stdout.split() == ["1", "True", "7"], done.stdout
 
 
 @pytest.mark.parametrize("make", [

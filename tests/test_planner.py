@@ -4,6 +4,7 @@ quality against the best anchor heuristic per trace (BEST_OF below), capacity mo
 bad input, determinism, and `python -m pyshm plan`."""
 
 import csv
+import errno
 import signal
 import subprocess
 import sys
@@ -304,6 +305,24 @@ def test_bad_input():
         planner.validate([10, 10], [0, 0], [2, 2], [0, 5], 15)
     empty = pyshm.plan([], [], [])
     assert empty.arena_size == 0 and len(empty.offsets) == 0
+
+
+def test_sizes_summing_past_2_64_never_live_together():
+    # The planner refused these with EOVERFLOW (the sum of the sizes passes 2**64) although
+    # at most 2**63 bytes are ever live: only the peak must fit in 64 bits.
+    quarter = 1 << 62
+    firsts, lasts = [0, 1, 2, 3, 4], [2, 3, 4, 5, 6]  # a chain: two live at a time
+    plan = pyshm.plan([quarter] * 5, firsts, lasts)
+    assert plan.arena_size == plan.lower_bound == 2 * quarter
+    assert [int(o) for o in plan.offsets] in ([0, quarter, 0, quarter, 0],
+                                               [quarter, 0, quarter, 0, quarter])
+    planner.validate([quarter] * 5, firsts, lasts, plan.offsets, plan.arena_size)
+    arena = pyshm.Arena([quarter] * 5, firsts, lasts)  # planned (too big to allocate)
+    assert arena.size == 2 * quarter and arena.stats.managed_bytes == 2**64 - 1
+    arena.close()
+    with pytest.raises(ValueError) as info:  # a peak of 2**64: still refused
+        pyshm.plan([2 * quarter] * 3, [0, 0, 2], [2, 2, 3])
+    assert info.value.errno == errno.EOVERFLOW
 
 
 def test_deterministic():

@@ -515,8 +515,11 @@ typedef struct lshm_plan_result {
  * time_limit is 0 (the search under a time budget depends on how fast the machine runs).
  * Zero-size tensors get offset 0. Thread-safe (no shared state).
  * Errors: -EINVAL (NULL arrays with n > 0, first > last, alignment not a power of two, a fixed
- * offset misaligned or colliding with another fixed tensor, unknown flags), -EOVERFLOW (sizes
- * whose sum or aligned end overflows 64 bits), -ENOMEM. n == 0 is valid: arena_size 0. */
+ * offset misaligned or colliding with another fixed tensor, unknown flags), -EOVERFLOW (a size
+ * or pinned end that overflows 64 bits when aligned, tensors live at the same time whose sizes
+ * sum past 64 bits, or, only when all the sizes sum past 64 bits, no placement found that ends
+ * at or below the highest aligned offset under 2^64), -ENOMEM. Sizes that are never live
+ * together may sum past 2^64. n == 0 is valid: arena_size 0. */
 LSHM_API int lshm_plan(size_t n, const uint64_t *sizes, const int64_t *firsts,
                        const int64_t *lasts, const int64_t *fixed_offsets,
                        const lshm_plan_options *opts, uint64_t *offsets,
@@ -543,7 +546,7 @@ LSHM_API int lshm_plan_validate(size_t n, const uint64_t *sizes, const int64_t *
  * but the topmost one occupies at least its rounded-up size, the topmost at least its size.
  * With alignment 1 this is the maximum of the live bytes. Tensors that occupy no memory are
  * left out: zero-size tensors and, in the default half-open mode, tensors with first == last
- * (never live). */
+ * (never live). -EOVERFLOW when the bound does not fit in 64 bits. */
 LSHM_API int lshm_plan_lower_bound(size_t n, const uint64_t *sizes, const int64_t *firsts,
                                    const int64_t *lasts, const lshm_plan_options *opts,
                                    uint64_t *lower_bound);
@@ -592,7 +595,8 @@ typedef struct lshm_arena lshm_arena;
 /* Counters of an arena (lshm_arena_stats). "Current plan" is the plan of a planned arena, or
  * the latest plan of a recording arena (all zero before its first lshm_arena_end_iteration). */
 typedef struct lshm_arena_counters {
-    uint64_t managed_bytes;  /* sum of the sizes of the current plan's tensors */
+    uint64_t managed_bytes;  /* sum of the sizes of the current plan's tensors (UINT64_MAX
+                                when it passes 64 bits) */
     uint64_t arena_bytes;    /* bytes of the current plan's buffer (lshm_arena_size) */
     uint64_t lower_bound;    /* the current plan's lower bound (no plan can use fewer bytes) */
     uint64_t storages;       /* number of tensors in the current plan (slab slots) */

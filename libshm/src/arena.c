@@ -301,7 +301,8 @@ static int install_plan(lshm_arena *a, size_t n, uint64_t *sizes, const int64_t 
     int rc = lshm_plan(n, sizes, firsts, lasts, NULL, opts, offsets, &result);
     uint64_t managed = 0, need = result.arena_size;
     for (size_t i = 0; rc == 0 && i < n; i++) {
-        managed += sizes[i]; /* cannot wrap: lshm_plan refused sums that overflow */
+        /* (saturated: tensors never live together may sum past 64 bits) */
+        managed = sizes[i] > UINT64_MAX - managed ? UINT64_MAX : managed + sizes[i];
         if (sizes[i] > 0 && offsets[i] + sizes[i] > need)
             need = offsets[i] + sizes[i];
     }

@@ -186,8 +186,8 @@ static const strategy portfolio_large[] = {
 #define EXACT_MAX_TENSORS 2000
 
 /* `best` before any plan is found. No plan reaches it: every arena is below in.total, which
- * lshm__plan_input_build keeps <= UINT64_MAX (and lshm__plan_engine_run's cutoff never fires
- * at NO_PLAN). */
+ * lshm__plan_input_build keeps <= UINT64_MAX, or at most in.total < UINT64_MAX when the sizes
+ * sum past 64 bits (and lshm__plan_engine_run's cutoff never fires at NO_PLAN). */
 #define NO_PLAN UINT64_MAX
 
 /* 1 when capacity mode (target > 0) has a plan (best != NO_PLAN) that fits: a capacity of
@@ -381,6 +381,9 @@ static int run_portfolio(plan_run *r) {
                      candidate->fit == FIT_BEST ? "best-fit" : "first-fit");
         }
     }
+    if (m && r->best == NO_PLAN && !lshm__plan_cancelled())
+        return LSHM_FAIL(-EOVERFLOW, "no placement of the %zu tensors ends below %llu bytes "
+                         "(their sizes sum past 64 bits)", m, (unsigned long long)in->total);
     if (m && r->best <= r->lower_bound)
         r->optimal = 1;
     return 0;
@@ -402,7 +405,9 @@ static uint64_t gcd_u64(uint64_t a, uint64_t b) {
 static int exact_prepare(plan_run *r) {
     const plan_input *in = r->in;
     const size_t m = in->m;
-    r->exact_allowed = m && in->n_fixed == 0 && m <= EXACT_MAX_TENSORS;
+    /* (not when the sizes sum past 64 bits: its sums of placed tops and section bytes rely
+     * on that bound not to wrap) */
+    r->exact_allowed = m && in->n_fixed == 0 && m <= EXACT_MAX_TENSORS && !in->saturated;
     r->fits = meets_capacity(r->best, r->target);
     r->hopeless = r->target && r->target < r->lower_bound;
     r->exact_phase = !r->optimal && r->opts->time_limit > 0 && r->exact_allowed && !r->fits &&
@@ -707,6 +712,10 @@ static int plan_call(size_t n, const uint64_t *sizes, const int64_t *firsts,
         return err;
     uint64_t lower_bound = 0;
     err = lshm__plan_lower_bound(&in, &lower_bound);
+    if (!err && in.saturated && lower_bound > in.total)
+        err = LSHM_FAIL(-EOVERFLOW, "tensors live at the same time need %llu bytes, past the "
+                        "highest aligned offset below 2^64, %llu",
+                        (unsigned long long)lower_bound, (unsigned long long)in.total);
     if (!err && in.n_fixed)
         err = check_pinned(&in);
     if (err) {

@@ -394,7 +394,8 @@ static uint64_t engine_choose(engine *e, uint32_t i, int fit) {
     for (size_t j = 0; j < k; j++) {
         if (blocks[j].lo > covered) {
             uint64_t offset = align_up(covered, alignment);
-            if (offset + size <= blocks[j].lo) {
+            /* (offset + size may wrap when the sizes sum past 64 bits) */
+            if (offset <= blocks[j].lo && size <= blocks[j].lo - offset) {
                 uint64_t waste = blocks[j].lo - offset - size;
                 if (fit == FIT_FIRST)
                     return offset;
@@ -413,7 +414,8 @@ static uint64_t engine_choose(engine *e, uint32_t i, int fit) {
 }
 
 /* Places the pinned tensors, then order[0..count) with `fit`. Writes off[] (by tensor) and
- * returns the arena, or UINT64_MAX as soon as the arena reaches `cutoff`. */
+ * returns the arena, or UINT64_MAX as soon as the arena reaches `cutoff` or a tensor would end
+ * past in->total (only possible when the sizes sum past 64 bits: in->saturated). */
 uint64_t lshm__plan_engine_run(engine *e, const plan_input *in, const uint32_t *order,
                                size_t count, int fit, uint64_t *off, uint64_t cutoff) {
     engine_reset(e);
@@ -434,6 +436,8 @@ uint64_t lshm__plan_engine_run(engine *e, const plan_input *in, const uint32_t *
             return UINT64_MAX; /* (interrupted: lshm_plan says so) */
         uint32_t i = order[j];
         uint64_t offset = engine_choose(e, i, fit);
+        if (offset > in->total || in->size[i] > in->total - offset)
+            return UINT64_MAX;
         off[i] = offset;
         engine_insert(e, i, offset);
         if (offset + in->size[i] > arena) {

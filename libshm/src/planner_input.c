@@ -107,8 +107,10 @@ static int check_tensors(plan_input *in, const caller_input *c) {
     const int planning = c->given == NULL;
     /* total starts at 1: every arena we build is then below in->total <= UINT64_MAX, so
      * UINT64_MAX never is one (it means "no plan" / "cut off" in lshm_plan and
-     * lshm__plan_engine_run) */
+     * lshm__plan_engine_run). A sum past 64 bits is no error by itself (tensors never live
+     * together need not fit at once): it saturates, and in->total becomes the cap below. */
     uint64_t total = 1, fixed_top = 0;
+    int saturated = 0;
     size_t m = 0;
     for (size_t i = 0; i < c->n; i++) {
         const uint64_t size = c->sizes[i];
@@ -121,8 +123,9 @@ static int check_tensors(plan_input *in, const caller_input *c) {
                                  (unsigned long long)size);
             uint64_t padded = align_up(size, alignment);
             if (total > UINT64_MAX - padded)
-                return LSHM_FAIL(-EOVERFLOW, "sum of tensor sizes overflows 64 bits");
-            total += padded;
+                saturated = 1;
+            else
+                total += padded;
         }
         if (c->fixed && c->fixed[i] != -1 && c->fixed[i] < 0)
             return LSHM_FAIL(-EINVAL, "tensor %zu: fixed offset %lld (use -1 for none)", i,
@@ -145,9 +148,21 @@ static int check_tensors(plan_input *in, const caller_input *c) {
          * alignment - 1 above fixed_top (whose align_up must not wrap either), each one adding
          * at most its padded size */
         uint64_t slack = fixed_top ? alignment - 1 : 0;
-        if (total > UINT64_MAX - fixed_top || total + fixed_top > UINT64_MAX - slack)
-            return LSHM_FAIL(-EOVERFLOW, "arena size could overflow 64 bits");
-        in->total = total + fixed_top + slack;
+        if (saturated || total > UINT64_MAX - fixed_top ||
+            total + fixed_top > UINT64_MAX - slack) {
+            /* No bound below 2^64 holds for every placement: the engine then checks each end
+             * against the cap, the highest aligned offset below UINT64_MAX (rounding an end up
+             * to the alignment cannot wrap, and no arena is UINT64_MAX, "no plan"), and gives
+             * up a placement that passes it. */
+            uint64_t cap = (UINT64_MAX - 1) & ~(alignment - 1);
+            if (fixed_top > cap)
+                return LSHM_FAIL(-EOVERFLOW, "pinned tensors end at %llu, past the highest "
+                                 "aligned offset", (unsigned long long)fixed_top);
+            in->total = cap;
+            in->saturated = 1;
+        } else {
+            in->total = total + fixed_top + slack;
+        }
     }
     in->m = m;
     return 0;
@@ -284,7 +299,9 @@ static void pad_heap_pop(pad_entry *heap, size_t *len) {
 }
 
 /* max over t of (sum of padded sizes live at t) - (largest padding among them): all but the
- * topmost live tensor occupy at least their padded size, the topmost at least its size. */
+ * topmost live tensor occupy at least their padded size, the topmost at least its size.
+ * Summed in 128 bits (the sizes may sum past 64 bits: see check_tensors); -EOVERFLOW when the
+ * bound itself passes 64 bits. */
 int lshm__plan_lower_bound(const plan_input *in, uint64_t *out) {
     size_t m = in->m;
     uint32_t T = in->times;
@@ -292,7 +309,7 @@ int lshm__plan_lower_bound(const plan_input *in, uint64_t *out) {
     if (m == 0)
         return 0;
     const uint64_t alignment = in->alignment;
-    uint64_t *diff = calloc((size_t)T + 1, sizeof *diff);
+    unsigned __int128 *diff = calloc((size_t)T + 1, sizeof *diff); /* (modulo 2^128) */
     uint32_t *by_start = malloc(m * sizeof *by_start), *tmp = malloc(m * sizeof *tmp);
     uint64_t *key = malloc(m * sizeof *key);
     /* max-heap by padding */
@@ -310,7 +327,7 @@ int lshm__plan_lower_bound(const plan_input *in, uint64_t *out) {
     }
     lshm__plan_sort_by_key(by_start, m, key, tmp);
     size_t heap_len = 0, k = 0;
-    uint64_t live = 0, best = 0;
+    unsigned __int128 live = 0, best = 0;
     for (uint32_t t = 0; t < T && k < m; t++) {
         live += diff[t];
         if (in->start[by_start[k]] != t)
@@ -333,7 +350,9 @@ int lshm__plan_lower_bound(const plan_input *in, uint64_t *out) {
             best = live - max_pad;
     }
     free(diff), free(by_start), free(tmp), free(key), free(heap);
-    *out = best;
+    if (best > UINT64_MAX)
+        return LSHM_FAIL(-EOVERFLOW, "tensors live at the same time need 2^64 bytes or more");
+    *out = (uint64_t)best;
     return 0;
 }
 

@@ -96,7 +96,9 @@ typedef struct plan_input {
     uint64_t alignment;
     uint32_t times;           /* T: all ends <= T */
     uint64_t total;           /* planning: an upper bound of any end we may produce (checked not
-                               * to wrap); validation: 0 (unused) */
+                               * to wrap), or with `saturated` the cap every end is checked
+                               * against; validation: 0 (unused) */
+    int saturated;            /* planning: the padded sizes (+ pinned top) sum past 64 bits */
 } plan_input;
 void lshm__plan_input_free(plan_input *in);
 int lshm__plan_input_build(plan_input *in, size_t n, const uint64_t *sizes,

@@ -1087,6 +1087,73 @@ static void test_interrupt(void)
     free(c.size), free(c.off), free(c.first), free(c.last);
 }
 
+/* Sizes that sum past 2^64 but are never all live together: lshm_plan used to refuse them
+ * with -EOVERFLOW (it bounded every placement by the sum). Only the peak must fit: such plans
+ * are made (sum saturated, every end checked against the highest aligned offset), with either
+ * engine and with a time budget, and a peak past 64 bits is still refused. */
+static void test_sum_past_2_64(void)
+{
+    const uint64_t q = (uint64_t)1 << 62; /* a quarter of 2^64 */
+    lshm_plan_options o;
+    lshm_plan_options_init(&o);
+    lshm_plan_result r;
+    /* a chain: tensor i live on [i, i + 2), 5 x 2^62 in all, at most 2^63 live at once */
+    uint64_t size[5] = {q, q, q, q, q}, off[5];
+    int64_t first[5] = {0, 1, 2, 3, 4}, last[5] = {2, 3, 4, 5, 6};
+    const char *engines[2] = {"sparse", "dense"};
+    for (int budget = 0; budget < 2; budget++) {
+        for (int e = 0; e < 2; e++) {
+            ASSERT_EQ(setenv("LSHM_PLAN_ENGINE", engines[e], 1), 0);
+            o.time_limit = budget ? 0.05 : 0.0;
+            ASSERT_EQ(lshm_plan(5, size, first, last, NULL, &o, off, &r), 0);
+            ASSERT_UINT_EQ(r.lower_bound, 2 * q);
+            ASSERT_UINT_EQ(r.arena_size, 2 * q);
+            ASSERT_EQ(lshm_plan_validate(5, size, first, last, off, &o, r.arena_size), 0);
+        }
+    }
+    ASSERT_EQ(unsetenv("LSHM_PLAN_ENGINE"), 0);
+    o.time_limit = 0.0;
+    uint64_t lb = 0;
+    ASSERT_EQ(lshm_plan_lower_bound(5, size, first, last, &o, &lb), 0);
+    ASSERT_UINT_EQ(lb, 2 * q);
+    /* three tensors of 2^63 one after the other, at alignment 1 and 64: all at offset 0 */
+    uint64_t half[3] = {2 * q, 2 * q, 2 * q}, off3[3] = {7, 7, 7};
+    int64_t f3[3] = {0, 1, 2}, l3[3] = {1, 2, 3};
+    for (uint64_t alignment = 1; alignment <= 64; alignment *= 64) {
+        o.alignment = alignment;
+        ASSERT_EQ(lshm_plan(3, half, f3, l3, NULL, &o, off3, &r), 0);
+        ASSERT_UINT_EQ(off3[0] | off3[1] | off3[2], 0);
+        ASSERT_UINT_EQ(r.arena_size, 2 * q);
+        ASSERT(r.optimal);
+    }
+    /* ... but two of them live together need 2^64 bytes: refused, nothing written */
+    l3[0] = 2;
+    memset(off3, 0x11, sizeof off3);
+    ASSERT_EQ(lshm_plan(3, half, f3, l3, NULL, &o, off3, &r), -EOVERFLOW);
+    ASSERT_UINT_EQ(off3[0], 0x1111111111111111ull);
+    ASSERT(strstr(lshm_last_error(), "same time") != NULL);
+    ASSERT_EQ(lshm_plan_lower_bound(3, half, f3, l3, &o, &lb), -EOVERFLOW);
+    /* at alignment 1 an arena of 2^64 - 2 bytes is the largest (UINT64_MAX means "no plan") */
+    o.alignment = 1;
+    uint64_t tight[3] = {2 * q, 2 * q - 1, 2 * q};
+    ASSERT_EQ(lshm_plan(3, tight, f3, l3, NULL, &o, off3, &r), -EOVERFLOW);
+    ASSERT(strstr(lshm_last_error(), "same time") != NULL);
+    tight[1]--;
+    ASSERT_EQ(lshm_plan(3, tight, f3, l3, NULL, &o, off3, &r), 0);
+    ASSERT_UINT_EQ(r.arena_size, UINT64_MAX - 1);
+    ASSERT_EQ(lshm_plan_validate(3, tight, f3, l3, off3, &o, r.arena_size), 0);
+    /* a planned arena over the chain (not allocated: it would not fit in memory) */
+    lshm_arena *a = NULL;
+    o.alignment = 64;
+    ASSERT_EQ(lshm_arena_create(5, size, first, last, &o, 0, &a), 0);
+    ASSERT_UINT_EQ(lshm_arena_size(a), 2 * q);
+    lshm_arena_counters c;
+    ASSERT_EQ(lshm_arena_stats(a, &c), 0);
+    ASSERT_UINT_EQ(c.managed_bytes, UINT64_MAX); /* saturated */
+    ASSERT_UINT_EQ(c.lower_bound, 2 * q);
+    ASSERT_EQ(lshm_arena_destroy(a), 0);
+}
+
 int main(void)
 {
     RUN_TEST(test_framework_facts);
@@ -1104,5 +1171,6 @@ int main(void)
     RUN_TEST(test_out_of_memory);
     RUN_TEST(test_engines_place_alike);
     RUN_TEST(test_interrupt);
+    RUN_TEST(test_sum_past_2_64);
     return 0;
 }
