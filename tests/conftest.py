@@ -7,6 +7,7 @@ folder works as it is and is left on the path.
 """
 
 import os
+import signal
 import sys
 
 import pytest
@@ -17,6 +18,13 @@ if not os.environ.get("PYSHM_LIBRARY"):
     # The same for the Python subprocesses tests start (`python -c ...` in the repository
     # root would otherwise import the source folder): Python 3.11+ then leaves cwd off sys.path.
     os.environ["PYTHONSAFEPATH"] = "1"
+
+# A run started where SIGINT is ignored (a background job of a non-interactive shell, nohup,
+# some CI runners) passes that to every process it starts, and Python then raises no
+# KeyboardInterrupt: the tests of Ctrl-C (a SIGINT the test sends) would see nothing. Python's
+# own handler here makes the processes the tests start get the default again at their exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def open_fds() -> set:
