@@ -2663,3 +2663,38 @@ def test_an_unpickle_inside_a_pool_task_still_raises():
     finally:
         pool.terminate()
         pool.join()
+
+
+# ---- a receiver keeps no memory the program dropped ----------------------------------------
+
+
+def _send_each_and_wait(conn, sizes):
+    """(A sender) one pickle per array of each size, then wait until told to end."""
+    arrays = [pyshm.zeros(size, np.uint8, shared=True) for size in sizes]
+    conn.send([bytes(ForkingPickler.dumps(a)) for a in arrays])
+    conn.recv()
+
+
+def _maps_of(inodes):
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if len(line.split()) > 4 and int(line.split()[4]) in inodes]
+
+
+def test_a_receiver_keeps_only_slabs_mapped_once_it_dropped_everything():
+    # the cache of recently received slabs (reduction._cache.recent: arrays sent one message
+    # at a time need not map their slab each time) kept every memfd of up to 4 MiB it mapped:
+    # 8 arrays of 4 MiB each (or 1 MiB) stayed mapped after the program dropped them all
+    sizes = [4 << 20] * 4 + [1 << 20] * 4 + [4096]  # (the last one: in a slab)
+    conn, sender = start_with_pipe(mp.get_context("fork"), _send_each_and_wait, sizes)
+    with exits_ok(sender):
+        arrays = [pickle.loads(blob) for blob in conn.recv()]
+        assert [a.nbytes for a in arrays] == sizes
+        inodes = {_owner_of(a).keep.key[1] for a in arrays}
+        assert len(_maps_of(inodes)) >= len(sizes)
+        slab = _owner_of(arrays[-1]).keep.key[1]
+        del arrays
+        gc.collect()
+        conn.send("end")
+        assert [line for line in _maps_of(inodes) if int(line.split()[4]) != slab] == []
+        assert len(_maps_of({slab})) == 1  # (the slab stays, for its next array)
+        assert len(reduction._cache.recent) <= reduction.RECENT_SLABS
