@@ -964,9 +964,10 @@ def _check_reachable(token: Any) -> None:
         raise pickle.UnpicklingError("bad pyshm token: no sender's address")
     if not _channel.own_token(token[0], address, token[6]):
         _channel.want_no_socket()  # (reachable() says no when it has no fd to ask with)
-        raise DeliveryError("pyshm: the process that sent this memory cannot be reached from "
-                            "here: it runs on another machine (or in another network "
-                            "namespace), or it has exited or was killed")
+        raise DeliveryError(_channel.elsewhere(address) or (
+            "pyshm: the process that sent this memory cannot be reached from here: it runs "
+            "on another machine (or in another network namespace), or it has exited or was "
+            "killed"))
 
 
 def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:

@@ -5,6 +5,7 @@ survives every request.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures as cf
 import contextlib
 import errno
@@ -243,6 +244,77 @@ def test_a_sender_that_drops_its_privileges_goes_on_sending():
     assert done.returncode == 0, done.stderr[-3000:]
     # its children, of its new user, get the memory (not "sent by another user (uid 0)")
     assert done.stdout.split() == ["100000"] * 3, done.stdout
+
+
+MOVES_NETWORK_NAMESPACE = textwrap.dedent(
+    """
+    import ctypes, multiprocessing as mp, os, pickle, sys, numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import engines
+
+    unshare = ctypes.CDLL(None, use_errno=True).unshare  # (CLONE_NEWNET: 0x40000000)
+
+    def receive(conn, move):
+        if move and unshare(0x40000000) != 0:
+            conn.send(["unshare failed", ctypes.get_errno()])
+            return
+        conn.send("ready")
+        said = []
+        for blob in conn.recv():
+            try:
+                got = pickle.loads(blob)
+                said.append([int(got.sum()), pyshm.is_shared(got)])
+            except pyshm.DeliveryError as error:
+                said.append(str(error))
+        conn.send(said)
+
+    def start(move):
+        ours, theirs = mp.Pipe()
+        child = mp.get_context("fork").Process(target=receive, args=(theirs, move))
+        child.start()
+        return ours, child
+
+    def send(ours, child, array):
+        ready = ours.recv()
+        if ready != "ready":
+            sys.exit(f"{ready}")
+        (ray,) = engines._ray_array(None)(array)  # (a Ray pickle: a reference and Ray's copy)
+        ours.send([bytes(ForkingPickler.dumps(array)), pickle.dumps(ray)])
+        print(ours.recv())
+        child.join()
+
+    array = pyshm.zeros(100_000, np.uint8, shared=True)
+    array[:] = 1
+    ForkingPickler.dumps(array)  # (the fd server starts here)
+    # a child that moved to a network namespace of its own
+    send(*start(True), array)
+    # the sender itself moved: its server stays where it started, its children are here
+    if unshare(0x40000000) != 0:
+        sys.exit(f"unshare failed: errno {ctypes.get_errno()}")
+    send(*start(False), array)
+    """
+)
+
+
+def test_a_receiver_in_another_network_namespace_is_told_so_and_gets_rays_copy():
+    # abstract socket names are per network namespace: a receiver that moved, or a child of
+    # a sender that moved after its fd server started, cannot reach that server. They were
+    # told the sender "has exited or was killed"; they are told why, on the failure path
+    # only, and a Ray pickle still loads as Ray's copy
+    if os.geteuid() != 0:
+        pytest.skip("needs root to unshare a network namespace")
+    done = subprocess.run([sys.executable, "-c", MOVES_NETWORK_NAMESPACE], capture_output=True,
+                          text=True, timeout=60, env=_env(), cwd="/")
+    if "unshare failed" in done.stderr + done.stdout:
+        pytest.skip(done.stderr + done.stdout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        error, by_value = ast.literal_eval(line)  # (as printed)
+        assert "another network namespace than that sender's fd server" in error, error
+        assert "has exited or was killed" not in error
+        assert by_value == [100_000, False]  # Ray's copy, not the memory
 
 
 def _load_and_sum(conn):
