@@ -409,6 +409,14 @@ def own_address() -> Optional[bytes]:
     return server.address if server is not None else None
 
 
+def own_netns() -> int:
+    """The inode of the network namespace this process's fd server is bound in (0: none
+    started yet, or /proc cannot tell): where its receivers must be, wherever this process
+    moved since (see elsewhere)."""
+    server = state.server
+    return _server_netns.get(server.address, 0) if server is not None else 0
+
+
 # ---- sender: exports, batches, holds ---------------------------------------------------------
 
 
