@@ -463,11 +463,16 @@ def _own_server() -> "_Server":
     user are told that the old one is another user's (its socket's credentials are those of
     its listen(2)), and it serves only peers of that user. The old one serves on for them
     (what was sent to them before), and tokens made for the old one are made anew (their
-    address is not own_address(): see reduction.reduce_ndarray)."""
+    address is not own_address(): see reduction.reduce_ndarray). One that comes back to a
+    user it ran as before (seteuid back and forth) gets that user's server back: one server
+    per user, not one per switch (and one more, rarely, started while another thread
+    switched users: it serves the user its listen(2) ran as)."""
     server = state.server
-    if server is not None and server.uid != os.geteuid():
-        state.former.append(server)
-        server = None
+    euid = os.geteuid()
+    if server is not None and server.uid != euid:
+        back = next((f for f in state.former if f.uid == euid), None)
+        state.former = [f for f in state.former if f is not back] + [server]
+        server = state.server = back
     if server is None:
         server = state.server = _Server()
         for hook in _on_server_start:
@@ -1172,7 +1177,6 @@ class _Server:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.uid = os.geteuid()  # (the user its socket says it is: SO_PEERCRED of listen(2))
         self.address = b"%s%d-%s" % (_ADDRESS_PREFIX, self.pid, secrets.token_hex(16).encode())
         if len(_server_netns) >= _SERVER_NETNS_MAX:
             del _server_netns[next(iter(_server_netns))]
@@ -1181,6 +1185,10 @@ class _Server:
         try:
             sock.bind(self.address)
             sock.listen(4096)  # (capped by net.core.somaxconn)
+            # (the user its socket says it is: the one listen(2) ran as, whatever another
+            # thread's seteuid did meanwhile; SO_PEERCRED of a listening socket)
+            self.uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET,
+                                                           socket.SO_PEERCRED, 12))[1]
         except BaseException:
             sock.close()
             raise

@@ -10,6 +10,7 @@ import concurrent.futures as cf
 import contextlib
 import errno
 import gc
+import json
 import mmap
 import multiprocessing as mp
 import os
@@ -315,6 +316,94 @@ def test_a_receiver_in_another_network_namespace_is_told_so_and_gets_rays_copy()
         assert "another network namespace than that sender's fd server" in error, error
         assert "has exited or was killed" not in error
         assert by_value == [100_000, False]  # Ray's copy, not the memory
+
+
+PICKLES_WHILE_ANOTHER_THREAD_SWITCHES_USER = textwrap.dedent(
+    """
+    import json, multiprocessing as mp, os, pickle, sys, threading
+    import numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel
+
+    def receive(conn, uid):
+        os.setuid(uid)
+        said = []
+        for blob in conn.recv():
+            try:
+                said.append(int(pickle.loads(blob).sum()))
+            except pyshm.DeliveryError as error:
+                said.append(str(error))
+            except BaseException as error:
+                said.append(f"not a DeliveryError: {error!r}")
+        conn.send(said)
+
+    receivers = {}
+    for uid in (0, 65534):  # (forked before any thread or fd server)
+        ours, theirs = mp.Pipe()
+        child = mp.get_context("fork").Process(target=receive, args=(theirs, uid))
+        child.start()
+        receivers[uid] = (ours, child)
+
+    sent, stop, switches = [], threading.Event(), []
+
+    def switch():
+        while not stop.is_set():
+            for uid in (65534, 0):
+                os.seteuid(uid)
+                switches.append(uid)
+                stop.wait(0.0005)  # (a pace, so that pickles fall on both sides)
+
+    switcher = threading.Thread(target=switch)
+    switcher.start()
+    for i in range(1, 301):
+        array = pyshm.zeros(70_000 if i % 2 else 4096, np.uint8, shared=True)
+        array[:i] = 1
+        switched, before = len(switches), os.geteuid()
+        blob = bytes(ForkingPickler.dumps(array))
+        # (the user it was made as: -1 if a switch fell within, seen by the euid after it or,
+        # for two, by the first one's note, made before the second began)
+        after = os.geteuid() if len(switches) == switched else -1
+        sent.append((before, after, blob, array, i))
+    stop.set()
+    switcher.join()
+    os.seteuid(0)
+    servers = [t for t in threading.enumerate() if t.name == "pyshm-fd-server"]
+    for uid, (ours, _) in receivers.items():
+        ours.send([blob for _, _, blob, _, _ in sent])
+    said = {uid: ours.recv() for uid, (ours, _) in receivers.items()}
+    for _, child in receivers.values():
+        child.join()
+    checks = [[uid, before, after, i, got] for uid, got_all in said.items()
+              for (before, after, _, _, i), got in zip(sent, got_all)]
+    print(json.dumps([len(servers), len(_channel.state.former), len(switches), checks]))
+    """
+)
+
+
+def test_pickles_made_while_another_thread_switches_user_reach_their_receivers():
+    # a thread pickles arrays while another switches the process's user back and forth
+    # (seteuid, as a server that drops its privileges per request does): a pickle made as
+    # one user reaches a receiver of that user, any other fails with a DeliveryError that
+    # says why; no crash, no other error. And one fd server per user: each switch back
+    # started another (a thread, a socket and a reserve fd each: 28 for 30 switches), and a
+    # server started during a switch listened as one user and served only the other, whose
+    # receivers were told it "stopped answering"
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    done = subprocess.run([sys.executable, "-c", PICKLES_WHILE_ANOTHER_THREAD_SWITCHES_USER],
+                          capture_output=True, text=True, timeout=120, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    servers, former, switches, checks = json.loads(done.stdout)
+    assert switches >= 20 and {before for _, before, _, _, _ in checks} == {0, 65534}
+    for uid, before, after, i, got in checks:
+        if before == after == uid:
+            assert got == i, (uid, before, i, got)  # made as that user: it arrives
+        elif got != i:
+            assert isinstance(got, str) and "not a DeliveryError" not in got, got
+            assert "another user" in got, got
+    # (one more per user at most: a switch that fell within a server's start leaves it
+    # listening as the other user, which had one already)
+    assert servers == former + 1 <= 4, (servers, former)
 
 
 def _load_and_sum(conn):
