@@ -406,6 +406,101 @@ def test_pickles_made_while_another_thread_switches_user_reach_their_receivers()
     assert servers == former + 1 <= 4, (servers, former)
 
 
+FORKS_WHILE_A_FORMER_SERVER_SERVES = textwrap.dedent(
+    """
+    import json, multiprocessing as mp, os, pickle, sys, time
+    import numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel, reduction
+
+    def hammer(conn, address, key, secret):
+        # (a receiver of the user the sender was: fetches from its former server, again and
+        # again, until told to stop)
+        served = failed = 0
+        conn.send("go")
+        end = time.monotonic() + 30  # (never left behind)
+        while not conn.poll() and time.monotonic() < end:
+            try:
+                (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+            except pyshm.DeliveryError as error:
+                failed += 1
+                continue
+            if fd is not None:
+                served += 1
+                os.close(fd)
+        conn.send([served, failed])
+
+    def link(fd):
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None  # (listdir's own)
+
+    a = pyshm.zeros(70_000, np.uint8, shared=True)
+    _, args = reduction.reduce_ndarray(a)
+    _, (token,) = args[1].__reduce__()
+    ours, theirs = mp.Pipe()
+    receiver = mp.get_context("fork").Process(target=hammer,
+                                              args=(theirs, token[1], token[0], token[6]))
+    receiver.start()
+    assert ours.recv() == "go"
+    os.setgid(65534)
+    os.setuid(65534)  # (the server started as root serves on: a former one now)
+    b = pyshm.zeros(70_000, np.uint8, shared=True)
+    ForkingPickler.dumps(b)  # (a server of the new user)
+    former = _channel.state.former[0]
+    sockets = {f"socket:[{os.fstat(s.sock.fileno()).st_ino}]"
+               for s in (former, _channel.state.server)}
+    results = []
+    for i in range(30):
+        r, w = os.pipe()
+        done_r, done_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(r)
+                os.close(done_w)
+                kept = sorted(set(map(link, os.listdir("/proc/self/fd"))) & sockets)
+                c = pyshm.zeros(20_000, np.int32, shared=True)
+                c[:] = i
+                os.write(w, json.dumps([kept, _channel.state.former == []]).encode() + b"\\n")
+                os.write(w, bytes(ForkingPickler.dumps(c)))
+                os.close(w)
+                os.read(done_r, 1)
+            finally:
+                os._exit(0)
+        os.close(w)
+        os.close(done_r)
+        with os.fdopen(r, "rb") as f:
+            said, payload = f.read().split(b"\\n", 1)
+        c = pickle.loads(payload)  # (fetched from the child's server, of this user)
+        results.append([*json.loads(said), int(c[0]), i])
+        os.write(done_w, b"x")
+        os.close(done_w)
+        os.waitpid(pid, 0)
+        del c
+    ours.send("stop")
+    print(json.dumps([ours.recv(), former.thread.is_alive(), results]))
+    receiver.join()
+    """
+)
+
+
+def test_fork_while_a_former_server_serves_an_earlier_receiver():
+    # a sender that changed its user keeps its former server for the receivers of the user it
+    # was: forks while that server is busy with them leave it serving (no fetch fails), and
+    # each child gets a channel of its own with none of its parent's servers' sockets
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    done = subprocess.run([sys.executable, "-c", FORKS_WHILE_A_FORMER_SERVER_SERVES],
+                          capture_output=True, text=True, timeout=120, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (served, failed), alive, results = json.loads(done.stdout)
+    assert failed == 0 and served > 30 and alive, (served, failed, alive)
+    for kept, fresh, got, i in results:
+        assert kept == [] and fresh and got == i, (kept, fresh, got, i)
+
+
 def _load_and_sum(conn):
     arrays = pickle.loads(conn.recv_bytes())
     conn.send(int(sum(int(a.sum()) for a in arrays)))
