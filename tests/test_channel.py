@@ -37,6 +37,7 @@ from pyshm._memory import owner_of as _owner_of
 
 from shm_harness import (
     exits_ok,
+    forked_sender,
     leave_few_fds,
     needs_fence,
     run_without_the_fence,
@@ -318,6 +319,17 @@ def test_a_receiver_in_another_network_namespace_is_told_so_and_gets_rays_copy()
         assert by_value == [100_000, False]  # Ray's copy, not the memory
 
 
+def _json_of_a_root_script(script: str):
+    """What `script` (a program that becomes another user) prints, as JSON; skips unless
+    root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 PICKLES_WHILE_ANOTHER_THREAD_SWITCHES_USER = textwrap.dedent(
     """
     import json, multiprocessing as mp, os, pickle, sys, threading
@@ -388,12 +400,8 @@ def test_pickles_made_while_another_thread_switches_user_reach_their_receivers()
     # started another (a thread, a socket and a reserve fd each: 28 for 30 switches), and a
     # server started during a switch listened as one user and served only the other, whose
     # receivers were told it "stopped answering"
-    if os.geteuid() != 0:
-        pytest.skip("needs root to become another user")
-    done = subprocess.run([sys.executable, "-c", PICKLES_WHILE_ANOTHER_THREAD_SWITCHES_USER],
-                          capture_output=True, text=True, timeout=120, env=_env(), cwd="/")
-    assert done.returncode == 0, done.stderr[-3000:]
-    servers, former, switches, checks = json.loads(done.stdout)
+    servers, former, switches, checks = _json_of_a_root_script(
+        PICKLES_WHILE_ANOTHER_THREAD_SWITCHES_USER)
     assert switches >= 20 and {before for _, before, _, _, _ in checks} == {0, 65534}
     for uid, before, after, i, got in checks:
         if before == after == uid:
@@ -412,6 +420,7 @@ FORKS_WHILE_A_FORMER_SERVER_SERVES = textwrap.dedent(
     import numpy as np, pyshm
     from multiprocessing.reduction import ForkingPickler
     from pyshm import _channel, reduction
+    from shm_harness import forked_sender
 
     def hammer(conn, address, key, secret):
         # (a receiver of the user the sender was: fetches from its former server, again and
@@ -453,31 +462,18 @@ FORKS_WHILE_A_FORMER_SERVER_SERVES = textwrap.dedent(
                for s in (former, _channel.state.server)}
     results = []
     for i in range(30):
-        r, w = os.pipe()
-        done_r, done_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.close(r)
-                os.close(done_w)
-                kept = sorted(set(map(link, os.listdir("/proc/self/fd"))) & sockets)
-                c = pyshm.zeros(20_000, np.int32, shared=True)
-                c[:] = i
-                os.write(w, json.dumps([kept, _channel.state.former == []]).encode() + b"\\n")
-                os.write(w, bytes(ForkingPickler.dumps(c)))
-                os.close(w)
-                os.read(done_r, 1)
-            finally:
-                os._exit(0)
-        os.close(w)
-        os.close(done_r)
-        with os.fdopen(r, "rb") as f:
-            said, payload = f.read().split(b"\\n", 1)
+        def send():
+            kept = sorted(set(map(link, os.listdir("/proc/self/fd"))) & sockets)
+            c = pyshm.zeros(20_000, np.int32, shared=True)
+            c[:] = i
+            said = json.dumps([kept, _channel.state.former == []]).encode()
+            return said + b"\\n" + bytes(ForkingPickler.dumps(c))
+
+        payload, release = forked_sender(send)
+        said, payload = payload.split(b"\\n", 1)
         c = pickle.loads(payload)  # (fetched from the child's server, of this user)
         results.append([*json.loads(said), int(c[0]), i])
-        os.write(done_w, b"x")
-        os.close(done_w)
-        os.waitpid(pid, 0)
+        release()
         del c
     ours.send("stop")
     print(json.dumps([ours.recv(), former.thread.is_alive(), results]))
@@ -490,12 +486,8 @@ def test_fork_while_a_former_server_serves_an_earlier_receiver():
     # a sender that changed its user keeps its former server for the receivers of the user it
     # was: forks while that server is busy with them leave it serving (no fetch fails), and
     # each child gets a channel of its own with none of its parent's servers' sockets
-    if os.geteuid() != 0:
-        pytest.skip("needs root to become another user")
-    done = subprocess.run([sys.executable, "-c", FORKS_WHILE_A_FORMER_SERVER_SERVES],
-                          capture_output=True, text=True, timeout=120, env=_env(), cwd="/")
-    assert done.returncode == 0, done.stderr[-3000:]
-    (served, failed), alive, results = json.loads(done.stdout)
+    (served, failed), alive, results = _json_of_a_root_script(
+        FORKS_WHILE_A_FORMER_SERVER_SERVES)
     assert failed == 0 and served > 30 and alive, (served, failed, alive)
     for kept, fresh, got, i in results:
         assert kept == [] and fresh and got == i, (kept, fresh, got, i)
@@ -1846,30 +1838,16 @@ def test_fork_while_the_server_is_replying():
     children = 0
     while hammer.is_alive() and children < 40:
         time.sleep(float(rng.uniform(0, 0.004)))
-        r, w = os.pipe()
-        done_r, done_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # a sender of its own: pickles new memory, stays until it was fetched
-            try:
-                os.close(r)
-                os.close(done_w)
-                b = pyshm.zeros(20_000, np.int32, shared=True)
-                b[:] = children
-                os.write(w, bytes(ForkingPickler.dumps(b)))
-                os.close(w)
-                os.read(done_r, 1)
-            finally:
-                os._exit(0)
-        os.close(w)
-        os.close(done_r)
-        with os.fdopen(r, "rb") as f:
-            payload = f.read()
+        def send():  # (a sender of its own: pickles new memory, stays until it was fetched)
+            b = pyshm.zeros(20_000, np.int32, shared=True)
+            b[:] = children
+            return bytes(ForkingPickler.dumps(b))
+
+        payload, release = forked_sender(send)
         b = pickle.loads(payload)  # fetched from the child's own server
         assert (b == children).all() and pyshm.is_shared(b)
         assert _channel.fetch_count() > 0
-        os.write(done_w, b"x")
-        os.close(done_w)
-        _, status = os.waitpid(pid, 0)
+        status = release()
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
         del b
         children += 1
