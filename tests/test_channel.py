@@ -593,23 +593,78 @@ def test_a_request_caught_at_another_address_opens_nothing_here():
     a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
     key, address, secret = _token_of(a)
     gone = b"%s1-%s" % (_channel._ADDRESS_PREFIX, os.urandom(16).hex().encode())
+    request = _catch_request(gone, key, secret)
+    _assert_replay_opens_nothing(address, request)  # at the server that knows that secret
+    _assert_opens(address, key, secret)  # the holder of the pickle: its fd
+
+
+def _catch_request(gone, key, secret):
+    """The request a receiver holding a token (`key`, `secret`) of the sender at `gone` (an
+    address nobody listens at now) sends there, as a stranger who binds that name reads it."""
     got = []
     thread = _capture_one_request(gone, got)
     with pytest.raises(pyshm.DeliveryError):
         _channel.fetch(gone, [(key, secret)])
     thread.join(10)
     (request,) = got
+    return request
+
+
+def _assert_replay_opens_nothing(address, request):
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(10)
         s.connect(address)
-        s.sendall(request)  # replayed to the server that knows that secret
+        s.sendall(request)
         reply, fds, _, _ = socket.recv_fds(s, 65536, 253)
     for fd in fds:
         os.close(fd)
     assert fds == [] and reply[0] == 0
-    (fd,), _, _ = _channel.fetch(address, [(key, secret)])  # the holder of the pickle: its fd
+
+
+def _assert_opens(address, key, secret):
+    (fd,), _, _ = _channel.fetch(address, [(key, secret)])
     assert fd is not None
     os.close(fd)
+
+
+def test_a_request_caught_replayed_to_a_receiver_or_its_child_opens_nothing():
+    # a receiver exports memory it received with the secret it came with (so its sender
+    # knows its tokens for it), and a child forked from it with a secret derived from that one
+    # (forked_secret): a request for the sender caught at the sender's name once the sender
+    # is gone opens nothing at either, though the receiver honours that very secret
+    def send():
+        a = pyshm.zeros(70_000, np.uint8, shared=True)
+        a[:] = 9
+        return bytes(ForkingPickler.dumps(a))
+
+    payload, release = forked_sender(send)
+    received = pickle.loads(payload)
+    mapping = _owner_of(received).keep
+    key, (gone, secret) = mapping.key, mapping.origin
+    assert release() == 0  # (the sender is gone: its name is free)
+    ours, here, same = _token_of(received)  # (sent on from here: the secret it came with)
+    assert (ours, here, same) == (key, _channel.own_address(), secret)
+    request = _catch_request(gone, key, secret)
+    _assert_replay_opens_nothing(here, request)
+    _assert_opens(here, key, secret)
+
+    def send_on():  # (a child of the receiver sends the memory on: a secret of its own)
+        _, there, derived = _token_of(received)
+        assert derived == _channel.forked_secret(secret, there)
+        return pickle.dumps((there, derived))
+
+    told, release = forked_sender(send_on)
+    there, derived = pickle.loads(told)
+    try:
+        _assert_replay_opens_nothing(there, request)
+        # nor a request for the receiver with the sender's secret, caught or made
+        _assert_replay_opens_nothing(there, _channel.build_request(None, [(key, secret)], [], 0,
+                                                                   here))
+        (fd,), _, _ = _channel.fetch(there, [(key, secret)])
+        assert fd is None
+        _assert_opens(there, key, derived)  # (its own token's secret does)
+    finally:
+        assert release() == 0
 
 
 def test_a_secret_the_memfd_no_longer_has_opens_nothing():
