@@ -106,6 +106,43 @@ _VOUCHED_FLOOR = 1024  # received memfds' secrets kept before a prune (vouch)
 _reached: dict = {}  # fd server addresses this process reached (bounded: see reachable)
 
 
+def _netns() -> int:
+    """The inode of the calling thread's network namespace (a namespace is a thread's:
+    unshare(CLONE_NEWNET) moves the caller only); 0 if /proc cannot tell."""
+    for path in ("/proc/thread-self/ns/net", "/proc/self/ns/net"):
+        try:
+            return os.stat(path).st_ino
+        except OSError:
+            pass
+    return 0
+
+
+# The network namespace this process was in at import, and that of each fd server it started
+# (its own, former ones and, once forked, its ancestors'): what a connect that failed is
+# compared with (elsewhere), never looked at on the way of a send
+_NETNS_AT_IMPORT = _netns()
+_server_netns: dict = {}  # fd server address -> its network namespace (inode)
+_SERVER_NETNS_MAX = 256
+
+
+def elsewhere(address: bytes) -> str:
+    """For a connection to the fd server at `address` that failed (refused, no such name):
+    why, if this thread is in another network namespace than that server (its own, or its
+    parent's when forked) or, for a server not known here, than this process was at import,
+    else "". Abstract socket names are per network namespace: a sender that moved
+    (unshare(CLONE_NEWNET), setns) after its server started, or a receiver that moved, finds
+    no socket at that name, though the sender lives."""
+    now = _netns()
+    then = _server_netns.get(address, _NETNS_AT_IMPORT)
+    if not now or not then or now == then:
+        return ""
+    return ("pyshm: the process that sent this memory cannot be reached: this process is in "
+            "another network namespace than that sender's fd server (unshare(CLONE_NEWNET) "
+            "or setns() since it started), and abstract sockets are not seen across network "
+            "namespaces. Send it by value, or keep its senders and receivers in one network "
+            "namespace")
+
+
 def is_address(address: Any) -> bool:
     """Whether `address` has the form of an fd server's address."""
     return (type(address) is bytes and address.startswith(_ADDRESS_PREFIX)
@@ -372,6 +409,14 @@ def own_address() -> Optional[bytes]:
     return server.address if server is not None else None
 
 
+def own_netns() -> int:
+    """The inode of the network namespace this process's fd server is bound in (0: none
+    started yet, or /proc cannot tell): where its receivers must be, wherever this process
+    moved since (see elsewhere)."""
+    server = state.server
+    return _server_netns.get(server.address, 0) if server is not None else 0
+
+
 # ---- sender: exports, batches, holds ---------------------------------------------------------
 
 
@@ -418,11 +463,16 @@ def _own_server() -> "_Server":
     user are told that the old one is another user's (its socket's credentials are those of
     its listen(2)), and it serves only peers of that user. The old one serves on for them
     (what was sent to them before), and tokens made for the old one are made anew (their
-    address is not own_address(): see reduction.reduce_ndarray)."""
+    address is not own_address(): see reduction.reduce_ndarray). One that comes back to a
+    user it ran as before (seteuid back and forth) gets that user's server back: one server
+    per user, not one per switch (and one more, rarely, started while another thread
+    switched users: it serves the user its listen(2) ran as)."""
     server = state.server
-    if server is not None and server.uid != os.geteuid():
-        state.former.append(server)
-        server = None
+    euid = os.geteuid()
+    if server is not None and server.uid != euid:
+        back = next((f for f in state.former if f.uid == euid), None)
+        state.former = [f for f in state.former if f is not back] + [server]
+        server = state.server = back
     if server is None:
         server = state.server = _Server()
         for hook in _on_server_start:
@@ -1127,12 +1177,18 @@ class _Server:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.uid = os.geteuid()  # (the user its socket says it is: SO_PEERCRED of listen(2))
         self.address = b"%s%d-%s" % (_ADDRESS_PREFIX, self.pid, secrets.token_hex(16).encode())
+        if len(_server_netns) >= _SERVER_NETNS_MAX:
+            del _server_netns[next(iter(_server_netns))]
+        _server_netns[self.address] = _netns()  # (where its name is bound: see elsewhere)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.bind(self.address)
             sock.listen(4096)  # (capped by net.core.somaxconn)
+            # (the user its socket says it is: the one listen(2) ran as, whatever another
+            # thread's seteuid did meanwhile; SO_PEERCRED of a listening socket)
+            self.uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET,
+                                                           socket.SO_PEERCRED, 12))[1]
         except BaseException:
             sock.close()
             raise
@@ -1482,6 +1538,9 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
         try:
             _connect(sock, address)
         except OSError as exc:
+            moved = elsewhere(address)
+            if moved:
+                raise DeliveryError(moved) from None
             raise DeliveryError(
                 f"pyshm: the process that sent this memory has exited or was killed before this "
                 f"process fetched it ({exc.strerror}); a sender that exits normally waits for its "

@@ -632,8 +632,10 @@ def _recipient_here(context: Any) -> bool:
         # for the data (dask/distributed#7060).
         # And on which machine it runs: a TCP forwarder of this user (ssh -L, socat, kubectl
         # port-forward) makes a process elsewhere look like one of ours here.
+        # The namespace to compare with is that of our fd server, where the peer will ask
+        # for the memory: it stays where it started if this process moved since.
         if recipient.get(_ANNOUNCED) != _REFERENCE_FORMAT or \
-                recipient.get(_MACHINE_KEY) != _machine():
+                recipient.get(_MACHINE_KEY) != _machine(_channel.own_netns()):
             return False
         recipient = recipient.get("address")
     if not isinstance(recipient, str) or "://" not in recipient:
@@ -659,15 +661,16 @@ _MACHINE_KEY = "pyshm-machine"
 _BOOT: list = []
 
 
-def _machine() -> Optional[str]:
+def _machine(netns: int = 0) -> Optional[str]:
     """This boot of this machine and this process's network namespace (read each time: a
-    process may move to another, unshare(CLONE_NEWNET)), as a string; None if /proc cannot
-    tell (then no peer is taken for this machine's)."""
+    process may move to another, unshare(CLONE_NEWNET)), or the namespace whose inode is
+    `netns` if not 0, as a string; None if /proc cannot tell (then no peer is taken for this
+    machine's)."""
     try:
         if not _BOOT:
             with open("/proc/sys/kernel/random/boot_id") as boot:
                 _BOOT.append(boot.read().strip())
-        return f"{_BOOT[0]}/{os.stat('/proc/self/ns/net').st_ino}"
+        return f"{_BOOT[0]}/{netns or os.stat('/proc/self/ns/net').st_ino}"
     except OSError:
         return None
 

@@ -494,14 +494,22 @@ def _check_token(token: Any) -> tuple:
 _UNCOUNTED = object()  # (_attach: the fds free not known, to be counted)
 
 
-def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple,
+def _is_slab(size: int, nbytes: int) -> bool:
+    """Whether a memfd of `size` bytes, received for a storage of `nbytes`, is a slab: the
+    one kind _cache.recent keeps mapped (any other memfd is unmapped once nothing uses it).
+    Every memfd is named alike, so a slab is told by its size and its storages' (at most
+    SLAB_MAX each)."""
+    return size == SLAB_SIZE and nbytes <= SLAB_MAX
+
+
+def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple, nbytes: int,
             free: Any = _UNCOUNTED) -> _Mapping:
     """Map a received memfd whole (validated by libshm) and cache it (lock held).
 
     `fd` is the memfd `key` names, with `seals` (_received_seals). `origin`: (sender
-    address, secret) of the token it was handed over for. `free`: the fds free as _free_fds
-    would say, when the caller knows (the count before its fetch, less what the fetch
-    brought)."""
+    address, secret) of the token it was handed over for, `nbytes` the size of its range
+    (_is_slab). `free`: the fds free as _free_fds would say, when the caller knows (the
+    count before its fetch, less what the fetch brought)."""
     sealed = bool(seals & _WRITE_SEALS)
     readonly = readonly or sealed
     out = _ffi.SegmentHandle()
@@ -519,7 +527,7 @@ def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple,
     _cache.mappings[key] = mapping
     if _memory.tracking:
         _memory.note_new_owner(weakref.ref(mapping))
-    if mapping.size <= SLAB_SIZE:
+    if _is_slab(mapping.size, nbytes):
         _cache.recent.append(mapping)
         del _cache.recent[:-RECENT_SLABS]
     return mapping
@@ -619,7 +627,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                     if handle is not None:
                         return None, handle, facts
                     if mapping is None:
-                        mapping = _attach(fd, key, seals, readonly, (address, secret))
+                        mapping = _attach(fd, key, seals, readonly, (address, secret), nbytes)
                 finally:
                     if fd is not None:
                         os.close(fd)
@@ -659,7 +667,8 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 if handle is not None:
                     return None, handle, facts
                 if mapping is None:
-                    mapping = _attach(fd, key, seals, readonly, (address, secret), free)
+                    mapping = _attach(fd, key, seals, readonly, (address, secret), nbytes,
+                                      free)
         finally:
             if fd is not None:
                 os.close(fd)
@@ -955,9 +964,10 @@ def _check_reachable(token: Any) -> None:
         raise pickle.UnpicklingError("bad pyshm token: no sender's address")
     if not _channel.own_token(token[0], address, token[6]):
         _channel.want_no_socket()  # (reachable() says no when it has no fd to ask with)
-        raise DeliveryError("pyshm: the process that sent this memory cannot be reached from "
-                            "here: it runs on another machine (or in another network "
-                            "namespace), or it has exited or was killed")
+        raise DeliveryError(_channel.elsewhere(address) or (
+            "pyshm: the process that sent this memory cannot be reached from here: it runs "
+            "on another machine (or in another network namespace), or it has exited or was "
+            "killed"))
 
 
 def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:

@@ -187,6 +187,35 @@ def diff_counts(before: dict, after: dict, maps_tolerance: int, heaps: bool = Fa
     return problems
 
 
+def forked_sender(send) -> tuple:
+    """Fork a child that writes the bytes ``send()`` returns to a pipe, then stays (its fd
+    server serving) until released; returns (those bytes, release), release() letting it exit
+    and returning its wait status."""
+    r, w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.close(done_w)
+            os.write(w, send())
+            os.close(w)
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.close(done_r)
+    with os.fdopen(r, "rb") as f:
+        payload = f.read()
+
+    def release() -> int:
+        os.write(done_w, b"x")
+        os.close(done_w)
+        return os.waitpid(pid, 0)[1]
+
+    return payload, release
+
+
 def start_with_pipe(ctx, target, *args):
     """Start `target(child_end, *args)` in a process of context `ctx`; returns (parent_end,
     process), the child's end already closed here."""

@@ -5,10 +5,12 @@ survives every request.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures as cf
 import contextlib
 import errno
 import gc
+import json
 import mmap
 import multiprocessing as mp
 import os
@@ -35,6 +37,7 @@ from pyshm._memory import owner_of as _owner_of
 
 from shm_harness import (
     exits_ok,
+    forked_sender,
     leave_few_fds,
     needs_fence,
     run_without_the_fence,
@@ -245,6 +248,251 @@ def test_a_sender_that_drops_its_privileges_goes_on_sending():
     assert done.stdout.split() == ["100000"] * 3, done.stdout
 
 
+MOVES_NETWORK_NAMESPACE = textwrap.dedent(
+    """
+    import ctypes, multiprocessing as mp, os, pickle, sys, numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import engines
+
+    unshare = ctypes.CDLL(None, use_errno=True).unshare  # (CLONE_NEWNET: 0x40000000)
+
+    def receive(conn, move):
+        if move and unshare(0x40000000) != 0:
+            conn.send(["unshare failed", ctypes.get_errno()])
+            return
+        conn.send("ready")
+        said = []
+        for blob in conn.recv():
+            try:
+                got = pickle.loads(blob)
+                said.append([int(got.sum()), pyshm.is_shared(got)])
+            except pyshm.DeliveryError as error:
+                said.append(str(error))
+        conn.send(said)
+
+    def start(move):
+        ours, theirs = mp.Pipe()
+        child = mp.get_context("fork").Process(target=receive, args=(theirs, move))
+        child.start()
+        return ours, child
+
+    def send(ours, child, array):
+        ready = ours.recv()
+        if ready != "ready":
+            sys.exit(f"{ready}")
+        (ray,) = engines._ray_array(None)(array)  # (a Ray pickle: a reference and Ray's copy)
+        ours.send([bytes(ForkingPickler.dumps(array)), pickle.dumps(ray)])
+        print(ours.recv())
+        child.join()
+
+    array = pyshm.zeros(100_000, np.uint8, shared=True)
+    array[:] = 1
+    ForkingPickler.dumps(array)  # (the fd server starts here)
+    # a child that moved to a network namespace of its own
+    send(*start(True), array)
+    # the sender itself moved: its server stays where it started, its children are here
+    if unshare(0x40000000) != 0:
+        sys.exit(f"unshare failed: errno {ctypes.get_errno()}")
+    send(*start(False), array)
+    """
+)
+
+
+def test_a_receiver_in_another_network_namespace_is_told_so_and_gets_rays_copy():
+    # abstract socket names are per network namespace: a receiver that moved, or a child of
+    # a sender that moved after its fd server started, cannot reach that server. They were
+    # told the sender "has exited or was killed"; they are told why, on the failure path
+    # only, and a Ray pickle still loads as Ray's copy
+    if os.geteuid() != 0:
+        pytest.skip("needs root to unshare a network namespace")
+    done = subprocess.run([sys.executable, "-c", MOVES_NETWORK_NAMESPACE], capture_output=True,
+                          text=True, timeout=60, env=_env(), cwd="/")
+    if "unshare failed" in done.stderr + done.stdout:
+        pytest.skip(done.stderr + done.stdout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        error, by_value = ast.literal_eval(line)  # (as printed)
+        assert "another network namespace than that sender's fd server" in error, error
+        assert "has exited or was killed" not in error
+        assert by_value == [100_000, False]  # Ray's copy, not the memory
+
+
+def _json_of_a_root_script(script: str):
+    """What `script` (a program that becomes another user) prints, as JSON; skips unless
+    root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+PICKLES_WHILE_ANOTHER_THREAD_SWITCHES_USER = textwrap.dedent(
+    """
+    import json, multiprocessing as mp, os, pickle, sys, threading
+    import numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel
+
+    def receive(conn, uid):
+        os.setuid(uid)
+        said = []
+        for blob in conn.recv():
+            try:
+                said.append(int(pickle.loads(blob).sum()))
+            except pyshm.DeliveryError as error:
+                said.append(str(error))
+            except BaseException as error:
+                said.append(f"not a DeliveryError: {error!r}")
+        conn.send(said)
+
+    receivers = {}
+    for uid in (0, 65534):  # (forked before any thread or fd server)
+        ours, theirs = mp.Pipe()
+        child = mp.get_context("fork").Process(target=receive, args=(theirs, uid))
+        child.start()
+        receivers[uid] = (ours, child)
+
+    sent, stop, switches = [], threading.Event(), []
+
+    def switch():
+        while not stop.is_set():
+            for uid in (65534, 0):
+                os.seteuid(uid)
+                switches.append(uid)
+                stop.wait(0.0005)  # (a pace, so that pickles fall on both sides)
+
+    switcher = threading.Thread(target=switch)
+    switcher.start()
+    for i in range(1, 301):
+        array = pyshm.zeros(70_000 if i % 2 else 4096, np.uint8, shared=True)
+        array[:i] = 1
+        switched, before = len(switches), os.geteuid()
+        blob = bytes(ForkingPickler.dumps(array))
+        # (the user it was made as: -1 if a switch fell within, seen by the euid after it or,
+        # for two, by the first one's note, made before the second began)
+        after = os.geteuid() if len(switches) == switched else -1
+        sent.append((before, after, blob, array, i))
+    stop.set()
+    switcher.join()
+    os.seteuid(0)
+    servers = [t for t in threading.enumerate() if t.name == "pyshm-fd-server"]
+    for uid, (ours, _) in receivers.items():
+        ours.send([blob for _, _, blob, _, _ in sent])
+    said = {uid: ours.recv() for uid, (ours, _) in receivers.items()}
+    for _, child in receivers.values():
+        child.join()
+    checks = [[uid, before, after, i, got] for uid, got_all in said.items()
+              for (before, after, _, _, i), got in zip(sent, got_all)]
+    print(json.dumps([len(servers), len(_channel.state.former), len(switches), checks]))
+    """
+)
+
+
+def test_pickles_made_while_another_thread_switches_user_reach_their_receivers():
+    # a thread pickles arrays while another switches the process's user back and forth
+    # (seteuid, as a server that drops its privileges per request does): a pickle made as
+    # one user reaches a receiver of that user, any other fails with a DeliveryError that
+    # says why; no crash, no other error. And one fd server per user: each switch back
+    # started another (a thread, a socket and a reserve fd each: 28 for 30 switches), and a
+    # server started during a switch listened as one user and served only the other, whose
+    # receivers were told it "stopped answering"
+    servers, former, switches, checks = _json_of_a_root_script(
+        PICKLES_WHILE_ANOTHER_THREAD_SWITCHES_USER)
+    assert switches >= 20 and {before for _, before, _, _, _ in checks} == {0, 65534}
+    for uid, before, after, i, got in checks:
+        if before == after == uid:
+            assert got == i, (uid, before, i, got)  # made as that user: it arrives
+        elif got != i:
+            assert isinstance(got, str) and "not a DeliveryError" not in got, got
+            assert "another user" in got, got
+    # (one more per user at most: a switch that fell within a server's start leaves it
+    # listening as the other user, which had one already)
+    assert servers == former + 1 <= 4, (servers, former)
+
+
+FORKS_WHILE_A_FORMER_SERVER_SERVES = textwrap.dedent(
+    """
+    import json, multiprocessing as mp, os, pickle, sys, time
+    import numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel, reduction
+    from shm_harness import forked_sender
+
+    def hammer(conn, address, key, secret):
+        # (a receiver of the user the sender was: fetches from its former server, again and
+        # again, until told to stop)
+        served = failed = 0
+        conn.send("go")
+        end = time.monotonic() + 30  # (never left behind)
+        while not conn.poll() and time.monotonic() < end:
+            try:
+                (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+            except pyshm.DeliveryError as error:
+                failed += 1
+                continue
+            if fd is not None:
+                served += 1
+                os.close(fd)
+        conn.send([served, failed])
+
+    def link(fd):
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None  # (listdir's own)
+
+    a = pyshm.zeros(70_000, np.uint8, shared=True)
+    _, args = reduction.reduce_ndarray(a)
+    _, (token,) = args[1].__reduce__()
+    ours, theirs = mp.Pipe()
+    receiver = mp.get_context("fork").Process(target=hammer,
+                                              args=(theirs, token[1], token[0], token[6]))
+    receiver.start()
+    assert ours.recv() == "go"
+    os.setgid(65534)
+    os.setuid(65534)  # (the server started as root serves on: a former one now)
+    b = pyshm.zeros(70_000, np.uint8, shared=True)
+    ForkingPickler.dumps(b)  # (a server of the new user)
+    former = _channel.state.former[0]
+    sockets = {f"socket:[{os.fstat(s.sock.fileno()).st_ino}]"
+               for s in (former, _channel.state.server)}
+    results = []
+    for i in range(30):
+        def send():
+            kept = sorted(set(map(link, os.listdir("/proc/self/fd"))) & sockets)
+            c = pyshm.zeros(20_000, np.int32, shared=True)
+            c[:] = i
+            said = json.dumps([kept, _channel.state.former == []]).encode()
+            return said + b"\\n" + bytes(ForkingPickler.dumps(c))
+
+        payload, release = forked_sender(send)
+        said, payload = payload.split(b"\\n", 1)
+        c = pickle.loads(payload)  # (fetched from the child's server, of this user)
+        results.append([*json.loads(said), int(c[0]), i])
+        release()
+        del c
+    ours.send("stop")
+    print(json.dumps([ours.recv(), former.thread.is_alive(), results]))
+    receiver.join()
+    """
+)
+
+
+def test_fork_while_a_former_server_serves_an_earlier_receiver():
+    # a sender that changed its user keeps its former server for the receivers of the user it
+    # was: forks while that server is busy with them leave it serving (no fetch fails), and
+    # each child gets a channel of its own with none of its parent's servers' sockets
+    (served, failed), alive, results = _json_of_a_root_script(
+        FORKS_WHILE_A_FORMER_SERVER_SERVES)
+    assert failed == 0 and served > 30 and alive, (served, failed, alive)
+    for kept, fresh, got, i in results:
+        assert kept == [] and fresh and got == i, (kept, fresh, got, i)
+
+
 def _load_and_sum(conn):
     arrays = pickle.loads(conn.recv_bytes())
     conn.send(int(sum(int(a.sum()) for a in arrays)))
@@ -345,23 +593,78 @@ def test_a_request_caught_at_another_address_opens_nothing_here():
     a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
     key, address, secret = _token_of(a)
     gone = b"%s1-%s" % (_channel._ADDRESS_PREFIX, os.urandom(16).hex().encode())
+    request = _catch_request(gone, key, secret)
+    _assert_replay_opens_nothing(address, request)  # at the server that knows that secret
+    _assert_opens(address, key, secret)  # the holder of the pickle: its fd
+
+
+def _catch_request(gone, key, secret):
+    """The request a receiver holding a token (`key`, `secret`) of the sender at `gone` (an
+    address nobody listens at now) sends there, as a stranger who binds that name reads it."""
     got = []
     thread = _capture_one_request(gone, got)
     with pytest.raises(pyshm.DeliveryError):
         _channel.fetch(gone, [(key, secret)])
     thread.join(10)
     (request,) = got
+    return request
+
+
+def _assert_replay_opens_nothing(address, request):
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(10)
         s.connect(address)
-        s.sendall(request)  # replayed to the server that knows that secret
+        s.sendall(request)
         reply, fds, _, _ = socket.recv_fds(s, 65536, 253)
     for fd in fds:
         os.close(fd)
     assert fds == [] and reply[0] == 0
-    (fd,), _, _ = _channel.fetch(address, [(key, secret)])  # the holder of the pickle: its fd
+
+
+def _assert_opens(address, key, secret):
+    (fd,), _, _ = _channel.fetch(address, [(key, secret)])
     assert fd is not None
     os.close(fd)
+
+
+def test_a_request_caught_replayed_to_a_receiver_or_its_child_opens_nothing():
+    # a receiver exports memory it received with the secret it came with (so its sender
+    # knows its tokens for it), and a child forked from it with a secret derived from that one
+    # (forked_secret): a request for the sender caught at the sender's name once the sender
+    # is gone opens nothing at either, though the receiver honours that very secret
+    def send():
+        a = pyshm.zeros(70_000, np.uint8, shared=True)
+        a[:] = 9
+        return bytes(ForkingPickler.dumps(a))
+
+    payload, release = forked_sender(send)
+    received = pickle.loads(payload)
+    mapping = _owner_of(received).keep
+    key, (gone, secret) = mapping.key, mapping.origin
+    assert release() == 0  # (the sender is gone: its name is free)
+    ours, here, same = _token_of(received)  # (sent on from here: the secret it came with)
+    assert (ours, here, same) == (key, _channel.own_address(), secret)
+    request = _catch_request(gone, key, secret)
+    _assert_replay_opens_nothing(here, request)
+    _assert_opens(here, key, secret)
+
+    def send_on():  # (a child of the receiver sends the memory on: a secret of its own)
+        _, there, derived = _token_of(received)
+        assert derived == _channel.forked_secret(secret, there)
+        return pickle.dumps((there, derived))
+
+    told, release = forked_sender(send_on)
+    there, derived = pickle.loads(told)
+    try:
+        _assert_replay_opens_nothing(there, request)
+        # nor a request for the receiver with the sender's secret, caught or made
+        _assert_replay_opens_nothing(there, _channel.build_request(None, [(key, secret)], [], 0,
+                                                                   here))
+        (fd,), _, _ = _channel.fetch(there, [(key, secret)])
+        assert fd is None
+        _assert_opens(there, key, derived)  # (its own token's secret does)
+    finally:
+        assert release() == 0
 
 
 def test_a_secret_the_memfd_no_longer_has_opens_nothing():
@@ -1563,14 +1866,14 @@ def test_a_failing_sweep_is_said_once_and_the_server_serves_on():
 
 def _fetch_in_a_loop(conn, address, key, secret, seconds):
     """Keep a sender's server busy replying (real fetches, each one hands out an fd)."""
-    served = failed = 0
+    served, failed = 0, []
     end = time.monotonic() + seconds
     conn.send("go")
     while time.monotonic() < end:
         try:
             (fd,), _, _ = _channel.fetch(address, [(key, secret)])
-        except pyshm.DeliveryError:
-            failed += 1
+        except pyshm.DeliveryError as error:
+            failed.append(str(error))  # (said by the test's assertion)
             continue
         if fd is not None:
             served += 1
@@ -1590,36 +1893,22 @@ def test_fork_while_the_server_is_replying():
     children = 0
     while hammer.is_alive() and children < 40:
         time.sleep(float(rng.uniform(0, 0.004)))
-        r, w = os.pipe()
-        done_r, done_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # a sender of its own: pickles new memory, stays until it was fetched
-            try:
-                os.close(r)
-                os.close(done_w)
-                b = pyshm.zeros(20_000, np.int32, shared=True)
-                b[:] = children
-                os.write(w, bytes(ForkingPickler.dumps(b)))
-                os.close(w)
-                os.read(done_r, 1)
-            finally:
-                os._exit(0)
-        os.close(w)
-        os.close(done_r)
-        with os.fdopen(r, "rb") as f:
-            payload = f.read()
+        def send():  # (a sender of its own: pickles new memory, stays until it was fetched)
+            b = pyshm.zeros(20_000, np.int32, shared=True)
+            b[:] = children
+            return bytes(ForkingPickler.dumps(b))
+
+        payload, release = forked_sender(send)
         b = pickle.loads(payload)  # fetched from the child's own server
         assert (b == children).all() and pyshm.is_shared(b)
         assert _channel.fetch_count() > 0
-        os.write(done_w, b"x")
-        os.close(done_w)
-        _, status = os.waitpid(pid, 0)
+        status = release()
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
         del b
         children += 1
     served, failed = conn.recv()
     hammer.join(30)
-    assert children == 40 and served > 100 and failed == 0, (children, served, failed)
+    assert children == 40 and served > 100 and failed == [], (children, served, failed[:3])
     assert _channel.state.server.thread.is_alive()
 
 
@@ -2663,3 +2952,38 @@ def test_an_unpickle_inside_a_pool_task_still_raises():
     finally:
         pool.terminate()
         pool.join()
+
+
+# ---- a receiver keeps no memory the program dropped ----------------------------------------
+
+
+def _send_each_and_wait(conn, sizes):
+    """(A sender) one pickle per array of each size, then wait until told to end."""
+    arrays = [pyshm.zeros(size, np.uint8, shared=True) for size in sizes]
+    conn.send([bytes(ForkingPickler.dumps(a)) for a in arrays])
+    conn.recv()
+
+
+def _maps_of(inodes):
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if len(line.split()) > 4 and int(line.split()[4]) in inodes]
+
+
+def test_a_receiver_keeps_only_slabs_mapped_once_it_dropped_everything():
+    # the cache of recently received slabs (reduction._cache.recent: arrays sent one message
+    # at a time need not map their slab each time) kept every memfd of up to 4 MiB it mapped:
+    # 8 arrays of 4 MiB each (or 1 MiB) stayed mapped after the program dropped them all
+    sizes = [4 << 20] * 4 + [1 << 20] * 4 + [4096]  # (the last one: in a slab)
+    conn, sender = start_with_pipe(mp.get_context("fork"), _send_each_and_wait, sizes)
+    with exits_ok(sender):
+        arrays = [pickle.loads(blob) for blob in conn.recv()]
+        assert [a.nbytes for a in arrays] == sizes
+        inodes = {_owner_of(a).keep.key[1] for a in arrays}
+        assert len(_maps_of(inodes)) >= len(sizes)
+        slab = _owner_of(arrays[-1]).keep.key[1]
+        del arrays
+        gc.collect()
+        conn.send("end")
+        assert [line for line in _maps_of(inodes) if int(line.split()[4]) != slab] == []
+        assert len(_maps_of({slab})) == 1  # (the slab stays, for its next array)
+        assert len(reduction._cache.recent) <= reduction.RECENT_SLABS

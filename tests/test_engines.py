@@ -1698,6 +1698,44 @@ def test_dask_a_process_that_moved_to_another_network_namespace_says_so():
     assert there.split("/")[0] == here.split("/")[0] and there != here, (here, there)
 
 
+SENDER_MOVES = """
+    import ctypes, shutil, socket, subprocess, sys, numpy as np, pyshm
+    from distributed.protocol import serialize
+    from pyshm import engines
+
+    def by_reference(array):
+        with socket.socket() as ours:  # (a worker of ours, here: its handshake, as it says it)
+            ours.bind(("127.0.0.1", 0))
+            ours.listen()
+            context = {"recipient": {"address": f"tcp://127.0.0.1:{ours.getsockname()[1]}",
+                                     "pickle-protocol": 5, "pyshm": 1,
+                                     "pyshm-machine": engines._machine()}}
+            _, frames = serialize(array, serializers=("dask",), context=context)
+        return sum(memoryview(frame).nbytes for frame in frames) < 1000
+
+    array = pyshm.zeros(1 << 18, np.uint8, shared=True)
+    print(by_reference(array))  # (the fd server starts here)
+    if ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0:  # (CLONE_NEWNET)
+        sys.exit(f"unshare failed: errno {ctypes.get_errno()}")
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    print(by_reference(array))
+"""
+
+
+def test_dask_a_sender_that_moved_to_another_network_namespace_sends_the_bytes():
+    # a process whose fd server started before it moved (unshare(CLONE_NEWNET)) says it runs
+    # in its new namespace, as its workers there do: they cannot reach its server, which stays
+    # in the old one, so a reference to them would never load (distributed then waits for
+    # ever); it goes by value
+    import shutil
+
+    engine_or_skip("distributed")
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to unshare a network namespace")
+    said = run_python(SENDER_MOVES).decode().split()
+    assert said == ["True", "False"], said
+
+
 REACH_FROM_THERE = """
 import socket, sys, time
 deadline = time.monotonic() + 20
