@@ -1140,6 +1140,13 @@ class _Server:
         self.sock = sock
         note_reached(self.address)
         self.answering = False  # between reading a request and sending its last fd (linger)
+        # the connections accepted and not closed yet (waiting, or being answered): a forked
+        # child closes its copies of them (_after_fork_in_child), which would keep them open
+        # (a receiver whose connection we closed unanswered would wait for the child's end,
+        # then get "connection reset"). Changed only under conns_lock, which a fork holds
+        # (_before_fork): no connection is between its accept4 and this set when we fork.
+        self.conns: set = set()
+        self.conns_lock = threading.Lock()
         self.failed = False  # (the server's own work failed: said once, see _say_failed)
         # one fd kept in reserve for a connection when this process has no fd left (its own
         # memfds up to RLIMIT_NOFILE, a share refused for that): closed to accept it, taken
@@ -1221,7 +1228,7 @@ class _Server:
                 now = time.monotonic()
                 for conn in [c for c, t in waiting.items() if t + _REQUEST_SECONDS <= now]:
                     _forget(selector, waiting, conn)
-                    _held.close(conn)  # sent nothing in time
+                    self._close(conn)  # sent nothing in time
                 if now >= state.next_sweep:
                     try:
                         with state.lock:
@@ -1230,7 +1237,7 @@ class _Server:
                         self._say_failed("sweep", error)
         finally:
             for conn in waiting:
-                _held.close(conn)
+                self._close(conn)
             selector.close()
 
     def _drop_oldest(self, selector: Any, waiting: dict) -> bool:
@@ -1241,7 +1248,7 @@ class _Server:
         if time.monotonic() - accepted < _EVICT_SECONDS:
             return False
         _forget(selector, waiting, conn)
-        _held.close(conn)
+        self._close(conn)
         return True
 
     def _accept(self, selector: Any, waiting: dict, uid: int) -> bool:
@@ -1253,7 +1260,7 @@ class _Server:
         there is room for more."""
         listening = self.sock.fileno()
         try:
-            conn = _held.accept(listening)
+            conn = self._take(listening)
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -1263,7 +1270,7 @@ class _Server:
                 reserve, self.reserve = self.reserve, None  # (taken back at the loop's next
                 os.close(reserve)  # turn, if it can be)
                 try:
-                    conn = _held.accept(listening)
+                    conn = self._take(listening)
                 except OSError:
                     return False
             else:
@@ -1272,17 +1279,17 @@ class _Server:
                     time.sleep(_BACKOFF_SECONDS)
                 return False  # (else a connection that went away meanwhile: ECONNABORTED)
         if _held.peer_uid(conn) != uid:
-            _held.close(conn)  # (another user's: dropped unanswered)
+            self._close(conn)  # (another user's: dropped unanswered)
             return True
         if self._answer(conn, waited=False):
             return True  # (answered, and closed)
         if len(waiting) >= _MAX_WAITING and not self._drop_oldest(selector, waiting):
-            _held.close(conn)  # (not watched then: only a race with the clock gets here)
+            self._close(conn)  # (not watched then: only a race with the clock gets here)
             return False
         try:
             selector.register(conn, selectors.EVENT_READ)
         except BaseException:
-            _held.close(conn)
+            self._close(conn)
             raise
         waiting[conn] = time.monotonic()
         return len(waiting) < _MAX_WAITING
@@ -1306,8 +1313,20 @@ class _Server:
             pass  # malformed, answered with nothing)
         finally:
             self.answering = False
-            _held.close(conn)
+            self._close(conn)
         return True
+
+    def _take(self, listening: int) -> int:
+        """A new connection (as _held.accept), noted in self.conns."""
+        with self.conns_lock:
+            conn = _held.accept(listening)
+            self.conns.add(conn)
+        return conn
+
+    def _close(self, conn: int) -> None:
+        with self.conns_lock:
+            self.conns.discard(conn)
+            _held.close(conn)
 
 
 def _reserve_fd() -> Optional[int]:
@@ -1746,9 +1765,28 @@ def _janitor() -> None:
             return
 
 
+_fork_held: list = []  # the servers whose conns_lock the fork under way holds (_before_fork)
+
+
+def _before_fork() -> None:
+    """Hold the conns_lock of every server of this process across a fork, so that the child
+    finds each server's connections all in its conns set (_after_fork_in_child)."""
+    servers = [] if state.server is None else [state.server, *state.former]
+    for server in servers:
+        server.conns_lock.acquire()
+    _fork_held[:] = servers
+
+
+def _after_fork_in_parent() -> None:
+    for server in _fork_held:
+        server.conns_lock.release()
+    _fork_held.clear()
+
+
 def _after_fork_in_child() -> None:
     global _silent_lock
     _silent_lock = threading.Lock()  # (perhaps held by a thread the fork left behind)
+    _fork_held.clear()  # (the servers stay the parent's: their locks are never taken here)
     old = state
     if old.server is not None:
         note_reached(old.server.address)  # (the parent's server: on this kernel)
@@ -1761,6 +1799,14 @@ def _after_fork_in_child() -> None:
             reserve, server.reserve = server.reserve, None
             if reserve is not None:
                 os.close(reserve)
+            # the parent's connections, waiting or being answered: ours would keep them open
+            # after the parent closed them
+            for conn in server.conns:
+                try:
+                    os.close(conn)
+                except OSError:
+                    pass
+            server.conns = set()
     old.former = []
     old.server = None
     old.lock = threading.RLock()
@@ -1785,7 +1831,8 @@ def _after_fork_in_child() -> None:
     _cancelled_queues.clear()  # (an inherited Queue starts afresh in the child: Queue._reset)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                     after_in_child=_after_fork_in_child)
 _register_linger()
 _mp_util.register_after_fork(state, _register_linger)
 _hook_cancel_join_thread()

@@ -1561,6 +1561,27 @@ def test_a_failing_sweep_is_said_once_and_the_server_serves_on():
     assert done.stdout.split() == ["True", "300000", "True"]
 
 
+def _fork_and_hear(say) -> tuple:
+    """Fork a child that writes say() to us, then waits; returns (its pid, what it said, the
+    fd that lets it exit once written to or closed)."""
+    r, w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.close(done_w)
+            os.write(w, say())
+            os.close(w)
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.close(done_r)
+    with os.fdopen(r, "rb") as f:
+        return pid, f.read(), done_w
+
+
 def _fetch_in_a_loop(conn, address, key, secret, seconds):
     """Keep a sender's server busy replying (real fetches, each one hands out an fd)."""
     served = failed = 0
@@ -1590,24 +1611,13 @@ def test_fork_while_the_server_is_replying():
     children = 0
     while hammer.is_alive() and children < 40:
         time.sleep(float(rng.uniform(0, 0.004)))
-        r, w = os.pipe()
-        done_r, done_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # a sender of its own: pickles new memory, stays until it was fetched
-            try:
-                os.close(r)
-                os.close(done_w)
-                b = pyshm.zeros(20_000, np.int32, shared=True)
-                b[:] = children
-                os.write(w, bytes(ForkingPickler.dumps(b)))
-                os.close(w)
-                os.read(done_r, 1)
-            finally:
-                os._exit(0)
-        os.close(w)
-        os.close(done_r)
-        with os.fdopen(r, "rb") as f:
-            payload = f.read()
+
+        def send_new_memory(n=children):  # (a sender of its own, until it was fetched)
+            b = pyshm.zeros(20_000, np.int32, shared=True)
+            b[:] = n
+            return bytes(ForkingPickler.dumps(b))
+
+        pid, payload, done_w = _fork_and_hear(send_new_memory)
         b = pickle.loads(payload)  # fetched from the child's own server
         assert (b == children).all() and pyshm.is_shared(b)
         assert _channel.fetch_count() > 0
@@ -1621,6 +1631,70 @@ def test_fork_while_the_server_is_replying():
     hammer.join(30)
     assert children == 40 and served > 100 and failed == 0, (children, served, failed)
     assert _channel.state.server.thread.is_alive()
+
+
+def _socket_inodes(address: bytes) -> set:
+    """Inodes of the sockets bound to `address`: a server's listening socket and the
+    connections it accepted (/proc/net/unix)."""
+    name = "@" + address[1:].decode()
+    with open("/proc/net/unix") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return {row[6] for row in rows if len(row) > 7 and row[7] == name}
+
+
+def _open_socket_inodes() -> set:
+    """Inodes of the sockets this process has open (/proc/self/fd)."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return {link[8:-1] for link in links if link.startswith("socket:[")}
+
+
+def test_a_forked_child_keeps_none_of_the_servers_connections():
+    # connections our fd server accepted and waits on when we fork: the child must not hold
+    # them (before: it did until it exited, so a receiver the server dropped unanswered saw
+    # no end of its connection meanwhile, and its request unread in it came back to it as
+    # "connection reset" once the child exited)
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, address, secret = _token_of(a)
+    clients = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    try:
+        for client in clients:
+            client.settimeout(3.0)
+            client.connect(address)
+        # (answered once the server accepted the three before it: they wait for a request)
+        (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+        os.close(fd)
+        servers = _socket_inodes(address) & _open_socket_inodes()
+        assert len(servers) >= 4  # (the listening socket and the three connections)
+        pid, kept, done_w = _fork_and_hear(
+            lambda: " ".join(sorted(servers & _open_socket_inodes())).encode() + b".")
+        try:
+            # a request the server drops (malformed): the receiver sees its connection end
+            # now, while the child lives
+            clients[0].send(b"x")
+            try:
+                ended = clients[0].recv(16)
+            except socket.timeout:
+                ended = None  # (before: no end while the child held the connection)
+            # the others still get their answers
+            request = _channel.build_request(None, [(key, secret)], [], 0, address)
+            clients[1].send(request)
+            reply, fds, _, _ = socket.recv_fds(clients[1], 65536, 4)
+            for fd in fds:
+                os.close(fd)
+        finally:
+            os.write(done_w, b"x")
+            os.close(done_w)
+            _, status = os.waitpid(pid, 0)
+        assert kept == b".", kept  # (no socket of our server's in the child)
+        assert ended == b""
+        assert reply[:1] == b"\x01" and len(fds) == 1
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        for client in clients:
+            client.close()
 
 
 # ---- 2. a sender may exit as soon as it has sent -------------------------------------------------
