@@ -1227,8 +1227,7 @@ class _Server:
                             break
                 now = time.monotonic()
                 for conn in [c for c, t in waiting.items() if t + _REQUEST_SECONDS <= now]:
-                    _forget(selector, waiting, conn)
-                    self._close(conn)  # sent nothing in time
+                    self._drop(selector, waiting, conn)  # (sent nothing in time, or late)
                 if now >= state.next_sweep:
                     try:
                         with state.lock:
@@ -1247,9 +1246,17 @@ class _Server:
         conn, accepted = next(iter(waiting.items()))
         if time.monotonic() - accepted < _EVICT_SECONDS:
             return False
-        _forget(selector, waiting, conn)
-        self._close(conn)
+        self._drop(selector, waiting, conn)
         return True
+
+    def _drop(self, selector: Any, waiting: dict, conn: int) -> None:
+        """Stop waiting for the request of `conn`: answer it if it came since the last poll
+        (this thread was held up: a thread holding the GIL in C, the channel's lock, a stopped
+        process), else close it. Closed with a request unread in it, its receiver would get
+        ECONNRESET for a request that had come in time."""
+        _forget(selector, waiting, conn)
+        if not self._answer(conn, waited=False):
+            self._close(conn)
 
     def _accept(self, selector: Any, waiting: dict, uid: int) -> bool:
         """Take one connection and answer its request if it came already (the usual case:

@@ -1697,6 +1697,48 @@ def test_a_forked_child_keeps_none_of_the_servers_connections():
             client.close()
 
 
+def test_a_request_that_came_while_the_server_was_held_up_is_answered(monkeypatch):
+    # the server held up longer than _REQUEST_SECONDS (here by the channel's lock; a thread
+    # holding the GIL in C, a stopped process do the same) while a receiver it had accepted
+    # sends its request: it must answer that request, not drop the connection as one that sent
+    # nothing (before: closed with the request unread in it, the receiver got ECONNRESET, a
+    # DeliveryError "stopped answering")
+    monkeypatch.setattr(_channel, "_REQUEST_SECONDS", 2.0)
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, address, secret = _token_of(a)
+    request = _channel.build_request(None, [(key, secret)], [], 0, address)
+    late, first = (socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2))
+    try:
+        for client in (late, first):
+            client.settimeout(10.0)
+        late.connect(address)
+        (fd,), _, _ = _channel.fetch(address, [(key, secret)])  # (late waits now: see above)
+        os.close(fd)
+        server = _channel.state.server
+        with _channel.state.lock:
+            first.connect(address)
+            first.send(request)
+            deadline = time.monotonic() + 10.0
+            while not server.answering and time.monotonic() < deadline:
+                time.sleep(0.001)  # (until the server waits for the lock to answer it)
+            assert server.answering
+            late.send(request)
+            time.sleep(2.2)  # (the hold-up itself)
+        replies = []
+        for client in (first, late):
+            try:
+                reply, fds, _, _ = socket.recv_fds(client, 65536, 4)
+            except OSError as error:
+                reply, fds = error, []
+            for fd in fds:
+                os.close(fd)
+            replies.append((reply, len(fds)))
+        assert replies == [(b"\x01\x00", 1), (b"\x01\x00", 1)], replies
+    finally:
+        late.close()
+        first.close()
+
+
 # ---- 2. a sender may exit as soon as it has sent -------------------------------------------------
 
 
