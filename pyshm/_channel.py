@@ -978,7 +978,18 @@ class _HeldCalls:
 
     def recv_fds(self, conn: int, size: int, most: int) -> Optional[tuple]:
         """As socket.recv_fds(conn, size, most, MSG_CMSG_CLOEXEC): (data, fds, flags, None),
-        or None if no message came yet; OSError else."""
+        or None if no message came yet; OSError else. An end of the connection is said only
+        when a second look finds no message either: a non-blocking recvmsg of a SEQPACKET
+        socket looks at its queue, then at whether the peer is gone, so a reply sent and the
+        connection closed between the two reads as the end (the kernel's __unix_dgram_recvmsg)."""
+        received = self._recv_fds(conn, size, most)
+        if received is not None and not received[0] and not received[1]:
+            again = self._recv_fds(conn, size, most)
+            if again is not None:
+                received = again
+        return received
+
+    def _recv_fds(self, conn: int, size: int, most: int) -> Optional[tuple]:
         buffer = self._buffer(size)
         control = ctypes.create_string_buffer(socket.CMSG_SPACE(most * 4))
         iov = _Iovec(ctypes.cast(buffer, ctypes.c_void_p), size)

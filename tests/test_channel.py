@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import resource
+import select
 import signal
 import socket
 import struct
@@ -1737,6 +1738,29 @@ def test_a_request_that_came_while_the_server_was_held_up_is_answered(monkeypatc
     finally:
         late.close()
         first.close()
+
+
+def test_a_reply_that_came_with_the_end_of_its_connection_is_read(monkeypatch):
+    # a non-blocking recvmsg of a SEQPACKET socket looks at its queue, then at whether the peer
+    # is gone: a reply sent and the connection closed between the two looks reads as the end
+    # (simulated: the first look says "end" once the reply is there). The receiver must look
+    # again (before: DeliveryError "closed the connection without an answer")
+    real = _channel._held._recvmsg
+    looks = []
+
+    def racy(fd, message, flags):
+        looks.append(fd)
+        if len(looks) == 1:
+            select.select([fd], [], [], 10.0)  # (the reply and the end are there)
+            return 0
+        return real(fd, message, flags)
+
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, address, secret = _token_of(a)
+    monkeypatch.setattr(_channel._held, "_recvmsg", racy)
+    (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+    assert fd is not None and len(looks) >= 2
+    os.close(fd)
 
 
 # ---- 2. a sender may exit as soon as it has sent -------------------------------------------------
