@@ -1028,7 +1028,18 @@ class _HeldCalls:
 
     def recv_fds(self, conn: int, size: int, most: int) -> Optional[tuple]:
         """As socket.recv_fds(conn, size, most, MSG_CMSG_CLOEXEC): (data, fds, flags, None),
-        or None if no message came yet; OSError else."""
+        or None if no message came yet; OSError else. An end of the connection is said only
+        when a second look finds no message either: a non-blocking recvmsg of a SEQPACKET
+        socket looks at its queue, then at whether the peer is gone, so a reply sent and the
+        connection closed between the two reads as the end (the kernel's __unix_dgram_recvmsg)."""
+        received = self._recv_fds(conn, size, most)
+        if received is not None and not received[0] and not received[1]:
+            again = self._recv_fds(conn, size, most)
+            if again is not None:
+                received = again
+        return received
+
+    def _recv_fds(self, conn: int, size: int, most: int) -> Optional[tuple]:
         buffer = self._buffer(size)
         control = ctypes.create_string_buffer(socket.CMSG_SPACE(most * 4))
         iov = _Iovec(ctypes.cast(buffer, ctypes.c_void_p), size)
@@ -1196,6 +1207,13 @@ class _Server:
         self.sock = sock
         note_reached(self.address)
         self.answering = False  # between reading a request and sending its last fd (linger)
+        # the connections accepted and not closed yet (waiting, or being answered): a forked
+        # child closes its copies of them (_after_fork_in_child), which would keep them open
+        # (a receiver whose connection we closed unanswered would wait for the child's end,
+        # then get "connection reset"). Changed only under conns_lock, which a fork holds
+        # (_before_fork): no connection is between its accept4 and this set when we fork.
+        self.conns: set = set()
+        self.conns_lock = threading.Lock()
         self.failed = False  # (the server's own work failed: said once, see _say_failed)
         # one fd kept in reserve for a connection when this process has no fd left (its own
         # memfds up to RLIMIT_NOFILE, a share refused for that): closed to accept it, taken
@@ -1276,8 +1294,7 @@ class _Server:
                             break
                 now = time.monotonic()
                 for conn in [c for c, t in waiting.items() if t + _REQUEST_SECONDS <= now]:
-                    _forget(selector, waiting, conn)
-                    _held.close(conn)  # sent nothing in time
+                    self._drop(selector, waiting, conn)  # (sent nothing in time, or late)
                 if now >= state.next_sweep:
                     try:
                         with state.lock:
@@ -1286,7 +1303,7 @@ class _Server:
                         self._say_failed("sweep", error)
         finally:
             for conn in waiting:
-                _held.close(conn)
+                self._close(conn)
             selector.close()
 
     def _drop_oldest(self, selector: Any, waiting: dict) -> bool:
@@ -1296,9 +1313,17 @@ class _Server:
         conn, accepted = next(iter(waiting.items()))
         if time.monotonic() - accepted < _EVICT_SECONDS:
             return False
-        _forget(selector, waiting, conn)
-        _held.close(conn)
+        self._drop(selector, waiting, conn)
         return True
+
+    def _drop(self, selector: Any, waiting: dict, conn: int) -> None:
+        """Stop waiting for the request of `conn`: answer it if it came since the last poll
+        (this thread was held up: a thread holding the GIL in C, the channel's lock, a stopped
+        process), else close it. Closed with a request unread in it, its receiver would get
+        ECONNRESET for a request that had come in time."""
+        _forget(selector, waiting, conn)
+        if not self._answer(conn, waited=False):
+            self._close(conn)
 
     def _accept(self, selector: Any, waiting: dict, uid: int) -> bool:
         """Take one connection and answer its request if it came already (the usual case:
@@ -1309,7 +1334,7 @@ class _Server:
         there is room for more."""
         listening = self.sock.fileno()
         try:
-            conn = _held.accept(listening)
+            conn = self._take(listening)
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -1319,7 +1344,7 @@ class _Server:
                 reserve, self.reserve = self.reserve, None  # (taken back at the loop's next
                 os.close(reserve)  # turn, if it can be)
                 try:
-                    conn = _held.accept(listening)
+                    conn = self._take(listening)
                 except OSError:
                     return False
             else:
@@ -1328,17 +1353,17 @@ class _Server:
                     time.sleep(_BACKOFF_SECONDS)
                 return False  # (else a connection that went away meanwhile: ECONNABORTED)
         if _held.peer_uid(conn) != uid:
-            _held.close(conn)  # (another user's: dropped unanswered)
+            self._close(conn)  # (another user's: dropped unanswered)
             return True
         if self._answer(conn, waited=False):
             return True  # (answered, and closed)
         if len(waiting) >= _MAX_WAITING and not self._drop_oldest(selector, waiting):
-            _held.close(conn)  # (not watched then: only a race with the clock gets here)
+            self._close(conn)  # (not watched then: only a race with the clock gets here)
             return False
         try:
             selector.register(conn, selectors.EVENT_READ)
         except BaseException:
-            _held.close(conn)
+            self._close(conn)
             raise
         waiting[conn] = time.monotonic()
         return len(waiting) < _MAX_WAITING
@@ -1362,8 +1387,20 @@ class _Server:
             pass  # malformed, answered with nothing)
         finally:
             self.answering = False
-            _held.close(conn)
+            self._close(conn)
         return True
+
+    def _take(self, listening: int) -> int:
+        """A new connection (as _held.accept), noted in self.conns."""
+        with self.conns_lock:
+            conn = _held.accept(listening)
+            self.conns.add(conn)
+        return conn
+
+    def _close(self, conn: int) -> None:
+        with self.conns_lock:
+            self.conns.discard(conn)
+            _held.close(conn)
 
 
 def _reserve_fd() -> Optional[int]:
@@ -1805,9 +1842,28 @@ def _janitor() -> None:
             return
 
 
+_fork_held: list = []  # the servers whose conns_lock the fork under way holds (_before_fork)
+
+
+def _before_fork() -> None:
+    """Hold the conns_lock of every server of this process across a fork, so that the child
+    finds each server's connections all in its conns set (_after_fork_in_child)."""
+    servers = [] if state.server is None else [state.server, *state.former]
+    for server in servers:
+        server.conns_lock.acquire()
+    _fork_held[:] = servers
+
+
+def _after_fork_in_parent() -> None:
+    for server in _fork_held:
+        server.conns_lock.release()
+    _fork_held.clear()
+
+
 def _after_fork_in_child() -> None:
     global _silent_lock
     _silent_lock = threading.Lock()  # (perhaps held by a thread the fork left behind)
+    _fork_held.clear()  # (the servers stay the parent's: their locks are never taken here)
     old = state
     if old.server is not None:
         note_reached(old.server.address)  # (the parent's server: on this kernel)
@@ -1820,6 +1876,14 @@ def _after_fork_in_child() -> None:
             reserve, server.reserve = server.reserve, None
             if reserve is not None:
                 os.close(reserve)
+            # the parent's connections, waiting or being answered: ours would keep them open
+            # after the parent closed them
+            for conn in server.conns:
+                try:
+                    os.close(conn)
+                except OSError:
+                    pass
+            server.conns = set()
     old.former = []
     old.server = None
     old.lock = threading.RLock()
@@ -1844,7 +1908,8 @@ def _after_fork_in_child() -> None:
     _cancelled_queues.clear()  # (an inherited Queue starts afresh in the child: Queue._reset)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                     after_in_child=_after_fork_in_child)
 _register_linger()
 _mp_util.register_after_fork(state, _register_linger)
 _hook_cancel_join_thread()

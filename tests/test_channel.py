@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import resource
+import select
 import signal
 import socket
 import struct
@@ -1910,6 +1911,133 @@ def test_fork_while_the_server_is_replying():
     hammer.join(30)
     assert children == 40 and served > 100 and failed == [], (children, served, failed[:3])
     assert _channel.state.server.thread.is_alive()
+
+
+def _socket_inodes(address: bytes) -> set:
+    """Inodes of the sockets bound to `address`: a server's listening socket and the
+    connections it accepted (/proc/net/unix)."""
+    name = "@" + address[1:].decode()
+    with open("/proc/net/unix") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return {row[6] for row in rows if len(row) > 7 and row[7] == name}
+
+
+def _open_socket_inodes() -> set:
+    """Inodes of the sockets this process has open (/proc/self/fd)."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return {link[8:-1] for link in links if link.startswith("socket:[")}
+
+
+def test_a_forked_child_keeps_none_of_the_servers_connections():
+    # connections our fd server accepted and waits on when we fork: the child must not hold
+    # them (before: it did until it exited, so a receiver the server dropped unanswered saw
+    # no end of its connection meanwhile, and its request unread in it came back to it as
+    # "connection reset" once the child exited)
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, address, secret = _token_of(a)
+    clients = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    try:
+        for client in clients:
+            client.settimeout(3.0)
+            client.connect(address)
+        # (answered once the server accepted the three before it: they wait for a request)
+        (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+        os.close(fd)
+        servers = _socket_inodes(address) & _open_socket_inodes()
+        assert len(servers) >= 4  # (the listening socket and the three connections)
+        kept, release = forked_sender(
+            lambda: " ".join(sorted(servers & _open_socket_inodes())).encode() + b".")
+        try:
+            # a request the server drops (malformed): the receiver sees its connection end
+            # now, while the child lives
+            clients[0].send(b"x")
+            try:
+                ended = clients[0].recv(16)
+            except socket.timeout:
+                ended = None  # (before: no end while the child held the connection)
+            # the others still get their answers
+            request = _channel.build_request(None, [(key, secret)], [], 0, address)
+            clients[1].send(request)
+            reply, fds, _, _ = socket.recv_fds(clients[1], 65536, 4)
+            for fd in fds:
+                os.close(fd)
+        finally:
+            status = release()
+        assert kept == b".", kept  # (no socket of our server's in the child)
+        assert ended == b""
+        assert reply[:1] == b"\x01" and len(fds) == 1
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_request_that_came_while_the_server_was_held_up_is_answered(monkeypatch):
+    # the server held up longer than _REQUEST_SECONDS (here by the channel's lock; a thread
+    # holding the GIL in C, a stopped process do the same) while a receiver it had accepted
+    # sends its request: it must answer that request, not drop the connection as one that sent
+    # nothing (before: closed with the request unread in it, the receiver got ECONNRESET, a
+    # DeliveryError "stopped answering")
+    monkeypatch.setattr(_channel, "_REQUEST_SECONDS", 2.0)
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, address, secret = _token_of(a)
+    request = _channel.build_request(None, [(key, secret)], [], 0, address)
+    late, first = (socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2))
+    try:
+        for client in (late, first):
+            client.settimeout(10.0)
+        late.connect(address)
+        (fd,), _, _ = _channel.fetch(address, [(key, secret)])  # (late waits now: see above)
+        os.close(fd)
+        server = _channel.state.server
+        with _channel.state.lock:
+            first.connect(address)
+            first.send(request)
+            deadline = time.monotonic() + 10.0
+            while not server.answering and time.monotonic() < deadline:
+                time.sleep(0.001)  # (until the server waits for the lock to answer it)
+            assert server.answering
+            late.send(request)
+            time.sleep(2.2)  # (the hold-up itself)
+        replies = []
+        for client in (first, late):
+            try:
+                reply, fds, _, _ = socket.recv_fds(client, 65536, 4)
+            except OSError as error:
+                reply, fds = error, []
+            for fd in fds:
+                os.close(fd)
+            replies.append((reply, len(fds)))
+        assert replies == [(b"\x01\x00", 1), (b"\x01\x00", 1)], replies
+    finally:
+        late.close()
+        first.close()
+
+
+def test_a_reply_that_came_with_the_end_of_its_connection_is_read(monkeypatch):
+    # a non-blocking recvmsg of a SEQPACKET socket looks at its queue, then at whether the peer
+    # is gone: a reply sent and the connection closed between the two looks reads as the end
+    # (simulated: the first look says "end" once the reply is there). The receiver must look
+    # again (before: DeliveryError "closed the connection without an answer")
+    real = _channel._held._recvmsg
+    looks = []
+
+    def racy(fd, message, flags):
+        looks.append(fd)
+        if len(looks) == 1:
+            select.select([fd], [], [], 10.0)  # (the reply and the end are there)
+            return 0
+        return real(fd, message, flags)
+
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    key, address, secret = _token_of(a)
+    monkeypatch.setattr(_channel._held, "_recvmsg", racy)
+    (fd,), _, _ = _channel.fetch(address, [(key, secret)])
+    assert fd is not None and len(looks) >= 2
+    os.close(fd)
 
 
 # ---- 2. a sender may exit as soon as it has sent -------------------------------------------------
