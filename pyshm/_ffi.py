@@ -462,6 +462,12 @@ _TABLE = [
         [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(StorageHandle)],
         True,
     ),
+    (
+        "lshm_slab_find_holding",
+        c_int,
+        [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(StorageHandle), U64Pointer],
+        True,
+    ),
     ("lshm_slab_knows", c_int, [c_uint64, c_uint64], False),
     ("lshm_pool_trim", c_int, [], False),
 ]
@@ -565,3 +571,7 @@ def export(handle: StorageHandle) -> tuple:
 slab_find_unchecked = lib["lshm_slab_find"]
 slab_find_unchecked.restype = c_int
 slab_find_unchecked.argtypes = [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(StorageHandle)]
+slab_find_holding_unchecked = lib["lshm_slab_find_holding"]
+slab_find_holding_unchecked.restype = c_int
+slab_find_holding_unchecked.argtypes = [c_uint64, c_uint64, c_uint64, c_size_t,
+                                        POINTER(StorageHandle), U64Pointer]
