@@ -876,33 +876,17 @@ def _exact_dtype(array: np.ndarray, dtype: np.dtype) -> Optional[np.ndarray]:
     return array.view(dtype) if dtype.metadata is not None else array
 
 
-# The holder a range of our memory is registered to (the array it was sent as, or the message
-# that carries it until it is delivered), for each array or Storage of ours made from a token
-# of that range: while one lives, its memory stays fetchable with the token's secret, and a
-# token of it is found here (_own_storage), as pyshm.ref promises: the holder alone went with
-# the message, and a pickle unpickled again here (Ray does it at every ray.get in the
-# driver), or in another process, then got DeliveryError while an array of it lived.
-# id of each such owner or Storage -> (a weak reference to it, the holder): by identity, as
-# two Storage handles on one storage compare equal.
-_RANGE_HOLDERS: dict = {}
-
-
-def _keep_range_holder(made: Any, fields: tuple) -> None:
-    """Let `made` (a new owner or Storage of our own memory, from a token's checked `fields`)
-    keep the holder that range is registered to alive."""
+def _range_holder(fields: tuple) -> Any:
+    """The holder the range a token's checked `fields` name is registered to (the array it was
+    sent as, or the message that carries it until it is delivered), or None. Each array or
+    Storage of our own memory made from a token of that range holds it (ArrayOwner's `hold`,
+    Storage._hold): while one lives, its memory stays fetchable with the token's secret, and a
+    token of it is found here (_own_storage), as pyshm.ref promises: the holder alone went
+    with the message, and a pickle unpickled again here (Ray does it at every ray.get in the
+    driver), or in another process, then got DeliveryError while an array of it lived."""
     key, _, size, offset, nbytes = fields[:5]
     ref = _state.ranges.get((key, size, offset, nbytes))
-    holder = ref() if ref is not None else None
-    if holder is not None and holder is not made:
-        made_id = id(made)
-        _RANGE_HOLDERS[made_id] = (
-            weakref.ref(made, lambda ref: _range_holder_released(made_id, ref)), holder)
-
-
-def _range_holder_released(made_id: int, ref: "weakref.ref") -> None:
-    entry = _RANGE_HOLDERS.get(made_id)
-    if entry is not None and entry[0] is ref:  # (not a later object's of the same id)
-        del _RANGE_HOLDERS[made_id]
+    return ref() if ref is not None else None
 
 
 def rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
@@ -964,19 +948,18 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
                 f"pyshm: an array of shape {shape!r} and strides {strides!r} at byte "
                 f"{start!r} does not fit its {nbytes} bytes of shared memory")
         owner = None
+        hold = _range_holder(fields) if mapping is None else None  # (memory of ours)
         # the array itself over the storage, in one step (the owner adopts our reference)
         try:
             owner = ArrayOwner(handle, shape, dtype, start,
                                bool(flags & _ffi.STORAGE_READONLY), keep=mapping,
-                               strides=strides, adopt=True, data=data)
+                               strides=strides, adopt=True, data=data, hold=hold)
         except (TypeError, ValueError):
             pass  # a dtype the interface cannot describe (dtype.descr refuses it): below
         if owner is not None:
             handle = None
             if mapping is not None:
                 owner.facts = facts  # (for sending it on: see _export)
-            else:
-                _keep_range_holder(owner, fields)
             try:
                 array = np.asarray(owner)
             except (TypeError, ValueError, OverflowError) as exc:
@@ -991,9 +974,7 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         base = owner.handle if owner is not None else handle
         flat = wrap(base, (nbytes,), np.dtype(np.uint8),
                     data - (lib.lshm_storage_data(base) or 0), keep=mapping,
-                    readonly=bool(flags & _ffi.STORAGE_READONLY))
-        if mapping is None:
-            _keep_range_holder(flat.base, fields)  # (the owner the array is made over)
+                    readonly=bool(flags & _ffi.STORAGE_READONLY), hold=hold)
     finally:
         if handle is not None:
             lib.lshm_storage_release(handle)
@@ -1034,8 +1015,9 @@ def _rebuild_storage(batch, token) -> Storage:
             raise
         return stand_in
     storage = Storage.from_handle(handle, keep=mapping)
-    if mapping is None:
-        _keep_range_holder(storage, fields)
+    holder = _range_holder(fields) if mapping is None else None
+    if holder is not None:
+        storage._hold(holder)  # (see _range_holder)
     return storage
 
 
