@@ -536,14 +536,12 @@ def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple, nbyt
 
 
 def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
-                 mapping: Optional[_Mapping], whole: bool = False) -> tuple:
+                 mapping: Optional[_Mapping]) -> tuple:
     """_own_memory's find: the storage itself, a view of the memfd (read-only if `readonly`),
     or a storage of ours of which the range is a part (a receiver sends back memory it found
     by address: a DLPack view, a tensor or a Storage over part of what it got). Returns
     (handle or None, facts or None); facts are (flags, data, nbytes) of the range itself, and
-    always given for a part: its data is then inside the storage's, not at its start. With
-    `whole`, no part: only a storage of exactly that range (a Storage is a whole storage's
-    bytes)."""
+    always given for a part: its data is then inside the storage's, not at its start."""
     # (ranges and the channel's holders only know memfds exported from here, which all have
     # secrets: a memfd received from elsewhere skips both)
     exported = key in _state.secrets
@@ -574,8 +572,7 @@ def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool
         out, start = _ffi.StorageHandle(), ctypes.c_uint64()
         if _ffi.slab_find_holding_unchecked(key[0], key[1], offset, nbytes, byref(out),
                                             byref(start)) == 0:
-            if (exported and not whole) or (start.value == offset and
-                                            lib.lshm_storage_nbytes(out) == nbytes):
+            if exported or (start.value == offset and lib.lshm_storage_nbytes(out) == nbytes):
                 return _part_of(out, offset - start.value, nbytes)
             lib.lshm_storage_release(out)
     if found and not segment:
@@ -583,7 +580,6 @@ def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool
         rc, info = _ffi.export(found)
         _, at, dev, ino, file_size, _, _, _, held = info
         if rc == 0 and (dev, ino) == key and file_size == size and (
-                (at, held) == (offset, nbytes) if whole else
                 at <= offset and offset + nbytes <= at + held):
             return _part_of(lib.lshm_storage_retain(found), offset - at, nbytes)
     return None, None
@@ -606,30 +602,28 @@ def _part_of(handle: _ffi.StorageHandle, delta: int, nbytes: int) -> tuple:
 
 
 def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
-                mapping: Optional[_Mapping], whole: bool = False) -> tuple:
+                mapping: Optional[_Mapping]) -> tuple:
     """(a storage of this process for that byte range of memfd `key` (a new reference the
     caller releases) or None, its (flags, data, nbytes) if known): memory that left from here
     coming back (lock held). `mapping`: the cached mapping of `key`, if any. With `readonly`
     the facts say read-only whatever the storage is (a read-only secret opens no more here
     than in another process; memory of ours with a read-only secret is sealed, so sending
-    such an array on gives read-only tokens too). `whole`: see _own_storage."""
-    handle, facts = _own_storage(key, size, offset, nbytes, readonly, mapping, whole)
+    such an array on gives read-only tokens too)."""
+    handle, facts = _own_storage(key, size, offset, nbytes, readonly, mapping)
     if handle is not None and readonly:
         flags, *rest = facts if facts is not None else _handle_facts(handle)
         facts = (flags | _ffi.STORAGE_READONLY, *rest)
     return handle, facts
 
 
-def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
-             whole: bool = False) -> tuple:
+def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
     """(mapping or None, a storage handle with a reference the caller must release, its
     (flags, data, nbytes) or None) for the checked fields of a token (_check_token).
 
     A token stands for memory this process has (its own, or a memfd mapped here) without a
     fetch only if its secret says it may (_channel.vouched); any other token must have its
     memfd handed over by its sender (fetched, or as an extra of its own message's fetch),
-    which proves the sender had it, before it stands for anything here. `whole`: only a
-    storage of exactly that range is memory of ours (see _own_storage)."""
+    which proves the sender had it, before it stands for anything here."""
     key, address, size, offset, nbytes, readonly, secret, solo = fields
     # (a message's batch proof goes only to the process that sent the message: a token of
     # another process in it, sent on (_forwarded), is fetched without it, as that process
@@ -644,7 +638,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
         if trusted == _channel.READ_ONLY:
             readonly = True  # (whatever the token says: its secret opens no more)
         if trusted:
-            handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping, whole)
+            handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
             if handle is not None:
                 if solo is not None:
                     _channel.queue_ack(address, solo)
@@ -663,7 +657,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
                         mapping.sealed if seals is None else bool(seals & _WRITE_SEALS))
                     _channel.vouch(key, secret, readonly)
                     trusted = True
-                    handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping, whole)
+                    handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
                     if handle is not None:
                         return None, handle, facts
                     if mapping is None:
@@ -703,7 +697,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
                 # see vouched)
                 _channel.vouch(key, secret, readonly)
                 mapping = _cache.mappings.get(key)  # another thread may have won the race
-                handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping, whole)
+                handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
                 if handle is not None:
                     return None, handle, facts
                 if mapping is None:
@@ -1007,9 +1001,15 @@ def _rebuild_storage(batch, token) -> Storage:
     try:
         _check_reachable(token)
         fields = _check_token(token)
-        # (a Storage is a whole storage's bytes: part of a storage of ours (a slab's, one
-        # shared in place) is the memfd mapped here once more, those bytes at another address)
-        mapping, handle, facts = _resolve(batch, fields, whole=True)
+        mapping, handle, facts = _resolve(batch, fields)
+        if facts is not None and (facts[1] != (lib.lshm_storage_data(handle) or 0)
+                                  or facts[2] != lib.lshm_storage_nbytes(handle)):
+            lib.lshm_storage_release(handle)
+            raise pickle.UnpicklingError(
+                f"pyshm: this pickle names part of a storage of this process ({facts[2]} "
+                "bytes inside it), which no storage here views alone: a Storage of just those "
+                "bytes cannot be made at their own address. Send an array of them instead "
+                "(storage.asarray()), which is that memory")
         if facts is not None and facts[0] & _ffi.STORAGE_READONLY and not (
                 lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY):
             # (memory of ours, writable here, named read-only: a Storage of it would be
