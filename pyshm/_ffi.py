@@ -462,12 +462,6 @@ _TABLE = [
         [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(StorageHandle)],
         True,
     ),
-    (
-        "lshm_slab_find_holding",
-        c_int,
-        [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(StorageHandle), U64Pointer],
-        True,
-    ),
     ("lshm_slab_knows", c_int, [c_uint64, c_uint64], False),
     ("lshm_pool_trim", c_int, [], False),
 ]
@@ -566,9 +560,8 @@ def export(handle: StorageHandle) -> tuple:
         rc = _export(handle, _export_info_ref)
         return rc, EXPORT_LAYOUT.unpack_from(_export_info)
 
-# lshm_slab_find_holding without the errcheck: "not one of ours" (-ENOENT) is an answer for a
-# receiver, not an error worth an exception
-slab_find_holding_unchecked = lib["lshm_slab_find_holding"]
-slab_find_holding_unchecked.restype = c_int
-slab_find_holding_unchecked.argtypes = [c_uint64, c_uint64, c_uint64, c_size_t,
-                                        POINTER(StorageHandle), U64Pointer]
+# lshm_slab_find without the errcheck: "not one of ours" (-ENOENT) is an answer for a receiver,
+# not an error worth an exception
+slab_find_unchecked = lib["lshm_slab_find"]
+slab_find_unchecked.restype = c_int
+slab_find_unchecked.argtypes = [c_uint64, c_uint64, c_uint64, c_size_t, POINTER(StorageHandle)]

@@ -105,13 +105,6 @@ class HandleLifetime:
         """Forget the release: the caller has given the reference back itself."""
         LIFETIMES.pop(id(self._lifetime), None)
 
-    def _hold(self, obj: Any) -> None:
-        """Keep `obj` alive until this object's reference is given back (closed, or
-        collected), in the record of its release (an ArrayOwner: its ``hold``)."""
-        entry = LIFETIMES.get(id(self._lifetime))
-        if entry is not None:
-            LIFETIMES[id(self._lifetime)] = (*entry, obj)
-
     def __reduce_ex__(self, protocol):
         # copy.copy, copy.deepcopy and pickle would copy the C handle without a reference of
         # its own (and the weak reference that gives it back): a second object on the same
@@ -131,10 +124,9 @@ ShapeLike = Union[int, Sequence[int]]
 _TYPESTRS: dict = {}
 
 
-# ArrayOwner weak reference (a _HoldingRef for an owner made with `hold`) -> the C storage
-# reference it holds; id of any other HandleLifetime's weak reference -> (that weak reference,
-# release, args, and what it holds: _hold). The reference is given back by the weak
-# reference's callback, as weakref.finalize would: CPython clears every
+# ArrayOwner weak reference -> the C storage reference it holds; id of any other
+# HandleLifetime's weak reference -> (that weak reference, release, args). The reference is
+# given back by the weak reference's callback, as weakref.finalize would: CPython clears every
 # weak reference to a dying object before it runs callbacks, so the channel's weak references
 # (pyshm._channel) never see an owner whose storage is being released, and in a garbage cycle
 # the release runs in the same phase as the other finalizers, before any __del__. The dicts
@@ -171,10 +163,7 @@ def note_new_owner(ref: "weakref.ref") -> None:
 
 
 def released(ref: "weakref.ref") -> None:
-    references = REFERENCES
-    if references is None:  # (the module is being wiped at exit: REFERENCES went, and with it
-        return  # the owners a _HoldingRef held; the process's memory goes with the process)
-    handle = references.pop(ref, None)
+    handle = REFERENCES.pop(ref, None)
     if handle:
         _c_release(handle)
 
@@ -207,20 +196,6 @@ def array_interface(shape: tuple, dtype: np.dtype, address: int, readonly: bool,
     return interface
 
 
-class _HoldingRef(weakref.ref):
-    """An ArrayOwner's lifetime weak reference that also holds what its ``hold`` says, as long
-    as the owner's storage reference is kept (REFERENCES) or the owner lives."""
-
-    __slots__ = ("held",)
-
-    def __new__(cls, owner: Any, callback: Any, held: Any) -> "_HoldingRef":
-        return super().__new__(cls, owner, callback)
-
-    def __init__(self, owner: Any, callback: Any, held: Any) -> None:
-        super().__init__(owner, callback)
-        self.held = held
-
-
 class ArrayOwner(HandleLifetime):
     """The ``base`` of every pyshm array: one reference to a C storage, plus the array layout.
 
@@ -236,12 +211,10 @@ class ArrayOwner(HandleLifetime):
 
     def __init__(self, handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int,
                  readonly: bool, keep: Any = None, strides: Optional[tuple] = None,
-                 adopt: bool = False, data: Optional[int] = None, hold: Any = None):
+                 adopt: bool = False, data: Optional[int] = None):
         # The owner takes its own reference (adopt: the caller hands over one of its own
         # instead), last: if anything here raises, the caller still has its reference and
         # nothing is released twice. data: the storage's data pointer, when the caller knows it.
-        # hold: an object kept alive with the storage reference (not part of the memory, so not
-        # `keep`, which a Storage of the array gets: pyshm.reduction's range holders)
         self.handle = self._lifetime = None
         self.keep = keep
         self.token = None  # the last token it was sent with (pyshm.reduction)
@@ -251,7 +224,7 @@ class ArrayOwner(HandleLifetime):
             data = lib.lshm_storage_data(handle) or 0
         self.__array_interface__ = array_interface(shape, dtype, data + offset, readonly,
                                                    strides)
-        ref = weakref.ref(self, released) if hold is None else _HoldingRef(self, released, hold)
+        ref = weakref.ref(self, released)
         REFERENCES[ref] = handle if adopt else lib.lshm_storage_retain(handle)
         if tracking:
             note_new_owner(ref)
@@ -269,9 +242,6 @@ class ArrayOwner(HandleLifetime):
 
     def _release_with(self, release: Any, *args: Any) -> None:
         raise TypeError("an ArrayOwner gives back its storage reference only")
-
-    def _hold(self, obj: Any) -> None:
-        raise TypeError("an ArrayOwner holds what its constructor's `hold` says only")
 
 
 def handle_of(holder: Any) -> Optional[_ffi.StorageHandle]:
@@ -334,11 +304,11 @@ def nbytes_of(shape: tuple, dtype: np.dtype) -> int:
 
 
 def wrap(handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int = 0,
-          keep: Any = None, readonly: bool = False, hold: Any = None) -> np.ndarray:
-    """An array over C storage `handle` at byte `offset` (its owner takes its own reference,
-    and holds `hold`: see ArrayOwner); read-only if the storage is, or if `readonly`."""
+          keep: Any = None, readonly: bool = False) -> np.ndarray:
+    """An array over C storage `handle` at byte `offset` (its owner takes its own reference);
+    read-only if the storage is, or if `readonly`."""
     readonly = readonly or bool(lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY)
-    owner = ArrayOwner(handle, shape, dtype, offset, readonly, keep, hold=hold)
+    owner = ArrayOwner(handle, shape, dtype, offset, readonly, keep)
     array = np.asarray(owner)
     if array.dtype != dtype or dtype.metadata is not None:
         array = array.view(dtype)  # (structured dtypes, metadata: make the view exact)

@@ -34,9 +34,8 @@ mapping (same address for the same bytes); its own libshm storage (a view of the
 made only if something asks for it (``storage_of``, a Storage of it). Memory that comes back
 to the process it left is found by its byte range and is the very same storage (a ``Pool``
 result returning its argument unchanged is a new view of the original array, at the original
-address; an arena's tensor is that tensor; part of one, as a receiver's tensor or DLPack
-view of a slice sends it, is an array over the storage it lies in: _own_storage), and forked
-children inherit the parent's cache, so they need no fd at all. One round trip per message: the
+address; an arena's tensor is that tensor), and forked children inherit the parent's cache,
+so they need no fd at all. One round trip per message: the
 first fetch of a message also brings the fds of its other memfds.
 
 Implicit shares: an unshared array is shared in place when it is pickled on the caller's own
@@ -91,7 +90,6 @@ shrink and grow, so no receiver can truncate it under the others (that would be 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -537,19 +535,15 @@ def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple, nbyt
 
 def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
                  mapping: Optional[_Mapping]) -> tuple:
-    """_own_memory's find: the storage itself, a view of the memfd (read-only if `readonly`),
-    or a storage of ours of which the range is a part (a receiver sends back memory it found
-    by address: a DLPack view, a tensor or a Storage over part of what it got). Returns
-    (handle or None, facts or None); facts are (flags, data, nbytes) of the range itself, and
-    always given for a part: its data is then inside the storage's, not at its start."""
+    """_own_memory's find: the storage itself, or a view of the memfd (read-only if
+    `readonly`)."""
     # (ranges and the channel's holders only know memfds exported from here, which all have
     # secrets: a memfd received from elsewhere skips both)
     exported = key in _state.secrets
     ref = _state.ranges.get((key, size, offset, nbytes)) if exported else None
     holder = ref() if ref is not None else None
-    found = _handle_or_none(holder)
-    if found:
-        handle = lib.lshm_storage_retain(found)  # the very same storage
+    if holder is not None:
+        handle = lib.lshm_storage_retain(handle_of(holder))  # the very same storage
         token = getattr(holder, "token", None)
         if token is not None:
             # its flags, data and size, as its last export read them (none of them changes
@@ -558,47 +552,19 @@ def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool
             return handle, (flags, data, where[3])
         return handle, None
     holder = _channel.lookup(key) if exported else None
-    found = _handle_or_none(holder)
-    segment = lib.lshm_storage_segment(found) if found else None
-    if segment and lib.lshm_segment_size(segment) == size:
+    if holder is not None:
         # another storage of the same memfd (a tensor of a shared arena, a Storage.attach
         # view): a view of the same pages at the same address
-        return _new_view(segment, offset, nbytes, readonly), None
+        segment = lib.lshm_storage_segment(handle_of(holder))
+        if segment and lib.lshm_segment_size(segment) == size:
+            return _new_view(segment, offset, nbytes, readonly), None
     if size == SLAB_SIZE and (mapping is None or mapping.ours):
-        # a slab storage of ours, or part of one sent from here. Memory not exported from here
-        # (a forked child's, inherited) is only the very storage of that range: what the child
-        # sends on must name the range it was sent, which the parent may know as a storage of
-        # its own (Storage.attach views of one memfd)
-        out, start = _ffi.StorageHandle(), ctypes.c_uint64()
-        if _ffi.slab_find_holding_unchecked(key[0], key[1], offset, nbytes, byref(out),
-                                            byref(start)) == 0:
-            if exported or (start.value == offset and lib.lshm_storage_nbytes(out) == nbytes):
-                return _part_of(out, offset - start.value, nbytes)
-            lib.lshm_storage_release(out)
-    if found and not segment:
-        # memory shared in place (a memfd of its own): part of the holder's storage?
-        rc, info = _ffi.export(found)
-        _, at, dev, ino, file_size, _, _, _, held = info
-        if rc == 0 and (dev, ino) == key and file_size == size and (
-                at <= offset and offset + nbytes <= at + held):
-            return _part_of(lib.lshm_storage_retain(found), offset - at, nbytes)
+        # ours, sent back by a forked child that inherited it
+        out = _ffi.StorageHandle()
+        if _ffi.slab_find_unchecked(key[0], key[1], offset, nbytes, byref(out)) != 0:
+            return None, None  # not one of our slabs' (or no live storage there)
+        return out, None
     return None, None
-
-
-def _handle_or_none(holder: Any) -> Optional[_ffi.StorageHandle]:
-    """The C storage of a live holder, or None (no holder, an owner that gave its storage
-    back: an arena tensor freed; a closed Storage)."""
-    try:
-        return handle_of(holder) if holder is not None else None
-    except ValueError:
-        return None
-
-
-def _part_of(handle: _ffi.StorageHandle, delta: int, nbytes: int) -> tuple:
-    """(handle, facts) for the `nbytes` at byte `delta` of storage `handle` (see
-    _own_storage)."""
-    data = (lib.lshm_storage_data(handle) or 0) + delta
-    return handle, (lib.lshm_storage_flags(handle), data, nbytes)
 
 
 def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
@@ -843,6 +809,61 @@ def _own_array_back(token: Any, shape, dtype, strides, start, writeable
     return _exact_dtype(array.view(), dtype)
 
 
+def _own_part_back(fields: tuple, shape, dtype, strides, start, writeable
+                   ) -> Optional[np.ndarray]:
+    """For a checked token's fields (_check_token) naming part of a range we exported but not
+    that range itself: an array over the storage of ours that holds it, at its own address;
+    else None (the general path decides). A receiver makes such tokens for memory it found by
+    address (bytes_at: a tensor over part of an array it received, a DLPack view), whose
+    storage is that part alone. Without this, memory of a slab (or shared in place) that no
+    storage of ours views exactly would be fetched back from the receiver and mapped a second
+    time: the same bytes at another address, whose overlap with our arrays numpy cannot see.
+    Only for a token whose secret is ours for that memfd (vouched), as _own_array_back."""
+    key, address, size, offset, nbytes, readonly, secret, solo = fields
+    if solo is not None or key not in _state.secrets or (
+            _state.ranges.get((key, size, offset, nbytes)) is not None):
+        return None  # (not ours, or a range of ours: the general path finds its storage)
+    if not _fits(nbytes, shape, dtype, strides, start):
+        return None
+    with _state.lock:
+        level = _channel.vouched(key, address, secret)
+        if not level:
+            return None
+        handle = None
+        for (k, s, o, n), ref in list(_state.ranges.items()):
+            holder = ref() if k == key and s == size and o <= offset and (
+                offset + nbytes <= o + n) else None
+            try:
+                found = handle_of(holder) if holder is not None else None
+            except ValueError:  # (a closed Storage)
+                found = None
+            if found:
+                handle = lib.lshm_storage_retain(found)
+                delta = offset - o
+                break
+        if handle is None:
+            return None
+    try:
+        flags, data = lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0
+        readonly = (readonly or level == _channel.READ_ONLY
+                    or bool(flags & _ffi.STORAGE_READONLY))
+        owner = ArrayOwner(handle, shape, dtype, delta + start, readonly, strides=strides,
+                           adopt=True, data=data)
+    except (TypeError, ValueError):  # (a dtype the interface cannot describe: the general
+        lib.lshm_storage_release(handle)  # path makes it through a flat view)
+        return None
+    except BaseException:
+        lib.lshm_storage_release(handle)
+        raise
+    try:
+        array = _exact_dtype(np.asarray(owner), dtype)
+    except (TypeError, ValueError, OverflowError):
+        return None  # (the general path says why)
+    if array is not None and not writeable and array.flags.writeable:
+        array.flags.writeable = False
+    return array
+
+
 def _mapped_array(fields: tuple, shape, dtype, strides, start, writeable
                   ) -> Optional[np.ndarray]:
     """For a checked token's fields (_check_token): an array of a memfd received and mapped
@@ -885,17 +906,33 @@ def _exact_dtype(array: np.ndarray, dtype: np.dtype) -> Optional[np.ndarray]:
     return array.view(dtype) if dtype.metadata is not None else array
 
 
-def _range_holder(fields: tuple) -> Any:
-    """The holder the range a token's checked `fields` name is registered to (the array it was
-    sent as, or the message that carries it until it is delivered), or None. Each array or
-    Storage of our own memory made from a token of that range holds it (ArrayOwner's `hold`,
-    Storage._hold): while one lives, its memory stays fetchable with the token's secret, and a
-    token of it is found here (_own_storage), as pyshm.ref promises: the holder alone went
-    with the message, and a pickle unpickled again here (Ray does it at every ray.get in the
-    driver), or in another process, then got DeliveryError while an array of it lived."""
+# The holder a range of our memory is registered to (the array it was sent as, or the message
+# that carries it until it is delivered), for each array or Storage of ours made from a token
+# of that range: while one lives, its memory stays fetchable with the token's secret, and a
+# token of it is found here (_own_storage), as pyshm.ref promises: the holder alone went with
+# the message, and a pickle unpickled again here (Ray does it at every ray.get in the
+# driver), or in another process, then got DeliveryError while an array of it lived.
+# id of each such owner or Storage -> (a weak reference to it, the holder): by identity, as
+# two Storage handles on one storage compare equal.
+_RANGE_HOLDERS: dict = {}
+
+
+def _keep_range_holder(made: Any, fields: tuple) -> None:
+    """Let `made` (a new owner or Storage of our own memory, from a token's checked `fields`)
+    keep the holder that range is registered to alive."""
     key, _, size, offset, nbytes = fields[:5]
     ref = _state.ranges.get((key, size, offset, nbytes))
-    return ref() if ref is not None else None
+    holder = ref() if ref is not None else None
+    if holder is not None and holder is not made:
+        made_id = id(made)
+        _RANGE_HOLDERS[made_id] = (
+            weakref.ref(made, lambda ref: _range_holder_released(made_id, ref)), holder)
+
+
+def _range_holder_released(made_id: int, ref: "weakref.ref") -> None:
+    entry = _RANGE_HOLDERS.get(made_id)
+    if entry is not None and entry[0] is ref:  # (not a later object's of the same id)
+        del _RANGE_HOLDERS[made_id]
 
 
 def rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:
@@ -943,6 +980,8 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         return array
     fields = _check_token(token)
     array = _mapped_array(fields, shape, dtype, strides, start, writeable)
+    if array is None:
+        array = _own_part_back(fields, shape, dtype, strides, start, writeable)
     if array is not None:
         return array
     mapping, handle, facts = _resolve(batch, fields)
@@ -958,18 +997,19 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
                 f"pyshm: an array of shape {shape!r} and strides {strides!r} at byte "
                 f"{start!r} does not fit its {nbytes} bytes of shared memory")
         owner = None
-        hold = _range_holder(fields) if mapping is None else None  # (memory of ours)
         # the array itself over the storage, in one step (the owner adopts our reference)
         try:
             owner = ArrayOwner(handle, shape, dtype, start,
                                bool(flags & _ffi.STORAGE_READONLY), keep=mapping,
-                               strides=strides, adopt=True, data=data, hold=hold)
+                               strides=strides, adopt=True, data=data)
         except (TypeError, ValueError):
             pass  # a dtype the interface cannot describe (dtype.descr refuses it): below
         if owner is not None:
             handle = None
             if mapping is not None:
                 owner.facts = facts  # (for sending it on: see _export)
+            else:
+                _keep_range_holder(owner, fields)
             try:
                 array = np.asarray(owner)
             except (TypeError, ValueError, OverflowError) as exc:
@@ -979,12 +1019,14 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
                 if not writeable and exact.flags.writeable:
                     exact.flags.writeable = False
                 return exact
-        # a dtype the interface could not say exactly (or not at all): through a flat view of
-        # the range's bytes, at `data` (a range of ours may be part of the storage found)
-        base = owner.handle if owner is not None else handle
-        flat = wrap(base, (nbytes,), np.dtype(np.uint8),
-                    data - (lib.lshm_storage_data(base) or 0), keep=mapping,
-                    readonly=bool(flags & _ffi.STORAGE_READONLY), hold=hold)
+            # a dtype the interface could not say exactly: through a flat view, as below
+            flat = wrap(owner.handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping,
+                        readonly=bool(flags & _ffi.STORAGE_READONLY))
+        else:
+            flat = wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping,
+                        readonly=bool(flags & _ffi.STORAGE_READONLY))
+        if mapping is None:
+            _keep_range_holder(flat.base, fields)  # (the owner the array is made over)
     finally:
         if handle is not None:
             lib.lshm_storage_release(handle)
@@ -1002,14 +1044,6 @@ def _rebuild_storage(batch, token) -> Storage:
         _check_reachable(token)
         fields = _check_token(token)
         mapping, handle, facts = _resolve(batch, fields)
-        if facts is not None and (facts[1] != (lib.lshm_storage_data(handle) or 0)
-                                  or facts[2] != lib.lshm_storage_nbytes(handle)):
-            lib.lshm_storage_release(handle)
-            raise pickle.UnpicklingError(
-                f"pyshm: this pickle names part of a storage of this process ({facts[2]} "
-                "bytes inside it), which no storage here views alone: a Storage of just those "
-                "bytes cannot be made at their own address. Send an array of them instead "
-                "(storage.asarray()), which is that memory")
         if facts is not None and facts[0] & _ffi.STORAGE_READONLY and not (
                 lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY):
             # (memory of ours, writable here, named read-only: a Storage of it would be
@@ -1025,9 +1059,8 @@ def _rebuild_storage(batch, token) -> Storage:
             raise
         return stand_in
     storage = Storage.from_handle(handle, keep=mapping)
-    holder = _range_holder(fields) if mapping is None else None
-    if holder is not None:
-        storage._hold(holder)  # (see _range_holder)
+    if mapping is None:
+        _keep_range_holder(storage, fields)
     return storage
 
 

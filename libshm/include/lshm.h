@@ -165,15 +165,6 @@ LSHM_API int lshm_slab_stats(lshm_slab_counters *out);
  * Errors: -EINVAL (NULL out), -ENOENT (no such storage, or offset not page-aligned). */
 LSHM_API int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
                             lshm_storage **out);
-/* lshm_slab_find for a range that may be part of a storage: the live storage of this process
- * shared into that slab memfd whose bytes hold [offset, offset + nbytes) (any offset), and in
- * *start the memfd offset of its first byte, so that the range is at
- * lshm_storage_data(*out) + (offset - *start). How part of a storage that comes back from
- * another process (a view a receiver made of part of what it got) is recognised as that
- * memory. *out gets a new reference. O(pages of all slabs) at worst; thread-safe.
- * Errors: -EINVAL (NULL out or start), -ENOENT (no such storage; *out and *start unchanged). */
-LSHM_API int lshm_slab_find_holding(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
-                                    lshm_storage **out, uint64_t *start);
 /* 1 if the memfd identified by (dev, ino) is a slab memfd of this process (a slab's current
  * one, or one a live storage was shared into), else 0. While the memfd stays open anywhere in
  * this process, the answer 0 stays true: new slab memfds are new files. So a receiver that maps

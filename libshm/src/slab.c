@@ -431,48 +431,6 @@ int lshm_slab_find(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
     return 0;
 }
 
-int lshm_slab_find_holding(uint64_t dev, uint64_t ino, uint64_t offset, size_t nbytes,
-                           lshm_storage **out, uint64_t *start) {
-    if (out == NULL || start == NULL)
-        return LSHM_FAIL(-EINVAL, "NULL out pointer");
-    size_t page = lshm__os_page_size();
-    lshm_storage *found = NULL;
-    uint64_t first = 0;
-    pthread_mutex_lock(&slabs_lock);
-    if (offset < LSHM__SLAB_BYTES && nbytes <= LSHM__SLAB_BYTES - offset) {
-        for (lshm__slab *slab = slabs; slab != NULL && found == NULL; slab = slab->next) {
-            /* Storages never overlap: only the last one that starts at or before `offset`
-             * can hold the range. */
-            size_t i = (size_t)(offset / page) + 1;
-            while (i > 0 && slab->owner[i - 1] == NULL)
-                i--;
-            if (i == 0)
-                continue;
-            lshm_storage *s = slab->owner[i - 1];
-            lshm__slab_memfd *m = s->slab_memfd;
-            uint64_t at = (uint64_t)(i - 1) * page;
-            if (m == NULL || m->dev != dev || m->ino != ino ||
-                offset + nbytes > at + lshm_storage_nbytes(s))
-                continue;
-            /* (alive only: as in lshm_slab_find) */
-            size_t refs = atomic_load_explicit(&s->refcount, memory_order_relaxed);
-            while (refs > 0 && !atomic_compare_exchange_weak(&s->refcount, &refs, refs + 1)) {
-            }
-            if (refs > 0) {
-                found = s;
-                first = at;
-            }
-        }
-    }
-    pthread_mutex_unlock(&slabs_lock);
-    if (found == NULL)
-        return LSHM_FAIL(-ENOENT, "no storage of this process holds %zu bytes at offset %llu "
-                         "of that memfd", nbytes, (unsigned long long)offset);
-    *out = found;
-    *start = first;
-    return 0;
-}
-
 int lshm__slab_identity(const lshm_storage *s, uint64_t *dev, uint64_t *ino) {
     const lshm__slab_memfd *m = s->slab_memfd; /* set once by the share, before SHARED */
     if (m == NULL)

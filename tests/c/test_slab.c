@@ -334,45 +334,6 @@ static void test_find_and_knows(void) {
     ASSERT_EQ(lshm_slab_find(dev, ino, off_a, page, &found), -ENOENT); /* released */
 }
 
-/* lshm_slab_find_holding gives back the storage whose bytes hold a range of a slab memfd, at
- * any offset inside it, with that storage's first byte; never a neighbour's, a released one's,
- * a range that runs past a storage's end, nor anything of another memfd. */
-static void test_find_holding(void) {
-    lshm_storage *a, *b, *found = NULL;
-    ASSERT_OK(lshm_storage_create(page + 100, NULL, 0, &a));
-    ASSERT_OK(lshm_storage_create(2 * page, NULL, 0, &b));
-    ASSERT_OK(lshm_storage_share(a));
-    ASSERT_OK(lshm_storage_share(b));
-    uint64_t off_a, off_b, dev, ino, start = 7;
-    int fd = fd_and_offset(a, &off_a);
-    ASSERT_EQ(fd_and_offset(b, &off_b), fd);
-    identity_of(fd, &dev, &ino);
-    ASSERT_OK(lshm_slab_find_holding(dev, ino, off_a, page + 100, &found, &start));
-    ASSERT(found == a && start == off_a); /* the whole of it */
-    lshm_storage_release(found);
-    ASSERT_OK(lshm_slab_find_holding(dev, ino, off_a + page + 12, 88, &found, &start));
-    ASSERT(found == a && start == off_a); /* its last bytes, on its second page, unaligned */
-    ASSERT_EQ(lshm_storage_refcount(a), 2); /* a new reference */
-    lshm_storage_release(found);
-    ASSERT_OK(lshm_slab_find_holding(dev, ino, off_b + page + 1, 3, &found, &start));
-    ASSERT(found == b && start == off_b);
-    lshm_storage_release(found);
-    found = NULL;
-    start = 7; /* (a failed find leaves *out and *start alone) */
-    ASSERT_EQ(lshm_slab_find_holding(dev, ino, off_a + page + 12, 89, &found, &start), -ENOENT);
-    ASSERT_EQ(lshm_slab_find_holding(dev, ino, off_b + page, page + 1, &found, &start), -ENOENT);
-    ASSERT_EQ(lshm_slab_find_holding(dev, ino, LSHM_SLAB_BYTES, 0, &found, &start), -ENOENT);
-    ASSERT_EQ(lshm_slab_find_holding(dev, ino, off_a, UINT64_MAX, &found, &start), -ENOENT);
-    ASSERT_EQ(lshm_slab_find_holding(dev, ino + 1, off_a, 1, &found, &start), -ENOENT);
-    ASSERT_EQ(lshm_slab_find_holding(dev, ino, off_a, 1, NULL, &start), -EINVAL);
-    ASSERT_EQ(lshm_slab_find_holding(dev, ino, off_a, 1, &found, NULL), -EINVAL);
-    ASSERT(found == NULL && start == 7);
-    lshm_storage_release(a);
-    ASSERT_EQ(lshm_slab_find_holding(dev, ino, off_a + 5, 1, &found, &start), -ENOENT);
-    lshm_storage_release(b);
-    ASSERT_EQ(lshm_slab_find_holding(dev, ino, off_b + 5, 1, &found, &start), -ENOENT);
-}
-
 /* Every fault point of a slab share leaves the storage as it was, no fd behind, and its bytes
  * nowhere in the memfd. */
 static void test_fault_atomicity(void) {
@@ -470,7 +431,6 @@ int main(void) {
     RUN_TEST(test_fault_atomicity);
     RUN_TEST(test_readonly);
     RUN_TEST(test_find_and_knows);
-    RUN_TEST(test_find_holding);
     lshm_slab_counters counters;
     ASSERT_OK(lshm_slab_stats(&counters));
     ASSERT_EQ(counters.slabs, 1); /* only the current slab is kept when empty */
