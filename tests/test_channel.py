@@ -333,7 +333,7 @@ def _json_of_a_root_script(script: str):
 
 PICKLES_WHILE_ANOTHER_THREAD_SWITCHES_USER = textwrap.dedent(
     """
-    import json, multiprocessing as mp, os, pickle, sys, threading
+    import json, multiprocessing as mp, os, pickle, sys, threading, time
     import numpy as np, pyshm
     from multiprocessing.reduction import ForkingPickler
     from pyshm import _channel
@@ -377,6 +377,7 @@ PICKLES_WHILE_ANOTHER_THREAD_SWITCHES_USER = textwrap.dedent(
         # for two, by the first one's note, made before the second began)
         after = os.geteuid() if len(switches) == switched else -1
         sent.append((before, after, blob, array, i))
+        time.sleep(0.0002)  # (the switcher's turn: else it gets the GIL once per 5 ms)
     stop.set()
     switcher.join()
     os.seteuid(0)
