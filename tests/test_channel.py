@@ -1324,11 +1324,13 @@ BUSY_SENDER = BUSY_THREAD + textwrap.dedent(
 
 
 @contextlib.contextmanager
-def _messages_of(script):
+def _messages_of(script, pids=None):
     """The pickled arrays a sender script prints; it serves them until the block ends, and
-    must then exit 0 (killed on any failure)."""
+    must then exit 0 (killed on any failure). Its pid goes to pids, if given."""
     sender = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, env=_env())
+    if pids is not None:
+        pids.append(sender.pid)
     try:
         yield pickle.loads(sender.stdout.read())
         sender.stdin.close()
@@ -1399,14 +1401,28 @@ def test_a_fetch_waits_for_a_quick_reply_with_the_gil_held(monkeypatch, held_ms)
     # for a loaded machine), and lets it go only after that: an idle sender answers in about
     # 0.3 ms, and a receiver beside a thread running Python then pays no switch interval
     # (measured: 0.5 ms a fetch against 6, 5 ms interval). Seen here as no wait with the GIL
-    # released (_held.wait) at all; with 0, one
+    # released (_held.wait) at all; with 0, one. The sender is stopped until 0.2 s after the
+    # request went, so that its reply is never there at the first look (CI once saw the
+    # reply come first, and no wait with 0)
     assert "\nstart_busy()" not in IDLE_SENDER  # (no busy thread there)
     monkeypatch.setattr(_channel, "_HELD_WAIT_MS", held_ms, raising=False)
-    waits = []
-    wait = _channel._held.wait
+    waits, pids, woken = [], [], []
+    wait, send = _channel._held.wait, _channel._held.send
+
+    def send_then_wake(*args):
+        send(*args)
+        if not woken:  # (a shell, as this thread may hold the GIL for the whole delay)
+            woken.append(subprocess.Popen(["sh", "-c", f"sleep 0.2; kill -CONT {pids[0]}"]))
+
     monkeypatch.setattr(_channel._held, "wait", lambda *args: waits.append(args) or wait(*args))
-    with _messages_of(IDLE_SENDER) as messages:
-        a = ForkingPickler.loads(messages[0])
+    monkeypatch.setattr(_channel._held, "send", send_then_wake)
+    with _messages_of(IDLE_SENDER, pids) as messages:
+        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            a = ForkingPickler.loads(messages[0])
+        finally:
+            os.kill(pids[0], signal.SIGCONT)
+        assert woken and woken[0].wait(timeout=10) == 0
         assert int(a[0]) == 1 and pyshm.is_shared(a)
         assert len(waits) == (1 if held_ms == 0 else 0)
         del a
