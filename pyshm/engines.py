@@ -60,9 +60,11 @@ What each hook does, and the engine's extension point it uses:
 
 from __future__ import annotations
 
+import errno
 import importlib.abc
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -567,32 +569,38 @@ def _proc_net_address(host: str) -> tuple:
     return words, "0" * 32
 
 
-# how long a peer's uids are remembered (one read of the tables: 7 ms on a 2-CPU VM with
-# almost no sockets open, tools/bench_binding.py peers)
+# how long a peer's uids are remembered (one sock_diag query: about 40 us; one read of
+# /proc/net/tcp{,6}, where netlink is refused: 7 ms on a 2-CPU VM with almost no sockets
+# open, as the kernel walks its whole hash tables; tools/bench_binding.py peers)
 _PEER_SECONDS = 1.0
 _peers: dict = {}  # (host, port) -> (monotonic time read, uids)
 
 
-def _peer_uids(host: str, port: int) -> set:
-    """The uids owning the TCP sockets of this network namespace at (host, port), listening
-    or connected: the process a message to that address reaches (empty if none is found).
-    Remembered for _PEER_SECONDS."""
+def _peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
+    """The uids owning the TCP sockets of this network namespace at (host, port): the
+    process a message to that address reaches (empty if none is found). `via`: (host, port)
+    of our end of the connection to it, if known: then the peer's socket of that very
+    connection (an accepted connection, or a client's, which listens nowhere), else one
+    listening there. Remembered for _PEER_SECONDS."""
     now = time.monotonic()
-    known = _peers.get((host, port))
+    known = _peers.get((host, port, via))
     if known is not None and now - known[0] < _PEER_SECONDS:
         return known[1]
     if len(_peers) > 4096:
         _peers.clear()
-    uids = _read_peer_uids(host, port)
-    _peers[host, port] = (now, uids)
+    uids = _read_peer_uids(host, port, via)
+    _peers[host, port, via] = (now, uids)
     return uids
 
 
-def _read_peer_uids(host: str, port: int) -> set:
+def _read_peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
     try:
         wanted = _proc_net_address(host)
     except ValueError:
         return set()
+    uids = _diag_uids(host, port, via)
+    if uids is not None:
+        return uids
     suffix = f":{port:04X}"
     uids = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -610,12 +618,89 @@ def _read_peer_uids(host: str, port: int) -> set:
     return uids
 
 
+_NETLINK_SOCK_DIAG = 4  # (linux/netlink.h)
+_SOCK_DIAG_BY_FAMILY = 20  # (linux/sock_diag.h: a request, and each socket of the answer)
+_NLMSG_ERROR = 2
+_NO_COOKIE = 0xFFFFFFFF  # (INET_DIAG_NOCOOKIE: any socket at that address)
+
+
+def _diag_queries(host: str, via: Optional[tuple]) -> list:
+    """(family, the socket's address, its peer's) of each lookup _diag_uids makes: an IPv4
+    address also as IPv4-mapped IPv6 (sockets of both stacks); the peer's address zero
+    (a listener) without `via`."""
+    import ipaddress
+
+    address = ipaddress.ip_address(host.strip("[]"))
+    peer = ipaddress.ip_address(via[0].strip("[]")) if via is not None else None
+    if peer is not None and peer.version != address.version:
+        raise ValueError("one connection, two IP versions")
+    if address.version == 6:
+        return [(socket.AF_INET6, address.packed, peer.packed if peer else bytes(16))]
+
+    def mapped(ip):
+        return ipaddress.IPv6Address(f"::ffff:{ip}").packed
+    return [(socket.AF_INET, address.packed + bytes(12),
+             peer.packed + bytes(12) if peer else bytes(16)),
+            (socket.AF_INET6, mapped(address), mapped(peer) if peer else bytes(16))]
+
+
+def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[set]:
+    """_read_peer_uids through the kernel's own socket lookup (sock_diag, as ``ss`` asks it;
+    no privilege needed): the uid of the socket at (host, port) whose peer is `via` (our
+    end of a connection to it), or without `via` of the listener a new connection there
+    reaches (bound to that address or to every address); an empty set if there is none;
+    None if netlink cannot say (refused here: the caller reads /proc/net/tcp instead)."""
+    import struct
+
+    try:
+        queries = _diag_queries(host, via)
+        peer_port = int(via[1]) if via is not None else 0
+        ports = struct.pack("!HH", port, peer_port)
+    except (ValueError, TypeError, struct.error):
+        return set()
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC,
+                             _NETLINK_SOCK_DIAG)
+    except (OSError, AttributeError):
+        return None
+    try:
+        sock.settimeout(1.0)  # (the kernel answers at once; never wait on a broken one)
+        for sequence, (family, source, peer) in enumerate(queries, 1):
+            # inet_diag_req_v2: family, protocol, extensions, states (any), then the
+            # socket's id: its port, its peer's, their addresses, any interface, no cookie
+            request = (struct.pack("=BBxxI", family, socket.IPPROTO_TCP, 0xFFFFFFFF) + ports
+                       + source + peer + struct.pack("=III", 0, _NO_COOKIE, _NO_COOKIE))
+            sock.send(struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, 1,
+                                  sequence, 0) + request)
+            reply = sock.recv(65536)
+            if len(reply) < 20:
+                return None
+            kind, = struct.unpack_from("=H", reply, 4)
+            if kind == _NLMSG_ERROR:
+                error = -struct.unpack_from("=i", reply, 16)[0]
+                if error == errno.ENOENT:
+                    continue  # (no such socket: the next family, or none)
+                return None
+            # inet_diag_msg: 4 bytes, the socket's id (48), expires, queues, then its uid
+            if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < 16 + 68:
+                return None
+            return {struct.unpack_from("=I", reply, 16 + 64)[0]}
+        return set()
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
 def _recipient_here(context: Any) -> bool:
     """Whether a distributed message goes straight to a process of this user on this machine
     (not through a scheduler, see _schedulers): only then is a reference of any use (a
     process of another user would be refused the memory, and a worker that cannot unpickle a
     message stops). No recipient (spilling to disk, a cache) means no."""
     recipient = context.get("recipient") if isinstance(context, dict) else None
+    # (our end of that connection, where distributed gives it: the comm's local address)
+    sender = context.get("sender") if isinstance(context, dict) else None
+    via = _host_and_port(sender.get("address")) if isinstance(sender, dict) else None
     if isinstance(recipient, dict):  # (distributed gives the comm's peer info)
         # The peer's handshake names the pickle protocol it takes. A reference is a pickle of
         # protocol 5 (its secrets are out-of-band buffers), and a scheduler asks for 4 on
@@ -638,17 +723,23 @@ def _recipient_here(context: Any) -> bool:
                 recipient.get(_MACHINE_KEY) != _machine(_channel.own_netns()):
             return False
         recipient = recipient.get("address")
-    if not isinstance(recipient, str) or "://" not in recipient:
-        return False
-    scheme, _, rest = recipient.partition("://")
-    if scheme == "inproc":
-        return False  # (the same process: distributed passes objects as they are)
-    host, _, port = rest.rpartition(":")
-    if scheme not in ("tcp", "tls", "ws", "wss") or not port.isdigit() or \
-            not _local_host(host) or recipient in _schedulers():
-        return False
+    peer = _host_and_port(recipient)
+    if peer is None or not _local_host(peer[0]) or recipient in _schedulers():
+        return False  # (inproc: the same process, distributed passes objects as they are)
     # (the socket's owner: a worker of another user on this machine gets the bytes)
-    return _peer_uids(host, int(port)) == {os.geteuid()}
+    return _peer_uids(*peer, via) == {os.geteuid()}
+
+
+def _host_and_port(address: Any) -> Optional[tuple]:
+    """(host, port) of a distributed address over TCP ("tcp://127.0.0.1:8786"; tls, ws and
+    wss too), else None."""
+    if not isinstance(address, str) or "://" not in address:
+        return None
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme not in ("tcp", "tls", "ws", "wss") or not port.isdigit() or not host:
+        return None
+    return host, int(port)
 
 
 # The handshake key by which a process of distributed says it loads pyshm references, and the

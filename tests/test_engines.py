@@ -1449,9 +1449,10 @@ def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable(tmp_p
         assert shared and total == 5.0 * (1 << 18)
 
 
-def listening_as(uid: int):
-    """(port, child pid) of a socket listening on 127.0.0.1 in a forked child that became
-    `uid`: a process of another user on this machine (the child waits to be killed)."""
+def socket_as(uid: int, connect_to: int = 0):
+    """(port, child pid) of a TCP socket on 127.0.0.1 in a forked child that became `uid`: a
+    process of another user on this machine (the child waits to be killed). A listener;
+    or, given `connect_to`, the local port of its connection to 127.0.0.1:`connect_to`."""
     import socket
 
     read_end, write_end = os.pipe()
@@ -1462,10 +1463,13 @@ def listening_as(uid: int):
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-            server = socket.socket()
-            server.bind(("127.0.0.1", 0))
-            server.listen()
-            os.write(write_end, str(server.getsockname()[1]).encode())
+            if connect_to:
+                sock = socket.create_connection(("127.0.0.1", connect_to))
+            else:
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", 0))
+                sock.listen()
+            os.write(write_end, str(sock.getsockname()[1]).encode())
             time.sleep(120)
         finally:
             os._exit(0)
@@ -1511,7 +1515,7 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
              (None, False)]  # (spilling to disk: no recipient)
     other = None
     if os.geteuid() == 0:  # a worker of another user here: it would be refused the memory
-        other = listening_as(65534)
+        other = socket_as(65534)
         cases.append((to(f"tcp://127.0.0.1:{other[0]}", **facts), False))
     try:
         check_dask_serialize(array, here, cases)
@@ -1520,6 +1524,90 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
         if other is not None:
             os.kill(other[1], 9)
             os.waitpid(other[1], 0)
+
+
+def test_dask_the_owner_of_a_peers_socket_is_asked_of_the_kernel_not_read_from_proc(
+        monkeypatch, no_fd_leak):
+    # Whether a Dask peer is a process of this user (a reference is of no use to another
+    # user's) was a read of /proc/net/tcp and tcp6: 7 ms here, once a second per peer on each
+    # side, as the kernel walks its whole socket tables. It is now one sock_diag lookup of
+    # the peer's socket of that very connection (distributed gives both ends), about 40 us,
+    # with the answers those tables gave, which stay for where netlink is refused
+    import socket
+
+    def proc_tables(host, port):
+        with monkeypatch.context() as patched:
+            patched.setattr(engines, "_diag_uids", lambda *args: None)
+            return engines._read_peer_uids(host, port)
+
+    sockets = []
+
+    def listener(family, host, v6only=False):
+        sock = socket.socket(family)
+        sockets.append(sock)
+        if v6only:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, 0))
+        sock.listen()
+        return sock.getsockname()[1]
+
+    def connection(port):
+        """(our client's (host, port), the accepted end's (host, port))"""
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted = sockets[0].accept()[0]
+        sockets.extend([client, accepted])
+        return client.getsockname()[:2], accepted.getsockname()[:2]
+
+    children = []
+    try:
+        ours = listener(socket.AF_INET, "127.0.0.1")
+        everywhere = listener(socket.AF_INET, "0.0.0.0")
+        both = listener(socket.AF_INET6, "::")
+        v6 = listener(socket.AF_INET6, "::1", v6only=True)
+        client_end, accepted_end = connection(ours)
+        me, nobody = {os.geteuid()}, set()
+        cases = [("127.0.0.1", ours, None, me), ("127.0.0.2", ours, None, nobody),
+                 ("::1", ours, None, nobody), ("127.0.0.1", everywhere, None, me),
+                 ("127.0.0.1", both, None, me), ("::1", both, None, me),
+                 ("[::1]", v6, None, me), ("127.0.0.1", v6, None, nobody),
+                 ("127.0.0.1", 1, None, nobody), ("node7.example", ours, None, nobody),
+                 # a connection's peer: a listener's accepted end, a client (no listener)
+                 ("127.0.0.1", ours, client_end, me), (*client_end, accepted_end, me),
+                 (*client_end, ("127.0.0.1", 1), nobody)]  # (no such connection)
+        if os.geteuid() == 0:  # a process of another user: listening, and connected to us
+            other_port, pid = socket_as(65534)
+            children.append(pid)
+            towards_other = socket.create_connection(("127.0.0.1", other_port))
+            sockets.append(towards_other)
+            other_client, pid = socket_as(65534, connect_to=ours)
+            children.append(pid)
+            cases += [("127.0.0.1", other_port, None, {65534}),
+                      ("127.0.0.1", other_port, towards_other.getsockname()[:2], {65534}),
+                      ("127.0.0.1", other_client, ("127.0.0.1", ours), {65534})]
+        for host, port, via, uids in cases:
+            assert engines._read_peer_uids(host, port, via) == uids, (host, port, via)
+            if host[0].isdigit() or host[0] in ":[":
+                assert engines._diag_uids(host, port, via) == uids, (host, port, via)
+            if via is None or via[1] != 1:  # (the tables know no connections)
+                assert proc_tables(host, port) == uids, (host, port, via)
+        # where netlink is refused (a seccomp filter, an old sandbox): the tables, as before
+        real_socket = socket.socket
+
+        def no_netlink(family=-1, *args, **kwargs):
+            if family == socket.AF_NETLINK:
+                raise PermissionError(1, "Operation not permitted")
+            return real_socket(family, *args, **kwargs)
+
+        monkeypatch.setattr(socket, "socket", no_netlink)
+        assert engines._diag_uids("127.0.0.1", ours) is None
+        assert engines._read_peer_uids("127.0.0.1", ours, client_end) == me
+        monkeypatch.undo()  # (and no_fd_leak: no netlink socket left open)
+    finally:
+        for sock in sockets:
+            sock.close()
+        for pid in children:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
 
 
 LOAD_WITHOUT_PYSHM = """
