@@ -134,11 +134,14 @@ if __name__ == "__main__":
         again = pool.apply(make, (100,))  # the pool goes on
         assert (kept[1][0] == 5).all() and (again[0] == 5).all()
         pids = [p.pid for p in mp.active_children()]
+    if sys.argv[1] == "forkserver":
+        from multiprocessing import forkserver
+        pids.append(forkserver._forkserver._forkserver_pid)  # (it goes with this process)
     print(json.dumps(pids), flush=True)
 """
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_arrays_from_pool_workers_alive_at_exit(tmp_path, method):
     done = _run(tmp_path / "pool.py", _POOL, method, flags=("-X", "dev"))
     assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
