@@ -162,19 +162,23 @@ def note_new_owner(ref: "weakref.ref") -> None:
         NEW_OWNERS.clear()
 
 
-def released(ref: "weakref.ref") -> None:
-    handle = REFERENCES.pop(ref, None)
+# The two weak reference callbacks below may run while the interpreter exits, after CPython
+# has wiped this module's globals (set them all to None: it does so to modules still alive
+# then, before it frees what other modules hold). What they need is bound as default
+# arguments, as the stdlib's WeakValueDictionary does, so they never raise then.
+
+
+def released(ref: "weakref.ref", _references: dict = REFERENCES,
+             _release: Any = lib.lshm_storage_release) -> None:
+    handle = _references.pop(ref, None)
     if handle:
-        _c_release(handle)
+        _release(handle)
 
 
-def _lifetime_ended(ref: Optional[weakref.ref]) -> None:
-    entry = LIFETIMES.pop(id(ref), None)
+def _lifetime_ended(ref: Optional[weakref.ref], _lifetimes: dict = LIFETIMES) -> None:
+    entry = _lifetimes.pop(id(ref), None)
     if entry is not None and _exiting is False:  # (None too once the module is being wiped)
         entry[1](*entry[2])
-
-
-_c_release = lib.lshm_storage_release  # (bound here: still callable while shutting down)
 
 
 def array_interface(shape: tuple, dtype: np.dtype, address: int, readonly: bool,

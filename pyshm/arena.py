@@ -362,9 +362,16 @@ class Arena(HandleLifetime):
         dtype = array_dtype(dtype)
         dims = normalize_shape(shape)
         out = _ffi.StorageHandle()
-        lib.lshm_arena_alloc(self._as_parameter_, nbytes_of(dims, dtype), ctypes.byref(out))
+        try:
+            lib.lshm_arena_alloc(self._as_parameter_, nbytes_of(dims, dtype), ctypes.byref(out))
+        finally:
+            # In _live whatever comes after the C call, a KeyboardInterrupt too (a signal
+            # handler raises it when that call returns): a storage the arena allocated and
+            # _live lost made every later end_iteration refuse (EBUSY, "not freed"). Dropped
+            # before it is wrapped, it is freed by the next end_iteration (_free_dropped).
+            if out:
+                self._live[ctypes.addressof(out.contents)] = out
         self._allocs += 1
-        self._live[_ffi.address(out)] = out
         return self._wrap(out, dims, dtype)
 
     @_locked

@@ -1113,15 +1113,16 @@ def reduce_ndarray(array: np.ndarray):
 
 
 def _reduce_storage(storage: Storage):
-    pinned = [False]
+    pin = object()
     try:
-        handle = storage._pin(pinned)  # (a close() on another thread waits for the retain below)
+        handle = storage._pin(pin)  # (a close() on another thread waits for the retain below)
         if lib.lshm_storage_nbytes(handle) == 0:
             return reduce_storage_by_value(storage, 4)
         mapping = storage.keep if isinstance(storage.keep, _Mapping) else None
         holder = Storage.from_handle(lib.lshm_storage_retain(handle), keep=storage.keep)
     finally:
-        storage._unpin(pinned)
+        storage._pins.discard(pin)  # (see Storage._pin)
+        storage._unpinned()
     return _rebuild_storage, (_channel.mark(), _export(holder, mapping))
 
 

@@ -61,8 +61,9 @@ class Storage(HandleLifetime):
     """
 
     # _keep: what the memory depends on (a mapping received from another process), or None
-    # _pins: calls in flight on _handle (see _pin): close() leaves the release to the last;
-    # _pin_epoch: the _PIN_EPOCH they were counted in; _resizing: one of them is resize_
+    # _pins: the pins of the calls in flight on _handle (a set, see _pin): close() leaves the
+    # release to the last; _pin_epoch: the _PIN_EPOCH they were taken in; _resizing: the pin of
+    # the last resize_ (one is in flight while it is in _pins), or None
     __slots__ = ("_handle", "_key", "_keep", "_pins", "_pin_epoch", "_resizing")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
@@ -71,9 +72,9 @@ class Storage(HandleLifetime):
     def _adopt(self, handle: _ffi.StorageHandle) -> None:
         self._handle = handle
         self._keep = None
-        self._pins = 0
+        self._pins = set()
         self._pin_epoch = _PIN_EPOCH
-        self._resizing = False
+        self._resizing = None
         self._key = _ffi.address(handle)  # the identity, kept after close for a stable hash
         self._release_with(_release, handle)
 
@@ -126,19 +127,27 @@ class Storage(HandleLifetime):
             raise ValueError("operation on a closed pyshm.Storage")
         return handle
 
-    def _pin(self, pinned: Optional[list] = None, resizing: bool = False) -> _ffi.StorageHandle:
+    def _pin(self, pin: object, resizing: bool = False) -> _ffi.StorageHandle:
         """The handle, for a call of more than one step or without the GIL (ValueError once
-        closed): until the matching _unpin, a close() (say on another thread) only marks this
-        Storage closed and the reference is given back by the last _unpin, so the storage
-        never dies under a call in flight.
+        closed): until the pin is given back, a close() (say on another thread) only marks
+        this Storage closed and the reference is given back by the last call out, so the
+        storage never dies under a call in flight.
 
-        `pinned`, a list ``[False]`` made before the caller's ``try``: its item turns True
-        under the lock, with the count, and ``finally: self._unpin(pinned)`` gives back the
-        pin only if it was taken. An exception can come after the count and before the
-        ``try`` (a signal handler's KeyboardInterrupt runs after the lock's release, or after
-        this call returns): without it that pin was never given back, and the Storage refused
-        every resize_, or every call after an interrupted resize_, until it was collected.
-        (A second signal in the caller's ``finally``, before _unpin counts down, still can.)
+        `pin`: an ``object()`` the caller made before its ``try``, added to ``_pins`` under
+        the lock; the caller gives it back with, first thing in its ``finally``::
+
+            self._pins.discard(pin)  # (one C call: no signal handler runs before it)
+            self._unpinned()
+
+        A KeyboardInterrupt (a signal handler raises it at the interpreter's next check: after
+        a C call returns, at the entry of a Python function) can come anywhere in the caller,
+        a second one in its ``finally`` too: when giving the pin back took a Python call
+        (its entry is such a check), that pin stayed taken, and the Storage refused every
+        resize_ (or every call, after an interrupted resize_), and close() did not give its
+        reference back, until it was collected. ``discard`` is a C method called directly: it
+        cannot be interrupted, and does nothing for a pin never taken (refused, or an
+        exception before it was taken). Only _unpinned's release can be lost that way, and
+        that one is made when the Storage is collected.
 
         `resizing` (resize_): the storage's one C reference serves every thread that uses this
         object, so libshm's rule (resize only while the caller holds the one reference) cannot
@@ -150,32 +159,31 @@ class Storage(HandleLifetime):
             busy = None
             if handle is not None:
                 if self._pin_epoch != _PIN_EPOCH:  # (pins of the parent's calls: not ours)
-                    self._pins, self._pin_epoch, self._resizing = 0, _PIN_EPOCH, False
-                if self._resizing:
+                    self._pins.clear()  # (not a new set: nothing allocated under the lock)
+                    self._pin_epoch, self._resizing = _PIN_EPOCH, None
+                if self._resizing in self._pins:
                     busy = "being resized on another thread"
-                elif resizing and self._pins > 0:
+                elif resizing and self._pins:
                     busy = ("in use by a call on another thread (resizing would move or free "
                             "its memory under that call)")
                 else:
-                    self._pins += 1
-                    self._resizing = resizing
-                    if pinned is not None:
-                        pinned[0] = True  # (with the count: no call, so no signal between)
+                    self._pins.add(pin)
+                    if resizing:
+                        self._resizing = pin
         if handle is None:
             raise ValueError("operation on a closed pyshm.Storage")
         if busy is not None:
             raise _ffi.ShmBufferError(errno.EBUSY, f"pyshm: this Storage is {busy}")
         return handle
 
-    def _unpin(self, pinned: Optional[list] = None) -> None:
-        if pinned is not None and not pinned[0]:
-            return  # (_pin refused, or an exception came before it counted)
+    def _unpinned(self) -> None:
+        """After a caller gave its pin back (see _pin): the reference, if close() left its
+        release to the last call in flight and none is left (twice is harmless: released
+        once)."""
         with _PIN_LOCK:
-            self._pins -= 1
-            self._resizing = False  # (a resize runs only while it is the one pin)
-            release = self._pins == 0 and self._handle is None
+            release = self._handle is None and not self._pins
         if release:
-            self._release_now()  # (closed during the call: its release was left to us)
+            self._release_now()
 
     @property
     def closed(self) -> bool:
@@ -268,9 +276,9 @@ class Storage(HandleLifetime):
         return offset
 
     def _fd_offset(self) -> tuple[Optional[int], int]:
-        pinned = [False]
+        pin = object()
         try:
-            handle = self._pin(pinned)
+            handle = self._pin(pin)
             if not lib.lshm_storage_flags(handle) & _ffi.STORAGE_SHARED:
                 return None, 0
             fd = ctypes.c_int(-1)
@@ -278,7 +286,8 @@ class Storage(HandleLifetime):
             lib.lshm_storage_fd(handle, ctypes.byref(fd), ctypes.byref(offset))
             return fd.value, offset.value
         finally:
-            self._unpin(pinned)
+            self._pins.discard(pin)
+            self._unpinned()
 
     @property
     def refcount(self) -> int:
@@ -295,27 +304,30 @@ class Storage(HandleLifetime):
         :class:`pyshm.Arena`: its bytes are a slice of the arena's buffer, which cannot be
         shared in place (create the arena with ``shared=True``).
         """
-        pinned = [False]
+        pin = object()
         try:
-            share_in_place(self._pin(pinned), "share_memory_")
+            share_in_place(self._pin(pin), "share_memory_")
         finally:
-            self._unpin(pinned)
+            self._pins.discard(pin)
+            self._unpinned()
         return self
 
     def copy_(self, other: "Storage") -> "Storage":
         """Copy every byte of ``other`` (same nbytes) into this storage; returns self."""
         if not isinstance(other, Storage):
             raise TypeError(f"copy_ expects a pyshm.Storage, got {type(other).__name__}")
-        pinned = [False]
+        pin = object()
         try:
-            handle = self._pin(pinned)
-            source_pinned = [False]
+            handle = self._pin(pin)
+            source_pin = object()
             try:
-                lib.lshm_storage_copy(handle, other._pin(source_pinned))
+                lib.lshm_storage_copy(handle, other._pin(source_pin))
             finally:
-                other._unpin(source_pinned)
+                other._pins.discard(source_pin)
+                other._unpinned()
         finally:
-            self._unpin(pinned)
+            self._pins.discard(pin)
+            self._unpinned()
         return self
 
     def resize_(self, nbytes: int) -> "Storage":
@@ -339,20 +351,22 @@ class Storage(HandleLifetime):
         # move the pages and shrinking unmaps the tail: either would leave a live array on
         # freed memory).
         nbytes = check_nbytes(nbytes)
-        pinned = [False]
+        pin = object()
         try:
-            lib.lshm_storage_resize(self._pin(pinned, resizing=True), nbytes)
+            lib.lshm_storage_resize(self._pin(pin, resizing=True), nbytes)
         finally:
-            self._unpin(pinned)
+            self._pins.discard(pin)
+            self._unpinned()
         return self
 
     def asarray(self, shape=None, dtype="uint8", offset: int = 0):
         """A numpy array over this storage's bytes (it keeps the memory alive)."""
-        pinned = [False]
+        pin = object()
         try:
-            return array_from_storage(self._pin(pinned), shape, dtype, offset, self._keep)
+            return array_from_storage(self._pin(pin), shape, dtype, offset, self._keep)
         finally:
-            self._unpin(pinned)
+            self._pins.discard(pin)
+            self._unpinned()
 
 
 def reduce_storage_by_value(storage: Storage, protocol: int):

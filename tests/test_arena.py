@@ -2,6 +2,7 @@
 live), shared arenas seen from another process, record-then-replay, stats, bad input."""
 
 import gc
+import signal
 import subprocess
 import sys
 import textwrap
@@ -257,6 +258,47 @@ def test_recording_dropped_array_freed_at_end_iteration(shared, no_fd_leak):
     arena.end_iteration()
     del kept, other, live
     gc.collect()
+    arena.close()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_ctrl_c_right_after_an_allocation_leaves_the_arena_usable(monkeypatch, shared,
+                                                                     no_fd_leak):
+    # A signal during lshm_arena_alloc: its handler's KeyboardInterrupt comes when the C call
+    # returns, before the arena recorded the storage it allocated; every later end_iteration
+    # then refused (BufferError "1 storages of this iteration are not freed"), for good
+    from pyshm import arena as arena_module
+
+    arena = pyshm.Arena.recording(shared=shared)
+    for iteration in range(3):
+        a = arena.empty(1000, np.uint8)
+        arena.free(a)
+        arena.end_iteration()
+    alloc = arena_module.lib.lshm_arena_alloc
+
+    def alloc_then_signal(*args):
+        alloc(*args)
+        signal.raise_signal(signal.SIGUSR1)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        monkeypatch.setattr(arena_module.lib, "lshm_arena_alloc", alloc_then_signal)
+        with pytest.raises(KeyboardInterrupt):
+            arena.empty(1000, np.uint8)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        monkeypatch.undo()
+    arena.end_iteration()  # the interrupted allocation is freed here
+    for iteration in range(2):
+        a = arena.empty(1000, np.uint8)
+        a[:] = 5
+        arena.free(a)
+        del a
+        arena.end_iteration()
+    assert arena.stats.replans == 0  # served from the plan all along
     arena.close()
 
 

@@ -4,8 +4,10 @@ import ctypes
 import errno
 import os
 import re
+import signal
 import stat
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 import pyshm
 from pyshm import _ffi
+from shm_harness import memfd_maps
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -758,13 +761,15 @@ def test_close_while_pinned_defers_the_release():
     array = storage.asarray()
     handle = pyshm.storage_of(array)
     assert handle.refcount == 3  # storage, the array's owner, handle
-    storage._pin()  # what a call in flight on another thread holds
+    pin = object()
+    storage._pin(pin)  # what a call in flight on another thread holds
     storage.close()
     assert storage.closed
     with pytest.raises(ValueError):
         storage.nbytes
     assert handle.refcount == 3  # not released while the call runs
-    storage._unpin()
+    storage._pins.discard(pin)
+    storage._unpinned()
     assert handle.refcount == 2  # the last call out gives the reference back
     storage.close()
     assert handle.refcount == 2
@@ -777,7 +782,8 @@ def test_a_storage_pinned_at_fork_is_released_by_close_in_the_child():
     storage = pyshm.Storage(100)
     array = storage.asarray()
     handle = pyshm.storage_of(array)
-    storage._pin()  # (a call in flight on another thread)
+    pin = object()
+    storage._pin(pin)  # (a call in flight on another thread)
     try:
         pid = os.fork()
         if pid == 0:
@@ -792,7 +798,8 @@ def test_a_storage_pinned_at_fork_is_released_by_close_in_the_child():
         storage.close()
         assert handle.refcount == 3  # (here the call is still in flight)
     finally:
-        storage._unpin()
+        storage._pins.discard(pin)
+        storage._unpinned()
     assert handle.refcount == 2
 
 
@@ -855,9 +862,115 @@ def test_an_interrupt_at_the_pin_leaves_the_storage_usable(monkeypatch, call, wh
     with pytest.raises(KeyboardInterrupt):
         _PINNING_CALLS[call](s, other)
     monkeypatch.undo()
-    assert (s._pins, s._resizing, other._pins) == (0, False, 0)
+    assert (s._pins, other._pins) == (set(), set())
     if not s.is_shared:
         s.resize_(3 * PAGE)  # nothing in flight
     s.asarray()
     s.close()
     other.close()
+
+
+class _TwoInterrupts:
+    """Ctrl-C twice: a SIGUSR1 handler raises KeyboardInterrupt, and the second signal comes
+    while the first one unwinds. CPython runs a handler at its next check for signals, such
+    as the entry of a Python function: a profile function raises the second signal at the
+    first Python call after the first handler ran, so its handler runs there."""
+
+    def __init__(self) -> None:
+        self.handled = 0
+
+    def __enter__(self) -> "_TwoInterrupts":
+        self.profile = sys.getprofile()
+        self.previous = signal.signal(signal.SIGUSR1, self._handler)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        sys.setprofile(self.profile)
+        signal.signal(signal.SIGUSR1, self.previous)
+
+    def first(self) -> None:
+        signal.raise_signal(signal.SIGUSR1)
+
+    def _handler(self, signum, frame):
+        self.handled += 1
+        if self.handled == 1:
+            sys.setprofile(self._second)
+        raise KeyboardInterrupt
+
+    def _second(self, frame, event, arg):
+        if event == "call":
+            sys.setprofile(self.profile)
+            signal.raise_signal(signal.SIGUSR1)
+
+
+@pytest.mark.parametrize("call", sorted(_PINNING_CALLS))
+def test_a_second_interrupt_in_the_callers_finally_gives_the_pin_back(monkeypatch, call):
+    # The first KeyboardInterrupt right after the pin, the second at the first Python call
+    # of the caller's finally: that call was _unpin, so the pin stayed taken (resize_ said
+    # "in use by a call on another thread" for ever, close() left the storage's reference to
+    # garbage collection); now the pin goes back in one C call before any Python call
+    s = pyshm.Storage(PAGE, resizable=True)
+    other = pyshm.Storage(PAGE)
+    pin = pyshm.Storage._pin
+
+    def pin_then_interrupt(self, *args, **kwargs):
+        handle = pin(self, *args, **kwargs)
+        monkeypatch.undo()  # (once)
+        interrupts.first()
+        return handle
+
+    monkeypatch.setattr(pyshm.Storage, "_pin", pin_then_interrupt)
+    with _TwoInterrupts() as interrupts, pytest.raises(KeyboardInterrupt):
+        _PINNING_CALLS[call](s, other)
+    monkeypatch.undo()
+    assert interrupts.handled == 2
+    if not s.is_shared:
+        s.resize_(3 * PAGE)  # nothing in flight
+    for storage in (s, other):
+        keeper = pyshm.Storage.from_handle(_ffi.lib.lshm_storage_retain(storage._as_parameter_))
+        storage.close()
+        assert keeper.refcount == 1  # close() gave its reference back at once
+        keeper.close()
+
+
+def _memfd_held(inode: int) -> list:
+    """This process's fds and mappings of the memfd of that inode."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.stat(f"/proc/self/fd/{fd}").st_ino == inode:
+                held.append(f"fd {fd}")
+        except OSError:
+            pass  # (listdir's own fd, closed since)
+    held += [line for line in memfd_maps() if int(line.split()[4]) == inode]
+    return held
+
+
+def test_two_interrupts_during_a_share_leave_it_whole_and_leak_nothing(monkeypatch):
+    # The first signal comes during the share's C call (its handler runs when it returns),
+    # the second while the first KeyboardInterrupt unwinds: the share is done in full (same
+    # address, same bytes, shared), and close() gives the memfd and its mapping back at once
+    # (before: the pin stayed taken, and both stayed until the Storage was collected)
+    s = pyshm.Storage(1 << 20)
+    array = s.asarray()
+    array[:] = np.arange(array.size, dtype=np.uint8)
+    address = s.data_ptr
+    share = _ffi.share_unchecked
+
+    def share_then_interrupt(handle):
+        rc = share(handle)
+        interrupts.first()
+        return rc
+
+    monkeypatch.setattr(_ffi, "share_unchecked", share_then_interrupt)
+    with _TwoInterrupts() as interrupts, pytest.raises(KeyboardInterrupt):
+        s.share_memory_()
+    monkeypatch.undo()
+    assert interrupts.handled == 2
+    assert s.is_shared and s.data_ptr == address and array.ctypes.data == address
+    assert np.array_equal(array, np.arange(array.size, dtype=np.uint8))
+    inode = os.fstat(s.fd).st_ino
+    assert _memfd_held(inode)
+    del array
+    s.close()
+    assert _memfd_held(inode) == []
