@@ -91,26 +91,38 @@ def _locked(method):
 # A fork waits until no other thread is inside an arena call: it takes every arena's lock
 # first. Before, the child got the C arena as the call had left it halfway (a re-plan started
 # and not installed, a storage allocated and not yet in _live, so end_iteration refused in the
-# child forever), with a fresh lock over it. No arena method takes another arena's lock, so
-# taking them all in any order cannot deadlock. The child then makes every lock anew (the
-# forking thread holds them; a lock held there by a vanished thread would never be released).
+# child forever), with a fresh lock over it. No arena method takes another arena's lock, and
+# forks take the arena locks one fork at a time (_FORK_TURN): two threads forking at once
+# used to take them in two orders (an arena made in between changes the WeakSet's order) and
+# release each other's, so one held an arena's lock for good and the other waited for it
+# forever. The locks a fork took are the forking thread's own (_HELD_FOR_FORK.locks): only it
+# releases them. The child then makes every lock anew (the forking thread holds them; a lock
+# held there by a vanished thread would never be released).
 _ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()
-_HELD_FOR_FORK: list = []
+_FORK_TURN = threading.Lock()
+_HELD_FOR_FORK = threading.local()
 
 
 def _lock_arenas_before_fork() -> None:
+    held = _HELD_FOR_FORK.locks = []
+    _FORK_TURN.acquire()
+    held.append(_FORK_TURN)
     for arena in list(_ARENAS):
-        arena._lock.acquire()
-        _HELD_FOR_FORK.append(arena)
+        lock = arena._lock
+        lock.acquire()
+        held.append(lock)
 
 
 def _unlock_arenas_in_parent() -> None:
-    while _HELD_FOR_FORK:
-        _HELD_FOR_FORK.pop()._lock.release()
+    held = getattr(_HELD_FOR_FORK, "locks", [])
+    while held:
+        held.pop().release()
 
 
 def _new_locks_in_child() -> None:
-    _HELD_FOR_FORK.clear()
+    global _FORK_TURN
+    _FORK_TURN = threading.Lock()
+    _HELD_FOR_FORK.locks = []
     for arena in list(_ARENAS):
         arena._lock = threading.RLock()
 

@@ -734,6 +734,62 @@ def test_fork_while_another_thread_is_in_the_arena():
     assert done.stdout.split() == ["1", "True", "7"], done.stdout
 
 
+TWO_FORKS_AT_ONCE = """
+import os, sys, threading, time, pyshm
+from pyshm import arena as arena_module
+def taken(arena):  # (its lock held by another thread)
+    if arena._lock.acquire(blocking=False):
+        arena._lock.release(); return False
+    return True
+def in_fork_handler(thread):
+    frame = sys._current_frames().get(thread.ident)
+    return frame is not None and frame.f_code.co_name == "_lock_arenas_before_fork"
+arenas = [pyshm.Arena.recording(), pyshm.Arena.recording()]
+free, busy = list(arena_module._ARENAS)  # a fork takes `free`, then waits for `busy`
+held, release = threading.Event(), threading.Event()
+def in_busy():  # (as a thread inside one of busy's methods)
+    with busy._lock:
+        held.set(); release.wait()
+threading.Thread(target=in_busy).start(); held.wait()
+children = []
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    children.append(pid)
+one = threading.Thread(target=fork); one.start()
+while not taken(free):
+    time.sleep(0.001)
+made = []  # until a new arena comes first in the WeakSet: another order for the next fork
+while list(arena_module._ARENAS)[0] in (free, busy):
+    made.append(pyshm.Arena.recording())
+newest = list(arena_module._ARENAS)[0]
+two = threading.Thread(target=fork); two.start()
+while not in_fork_handler(two):
+    time.sleep(0.001)
+deadline = time.monotonic() + 0.5  # (it took `newest` at once, before: then waited for `free`)
+while not taken(newest) and time.monotonic() < deadline:
+    time.sleep(0.001)
+release.set(); one.join(); two.join(10)
+print("forked", len(children), "held", sum(map(taken, [free, busy] + made)), flush=True)
+for pid in children:
+    os.waitpid(pid, 0)
+os._exit(0)
+"""
+
+
+def test_two_threads_forking_at_once_with_an_arena_busy():
+    # Two forks at once, while a third thread was inside an arena call, took the arena locks
+    # in two orders (an arena made in between changed the order) into one shared list: the
+    # first fork's parent handler released the second's lock (RuntimeError), left one of its
+    # own held for good, and the second fork waited for it forever.
+    done = subprocess.run([sys.executable, "-c", TWO_FORKS_AT_ONCE], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["forked", "2", "held", "0"], done.stdout + done.stderr
+    assert "Exception" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("make", [
     lambda shared: pyshm.Arena([64], [0], [1], shared=shared),
     lambda shared: pyshm.Arena.recording(shared=shared),
