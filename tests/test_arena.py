@@ -762,6 +762,7 @@ while not taken(free):
     time.sleep(0.001)
 made = []  # until a new arena comes first in the WeakSet: another order for the next fork
 while list(arena_module._ARENAS)[0] in (free, busy):
+    assert len(made) < 10000, "no new arena came first"
     made.append(pyshm.Arena.recording())
 newest = list(arena_module._ARENAS)[0]
 two = threading.Thread(target=fork); two.start()
