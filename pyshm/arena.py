@@ -208,7 +208,8 @@ class Arena(HandleLifetime):
       :meth:`end_iteration` (its tensor is live until then).
     * Threads may call an arena's methods at once: each takes the arena's lock, so they run
       one at a time. ``os.fork()`` waits for the arena calls in flight in other threads (a
-      plan with a ``time_limit`` may take that long), so the child never sees one halfway.
+      plan with a ``time_limit`` may take that long), and for the forking thread's own plan
+      on a helper thread (a fork from a signal handler), so the child never sees one halfway.
       A recording arena's iteration is still one sequence of events: allocs of threads
       interleaving differently each iteration fall back and re-plan more. Its arrays are
       ordinary arrays and may be used from any thread.

@@ -690,10 +690,9 @@ def test_ctrl_c_interrupts_a_recording_arena_s_plan_with_a_budget():
     assert word == "interrupted" and float(seconds) < 5.0, done.stdout
 
 
-FORK_WHILE_LOCKED = """
-import ctypes, os, threading, time, numpy as np, pyshm
-from pyshm._ffi import ArenaCounters, lib
-a = pyshm.Arena.recording(time_limit=0.3)  # (a plan above the lower bound: it takes 0.3 s)
+# (in a script, after `a = pyshm.Arena.recording(time_limit=...)`: an iteration of 400
+# allocations whose plan stays above the lower bound, so that planning takes the time limit)
+ITERATION_TO_PLAN = """
 rng = np.random.default_rng(0)
 live = []
 for size in rng.integers(1, 100000, 400):
@@ -703,6 +702,13 @@ for size in rng.integers(1, 100000, 400):
 for x in live:
     a.free(x)
 del live, x
+"""
+
+FORK_WHILE_LOCKED = """
+import ctypes, os, threading, time, numpy as np, pyshm
+from pyshm._ffi import ArenaCounters, lib
+a = pyshm.Arena.recording(time_limit=0.3)  # (a plan above the lower bound: it takes 0.3 s)
+""" + ITERATION_TO_PLAN + """
 t = threading.Thread(target=a.end_iteration); t.start()
 counters = ArenaCounters()  # (read without the lock: the C call counts the iteration first)
 while lib.lshm_arena_stats(a._handle, ctypes.byref(counters)) == 0 and not counters.iterations:
@@ -789,6 +795,41 @@ def test_two_threads_forking_at_once_with_an_arena_busy():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["forked", "2", "held", "0"], done.stdout + done.stderr
     assert "Exception" not in done.stderr, done.stderr
+
+
+FORK_FROM_A_SIGNAL_HANDLER = """
+import os, signal, time, numpy as np, pyshm
+a = pyshm.Arena.recording(time_limit=0.5)  # (its plan runs on a helper thread: 0.5 s)
+""" + ITERATION_TO_PLAN + """
+child = []
+def on_alarm(signum, frame):  # (as a server that forks a worker at a signal)
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(10)  # (it hung: killed by SIGALRM)
+    else:
+        child.append(pid)
+signal.signal(signal.SIGALRM, on_alarm)
+signal.setitimer(signal.ITIMER_REAL, 0.1)  # while this thread waits for the plan
+a.end_iteration()
+who = "child" if not child else "parent"  # (one write each: the two share the pipe)
+os.write(1, f"{who} {a.stats.iterations} {a.plan is not None}\\n".encode())
+if not child:
+    y = a.empty(4, np.uint8); a.free(y); a.end_iteration(); os._exit(7)
+_, status = os.waitpid(child[0], 0)
+print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+"""
+
+
+def test_fork_from_a_signal_handler_during_a_plan_on_a_helper_thread():
+    # A fork on the thread that waits for its plan's helper thread (from a signal handler)
+    # did not wait for the plan, and the child, where that helper does not exist, waited
+    # for it forever. Now the fork waits for it: both see the plan done and go on.
+    done = subprocess.run([sys.executable, "-c", FORK_FROM_A_SIGNAL_HANDLER],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(done.stdout.split("\n")[:2]) == ["child 1 True", "parent 1 True"], done.stdout
+    assert done.stdout.split()[-1] == "7", done.stdout + done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("make", [
