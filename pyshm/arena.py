@@ -96,8 +96,10 @@ def _locked(method):
 # used to take them in two orders (an arena made in between changes the WeakSet's order) and
 # release each other's, so one held an arena's lock for good and the other waited for it
 # forever. The locks a fork took are the forking thread's own (_HELD_FOR_FORK.locks): only it
-# releases them. The child then makes every lock anew (the forking thread holds them; a lock
-# held there by a vanished thread would never be released).
+# releases them. An arena made meanwhile waits for the fork to end before it joins _ARENAS
+# (it was missed: a call on it went on during the fork). The child then makes every lock anew
+# (the forking thread holds them; a lock held there by a vanished thread would never be
+# released).
 _ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()
 _FORK_TURN = threading.Lock()
 _HELD_FOR_FORK = threading.local()
@@ -209,7 +211,8 @@ class Arena(HandleLifetime):
     * Threads may call an arena's methods at once: each takes the arena's lock, so they run
       one at a time. ``os.fork()`` waits for the arena calls in flight in other threads (a
       plan with a ``time_limit`` may take that long), and for the forking thread's own plan
-      on a helper thread (a fork from a signal handler), so the child never sees one halfway.
+      on a helper thread (a fork from a signal handler), so the child never sees one halfway;
+      an arena made meanwhile waits for the fork to end.
       A recording arena's iteration is still one sequence of events: allocs of threads
       interleaving differently each iteration fall back and re-plan more. Its arrays are
       ordinary arrays and may be used from any thread.
@@ -259,7 +262,8 @@ class Arena(HandleLifetime):
     def _setup(self, handle: _ffi.ArenaHandle, *, recording: bool, shared: bool, alignment: int,
                inclusive: bool) -> None:
         self._lock = threading.RLock()  # (held by every method: see _locked)
-        _ARENAS.add(self)
+        with _FORK_TURN:  # (not while a fork takes the arena locks: it would miss this one)
+            _ARENAS.add(self)
         self._handle = handle
         self._recording = recording
         self._shared = shared

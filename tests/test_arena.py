@@ -740,23 +740,30 @@ def test_fork_while_another_thread_is_in_the_arena():
     assert done.stdout.split() == ["1", "True", "7"], done.stdout
 
 
-TWO_FORKS_AT_ONCE = """
-import os, sys, threading, time, pyshm
+# (in a script: helpers of the tests that fork while a thread is inside an arena call)
+FORK_HELPERS = """
+import os, sys, threading, time, numpy as np, pyshm
 from pyshm import arena as arena_module
 def taken(arena):  # (its lock held by another thread)
     if arena._lock.acquire(blocking=False):
         arena._lock.release(); return False
     return True
-def in_fork_handler(thread):
+def in_function(thread, name):  # (the Python function the thread is in now)
     frame = sys._current_frames().get(thread.ident)
-    return frame is not None and frame.f_code.co_name == "_lock_arenas_before_fork"
+    return frame is not None and frame.f_code.co_name == name
+def hold(arena):  # a thread as if inside one of the arena's methods, until release.set()
+    held, release = threading.Event(), threading.Event()
+    def inside():
+        with arena._lock:
+            held.set(); release.wait()
+    threading.Thread(target=inside).start(); held.wait()
+    return release
+"""
+
+TWO_FORKS_AT_ONCE = FORK_HELPERS + """
 arenas = [pyshm.Arena.recording(), pyshm.Arena.recording()]
 free, busy = list(arena_module._ARENAS)  # a fork takes `free`, then waits for `busy`
-held, release = threading.Event(), threading.Event()
-def in_busy():  # (as a thread inside one of busy's methods)
-    with busy._lock:
-        held.set(); release.wait()
-threading.Thread(target=in_busy).start(); held.wait()
+release = hold(busy)
 children = []
 def fork():
     pid = os.fork()
@@ -766,18 +773,21 @@ def fork():
 one = threading.Thread(target=fork); one.start()
 while not taken(free):
     time.sleep(0.001)
-made = []  # until a new arena comes first in the WeakSet: another order for the next fork
-while list(arena_module._ARENAS)[0] in (free, busy):
-    assert len(made) < 10000, "no new arena came first"
-    made.append(pyshm.Arena.recording())
-newest = list(arena_module._ARENAS)[0]
+made, first = [], threading.Event()
+def make():  # until a new arena comes first in the WeakSet: another order for the next fork
+    while list(arena_module._ARENAS)[0] in (free, busy):
+        assert len(made) < 10000, "no new arena came first"
+        made.append(pyshm.Arena.recording())
+    first.set()
+maker = threading.Thread(target=make); maker.start()
+first.wait(1)  # (now an arena is made only once the fork is done)
 two = threading.Thread(target=fork); two.start()
-while not in_fork_handler(two):
+while not in_function(two, "_lock_arenas_before_fork"):
     time.sleep(0.001)
-deadline = time.monotonic() + 0.5  # (it took `newest` at once, before: then waited for `free`)
-while not taken(newest) and time.monotonic() < deadline:
+deadline = time.monotonic() + 0.5  # (it took the newest at once, before: then waited for `free`)
+while first.is_set() and not taken(made[-1]) and time.monotonic() < deadline:
     time.sleep(0.001)
-release.set(); one.join(); two.join(10)
+release.set(); one.join(); two.join(10); maker.join(10)
 print("forked", len(children), "held", sum(map(taken, [free, busy] + made)), flush=True)
 for pid in children:
     os.waitpid(pid, 0)
@@ -795,6 +805,51 @@ def test_two_threads_forking_at_once_with_an_arena_busy():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["forked", "2", "held", "0"], done.stdout + done.stderr
     assert "Exception" not in done.stderr, done.stderr
+
+
+ARENA_MADE_WHILE_A_FORK_WAITS = FORK_HELPERS + """
+import ctypes
+from pyshm._ffi import ArenaCounters, lib
+busy = pyshm.Arena.recording()
+release = hold(busy)
+pids = []
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        print(sorted((x.stats.iterations, x.plan is not None) for x in arena_module._ARENAS
+                     if x is not busy), flush=True)
+        os._exit(0)
+    pids.append(pid)
+forker = threading.Thread(target=fork); forker.start()
+while not in_function(forker, "_lock_arenas_before_fork"):
+    time.sleep(0.001)
+made = []
+def make_and_plan():  # an arena made after the fork took its list of arenas
+    a = pyshm.Arena.recording(time_limit=0.3); made.append(a)
+""" + textwrap.indent(ITERATION_TO_PLAN, "    ") + """
+    a.end_iteration()
+maker = threading.Thread(target=make_and_plan); maker.start()
+counters = ArenaCounters()
+deadline = time.monotonic() + 2  # (until it plans, or waits to be made)
+while time.monotonic() < deadline and not in_function(maker, "_setup"):
+    if made and lib.lshm_arena_stats(made[0]._handle, ctypes.byref(counters)) == 0 and \\
+            counters.iterations:
+        break
+    time.sleep(0.001)
+release.set(); forker.join(); maker.join()
+os.waitpid(pids[0], 0)
+"""
+
+
+def test_arena_made_while_a_fork_waits_for_the_arena_locks():
+    # An arena made while a fork waited for another arena's call was not in the fork's list
+    # of arenas: a call on it ran on while the fork went ahead, and the child saw it halfway
+    # (here: the iteration counted, its plan not installed). Now making an arena waits for
+    # the fork: the child has no such arena, or sees its call done.
+    done = subprocess.run([sys.executable, "-c", ARENA_MADE_WHILE_A_FORK_WAITS],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() in ("[]", "[(1, True)]"), done.stdout
 
 
 FORK_FROM_A_SIGNAL_HANDLER = """
