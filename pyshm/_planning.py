@@ -5,6 +5,7 @@ library's result. Imports only the binding (``_ffi``)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -112,6 +113,24 @@ def big_plan(n: int, time_limit: float) -> bool:
     return n >= WAIT_APART_FROM or time_limit >= WAIT_APART_SECONDS
 
 
+# The `finished` events of the calls running on a helper thread (at most one: only the main
+# thread hands its call to one). A fork on the main thread, which waits for that call (the
+# fork then comes from a signal handler, as a server's that forks a worker at SIGCHLD), waits
+# for it to finish: it went ahead mid-call, and the child, which has no helper thread, waited
+# for it forever. (A fork on another thread leaves no waiting thread in the child; it waits
+# for an arena's call at the arena's lock, see pyshm.arena.)
+_HELPERS_RUNNING: set = set()
+
+
+def _wait_for_helpers_before_fork() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for finished in list(_HELPERS_RUNNING):
+            finished.wait()
+
+
+os.register_at_fork(before=_wait_for_helpers_before_fork)
+
+
 def interruptibly(call: Callable[[], Any], interrupt: Callable[[], Any], apart: bool) -> None:
     """call() (a C call that plans) and, if `apart`, on a helper thread while this one waits,
     so that a signal's exception (KeyboardInterrupt at Ctrl-C) interrupts it: interrupt()
@@ -133,7 +152,12 @@ def interruptibly(call: Callable[[], Any], interrupt: Callable[[], Any], apart: 
             finished.set()
 
     worker = threading.Thread(target=run, name="pyshm-plan", daemon=True)
-    worker.start()
+    _HELPERS_RUNNING.add(finished)
+    try:
+        worker.start()
+    except BaseException:
+        _HELPERS_RUNNING.discard(finished)
+        raise
     try:
         while not finished.wait(0.1):
             pass
@@ -143,6 +167,8 @@ def interruptibly(call: Callable[[], Any], interrupt: Callable[[], Any], apart: 
             finished.wait(0.01)
         worker.join()
         raise
+    finally:
+        _HELPERS_RUNNING.discard(finished)
     worker.join()
     if outcome:
         raise outcome[0]

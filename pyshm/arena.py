@@ -91,26 +91,40 @@ def _locked(method):
 # A fork waits until no other thread is inside an arena call: it takes every arena's lock
 # first. Before, the child got the C arena as the call had left it halfway (a re-plan started
 # and not installed, a storage allocated and not yet in _live, so end_iteration refused in the
-# child forever), with a fresh lock over it. No arena method takes another arena's lock, so
-# taking them all in any order cannot deadlock. The child then makes every lock anew (the
-# forking thread holds them; a lock held there by a vanished thread would never be released).
+# child forever), with a fresh lock over it. No arena method takes another arena's lock, and
+# forks take the arena locks one fork at a time (_FORK_TURN): two threads forking at once
+# used to take them in two orders (an arena made in between changes the WeakSet's order) and
+# release each other's, so one held an arena's lock for good and the other waited for it
+# forever. The locks a fork took are the forking thread's own (_HELD_FOR_FORK.locks): only it
+# releases them. An arena made meanwhile waits for the fork to end before it joins _ARENAS
+# (it was missed: a call on it went on during the fork). The child then makes every lock anew
+# (the forking thread holds them; a lock held there by a vanished thread would never be
+# released).
 _ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()
-_HELD_FOR_FORK: list = []
+_FORK_TURN = threading.Lock()
+_HELD_FOR_FORK = threading.local()
 
 
 def _lock_arenas_before_fork() -> None:
+    held = _HELD_FOR_FORK.locks = []
+    _FORK_TURN.acquire()
+    held.append(_FORK_TURN)
     for arena in list(_ARENAS):
-        arena._lock.acquire()
-        _HELD_FOR_FORK.append(arena)
+        lock = arena._lock
+        lock.acquire()
+        held.append(lock)
 
 
 def _unlock_arenas_in_parent() -> None:
-    while _HELD_FOR_FORK:
-        _HELD_FOR_FORK.pop()._lock.release()
+    held = getattr(_HELD_FOR_FORK, "locks", [])
+    while held:
+        held.pop().release()
 
 
 def _new_locks_in_child() -> None:
-    _HELD_FOR_FORK.clear()
+    global _FORK_TURN
+    _FORK_TURN = threading.Lock()
+    _HELD_FOR_FORK.locks = []
     for arena in list(_ARENAS):
         arena._lock = threading.RLock()
 
@@ -196,7 +210,9 @@ class Arena(HandleLifetime):
       :meth:`end_iteration` (its tensor is live until then).
     * Threads may call an arena's methods at once: each takes the arena's lock, so they run
       one at a time. ``os.fork()`` waits for the arena calls in flight in other threads (a
-      plan with a ``time_limit`` may take that long), so the child never sees one halfway.
+      plan with a ``time_limit`` may take that long), and for the forking thread's own plan
+      on a helper thread (a fork from a signal handler), so the child never sees one halfway;
+      an arena made meanwhile waits for the fork to end.
       A recording arena's iteration is still one sequence of events: allocs of threads
       interleaving differently each iteration fall back and re-plan more. Its arrays are
       ordinary arrays and may be used from any thread.
@@ -246,7 +262,8 @@ class Arena(HandleLifetime):
     def _setup(self, handle: _ffi.ArenaHandle, *, recording: bool, shared: bool, alignment: int,
                inclusive: bool) -> None:
         self._lock = threading.RLock()  # (held by every method: see _locked)
-        _ARENAS.add(self)
+        with _FORK_TURN:  # (not while a fork takes the arena locks: it would miss this one)
+            _ARENAS.add(self)
         self._handle = handle
         self._recording = recording
         self._shared = shared

@@ -49,7 +49,8 @@ def plan(
     found is returned with ``arena_size > capacity`` (not an error; check it).
     The call runs in C without the GIL; one of 2,000 tensors or more, or with a
     ``time_limit`` of 0.5 s or more, runs on a helper thread while the calling thread waits,
-    so that Ctrl-C stops it (KeyboardInterrupt, within milliseconds). With
+    so that Ctrl-C stops it (KeyboardInterrupt, within milliseconds); a fork meanwhile on
+    that thread (from a signal handler) waits for the plan to finish. With
     ``time_limit=0`` it is deterministic; a time limit bounds its search by the clock, so a
     busier machine may return another (valid) plan. It takes about O(n log n) on lifetimes
     that overlap little, and up to O(n * k) where each tensor overlaps k others (nested

@@ -732,10 +732,9 @@ def test_ctrl_c_interrupts_a_recording_arena_s_plan_with_a_budget():
     assert word == "interrupted" and float(seconds) < 5.0, done.stdout
 
 
-FORK_WHILE_LOCKED = """
-import ctypes, os, threading, time, numpy as np, pyshm
-from pyshm._ffi import ArenaCounters, lib
-a = pyshm.Arena.recording(time_limit=0.3)  # (a plan above the lower bound: it takes 0.3 s)
+# (in a script, after `a = pyshm.Arena.recording(time_limit=...)`: an iteration of 400
+# allocations whose plan stays above the lower bound, so that planning takes the time limit)
+ITERATION_TO_PLAN = """
 rng = np.random.default_rng(0)
 live = []
 for size in rng.integers(1, 100000, 400):
@@ -745,6 +744,13 @@ for size in rng.integers(1, 100000, 400):
 for x in live:
     a.free(x)
 del live, x
+"""
+
+FORK_WHILE_LOCKED = """
+import ctypes, os, threading, time, numpy as np, pyshm
+from pyshm._ffi import ArenaCounters, lib
+a = pyshm.Arena.recording(time_limit=0.3)  # (a plan above the lower bound: it takes 0.3 s)
+""" + ITERATION_TO_PLAN + """
 t = threading.Thread(target=a.end_iteration); t.start()
 counters = ArenaCounters()  # (read without the lock: the C call counts the iteration first)
 while lib.lshm_arena_stats(a._handle, ctypes.byref(counters)) == 0 and not counters.iterations:
@@ -774,6 +780,153 @@ def test_fork_while_another_thread_is_in_the_arena():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["1", "True", "7"], done.stdout
+
+
+# (in a script: helpers of the tests that fork while a thread is inside an arena call)
+FORK_HELPERS = """
+import os, sys, threading, time, numpy as np, pyshm
+from pyshm import arena as arena_module
+def taken(arena):  # (its lock held by another thread)
+    if arena._lock.acquire(blocking=False):
+        arena._lock.release(); return False
+    return True
+def in_function(thread, name):  # (the Python function the thread is in now)
+    frame = sys._current_frames().get(thread.ident)
+    return frame is not None and frame.f_code.co_name == name
+def hold(arena):  # a thread as if inside one of the arena's methods, until release.set()
+    held, release = threading.Event(), threading.Event()
+    def inside():
+        with arena._lock:
+            held.set(); release.wait()
+    threading.Thread(target=inside).start(); held.wait()
+    return release
+"""
+
+TWO_FORKS_AT_ONCE = FORK_HELPERS + """
+arenas = [pyshm.Arena.recording(), pyshm.Arena.recording()]
+free, busy = list(arena_module._ARENAS)  # a fork takes `free`, then waits for `busy`
+release = hold(busy)
+children = []
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    children.append(pid)
+one = threading.Thread(target=fork); one.start()
+while not taken(free):
+    time.sleep(0.001)
+made, first = [], threading.Event()
+def make():  # until a new arena comes first in the WeakSet: another order for the next fork
+    while list(arena_module._ARENAS)[0] in (free, busy):
+        assert len(made) < 10000, "no new arena came first"
+        made.append(pyshm.Arena.recording())
+    first.set()
+maker = threading.Thread(target=make); maker.start()
+first.wait(1)  # (now an arena is made only once the fork is done)
+two = threading.Thread(target=fork); two.start()
+while not in_function(two, "_lock_arenas_before_fork"):
+    time.sleep(0.001)
+deadline = time.monotonic() + 0.5  # (it took the newest at once, before: then waited for `free`)
+while first.is_set() and not taken(made[-1]) and time.monotonic() < deadline:
+    time.sleep(0.001)
+release.set(); one.join(); two.join(10); maker.join(10)
+print("forked", len(children), "held", sum(map(taken, [free, busy] + made)), flush=True)
+for pid in children:
+    os.waitpid(pid, 0)
+os._exit(0)
+"""
+
+
+def test_two_threads_forking_at_once_with_an_arena_busy():
+    # Two forks at once, while a third thread was inside an arena call, took the arena locks
+    # in two orders (an arena made in between changed the order) into one shared list: the
+    # first fork's parent handler released the second's lock (RuntimeError), left one of its
+    # own held for good, and the second fork waited for it forever.
+    done = subprocess.run([sys.executable, "-c", TWO_FORKS_AT_ONCE], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["forked", "2", "held", "0"], done.stdout + done.stderr
+    assert "Exception" not in done.stderr, done.stderr
+
+
+ARENA_MADE_WHILE_A_FORK_WAITS = FORK_HELPERS + """
+import ctypes
+from pyshm._ffi import ArenaCounters, lib
+busy = pyshm.Arena.recording()
+release = hold(busy)
+pids = []
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        print(sorted((x.stats.iterations, x.plan is not None) for x in arena_module._ARENAS
+                     if x is not busy), flush=True)
+        os._exit(0)
+    pids.append(pid)
+forker = threading.Thread(target=fork); forker.start()
+while not in_function(forker, "_lock_arenas_before_fork"):
+    time.sleep(0.001)
+made = []
+def make_and_plan():  # an arena made after the fork took its list of arenas
+    a = pyshm.Arena.recording(time_limit=0.3); made.append(a)
+""" + textwrap.indent(ITERATION_TO_PLAN, "    ") + """
+    a.end_iteration()
+maker = threading.Thread(target=make_and_plan); maker.start()
+counters = ArenaCounters()
+deadline = time.monotonic() + 2  # (until it plans, or waits to be made)
+while time.monotonic() < deadline and not in_function(maker, "_setup"):
+    if made and lib.lshm_arena_stats(made[0]._handle, ctypes.byref(counters)) == 0 and \\
+            counters.iterations:
+        break
+    time.sleep(0.001)
+release.set(); forker.join(); maker.join()
+os.waitpid(pids[0], 0)
+"""
+
+
+def test_arena_made_while_a_fork_waits_for_the_arena_locks():
+    # An arena made while a fork waited for another arena's call was not in the fork's list
+    # of arenas: a call on it ran on while the fork went ahead, and the child saw it halfway
+    # (here: the iteration counted, its plan not installed). Now making an arena waits for
+    # the fork: the child has no such arena, or sees its call done.
+    done = subprocess.run([sys.executable, "-c", ARENA_MADE_WHILE_A_FORK_WAITS],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() in ("[]", "[(1, True)]"), done.stdout
+
+
+FORK_FROM_A_SIGNAL_HANDLER = """
+import os, signal, time, numpy as np, pyshm
+a = pyshm.Arena.recording(time_limit=0.5)  # (its plan runs on a helper thread: 0.5 s)
+""" + ITERATION_TO_PLAN + """
+child = []
+def on_alarm(signum, frame):  # (as a server that forks a worker at a signal)
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(10)  # (it hung: killed by SIGALRM)
+    else:
+        child.append(pid)
+signal.signal(signal.SIGALRM, on_alarm)
+signal.setitimer(signal.ITIMER_REAL, 0.1)  # while this thread waits for the plan
+a.end_iteration()
+who = "child" if not child else "parent"  # (one write each: the two share the pipe)
+os.write(1, f"{who} {a.stats.iterations} {a.plan is not None}\\n".encode())
+if not child:
+    y = a.empty(4, np.uint8); a.free(y); a.end_iteration(); os._exit(7)
+_, status = os.waitpid(child[0], 0)
+print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+"""
+
+
+def test_fork_from_a_signal_handler_during_a_plan_on_a_helper_thread():
+    # A fork on the thread that waits for its plan's helper thread (from a signal handler)
+    # did not wait for the plan, and the child, where that helper does not exist, waited
+    # for it forever. Now the fork waits for it: both see the plan done and go on.
+    done = subprocess.run([sys.executable, "-c", FORK_FROM_A_SIGNAL_HANDLER],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(done.stdout.split("\n")[:2]) == ["child 1 True", "parent 1 True"], done.stdout
+    assert done.stdout.split()[-1] == "7", done.stdout + done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("make", [

@@ -337,7 +337,9 @@ LSHM_API int lshm_storage_create_shared(size_t nbytes, unsigned flags, lshm_stor
  * -EMFILE, -ENFILE, -EFBIG (a memfd written past RLIMIT_FSIZE, which holds for memfds too: the
  * kernel's SIGXFSZ, which would kill the process, is not raised; except in a slab's 4 MiB memfd
  * made before the limit came down, where the limit is not read at every share, and for a limit
- * another thread lowers while the share runs), other -errno from the kernel. */
+ * another thread lowers between the check and the write of a share made in one write; a chunked
+ * share, 1 MiB and up, holds SIGXFSZ back in its thread and gets -EFBIG), other -errno from the
+ * kernel. */
 LSHM_API int lshm_storage_share(lshm_storage *s);
 
 /* lshm_storage_share, but never unfenced: memory shared in place whose pages cannot be

@@ -9,6 +9,7 @@
 
 #include "lshm.h"
 
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 
@@ -86,8 +87,17 @@ int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset);
 /* lshm__os_pwrite_all inside a memfd sized already (lshm__os_ftruncate checked the limit
  * then), without reading RLIMIT_FSIZE first: that syscall would add 0.45 us to a 9 us slab
  * share, and one per chunk to a chunked share. Only a program that lowers its limit below the
- * memfd's size afterwards gets the kernel's SIGXFSZ there, as it does for its own files. */
+ * memfd's size afterwards gets the kernel's SIGXFSZ there, as it does for its own files, unless
+ * the caller holds it back (lshm__os_file_size_signal_hold: a chunked share does). */
 int lshm__os_pwrite_inside(int fd, const void *buf, size_t n, uint64_t offset);
+/* SIGXFSZ held back in this thread (pthread_sigmask; *old: the mask before) around writes
+ * into a memfd sized already, so that a limit another thread lowers meanwhile is -EFBIG from
+ * the write and not the kernel's signal, which kills a C program. Release gives the mask
+ * back; after -EFBIG (rc) it first takes the SIGXFSZ the write raised, unless the thread held
+ * SIGXFSZ back itself before (then what is pending stays, as it chose). Two syscalls: for a
+ * chunked share, once per share. */
+void lshm__os_file_size_signal_hold(sigset_t *old);
+void lshm__os_file_size_signal_release(const sigset_t *old, int rc);
 /* Reserve the pages of [0, size) (fallocate), so exhaustion is an error here and not a SIGBUS
  * later; a file system without fallocate (EOPNOTSUPP) is accepted as is. */
 int lshm__os_reserve(int fd, uint64_t size);
@@ -332,6 +342,9 @@ extern _Atomic int lshm__share_helper_fails_at;
 /* The bytes of memory the memfd of the latest failed chunked share kept (its st_blocks), taken
  * just before it was closed: only the chunks mapped back, none prepared ahead. */
 extern _Atomic long long lshm__share_failed_memfd_bytes;
+/* Called by a chunked share (on its thread) after each chunk it swapped, with the bytes
+ * swapped so far: a test's step between two chunks. NULL: none. */
+extern void (*lshm__share_after_chunk)(size_t swapped);
 #endif
 
 /* fork.c: fork() waits for shares and resizes in flight. A share or resize calls enter before

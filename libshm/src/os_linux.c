@@ -398,6 +398,9 @@ static int pwrite_loop(int fd, const char *p, size_t n, uint64_t offset) {
             int e = errno;
             if (e == EINTR)
                 continue;
+            if (e == EFBIG) /* (the limit came down since the file was sized) */
+                return LSHM_FAIL(-e, "pwrite(fd %d, %zu bytes at %llu): past RLIMIT_FSIZE", fd,
+                                 n, (unsigned long long)offset);
             return LSHM_FAIL(-e, "pwrite(fd %d, %zu bytes at %llu): %s", fd, n,
                              (unsigned long long)offset, strerror(e));
         }
@@ -422,6 +425,30 @@ int lshm__os_pwrite_all(int fd, const void *buf, size_t n, uint64_t offset) {
 int lshm__os_pwrite_inside(int fd, const void *buf, size_t n, uint64_t offset) {
     LSHM_OS_FAULT("pwrite");
     return pwrite_loop(fd, buf, n, offset);
+}
+
+static void signal_set_of(sigset_t *set, int sig) {
+    sigemptyset(set);
+    sigaddset(set, sig);
+}
+
+void lshm__os_file_size_signal_hold(sigset_t *old) {
+    sigset_t xfsz;
+    signal_set_of(&xfsz, SIGXFSZ);
+    (void)pthread_sigmask(SIG_BLOCK, &xfsz, old); /* (fails only for a bad `how`) */
+}
+
+void lshm__os_file_size_signal_release(const sigset_t *old, int rc) {
+    if (rc == -EFBIG && !sigismember(old, SIGXFSZ)) {
+        /* The write that failed raised it for this thread (the kernel sends it to the
+         * writer); none was pending before, since it was not held back. */
+        sigset_t xfsz;
+        signal_set_of(&xfsz, SIGXFSZ);
+        const struct timespec now = {0, 0};
+        while (sigtimedwait(&xfsz, NULL, &now) < 0 && errno == EINTR)
+            ;
+    }
+    (void)pthread_sigmask(SIG_SETMASK, old, NULL);
 }
 
 /* Allocate [offset, offset + len) of fd's pages now; a file system without fallocate is not an

@@ -190,6 +190,9 @@ _Atomic size_t lshm__share_chunk_threshold = (size_t)1 << 20;
 _Atomic size_t lshm__share_chunk_bytes = (size_t)256 << 10;
 _Atomic size_t lshm__share_chunk_busy_bytes = (size_t)4 << 20;
 _Atomic unsigned long lshm__share_restores;
+#ifdef LSHM_TESTING
+void (*lshm__share_after_chunk)(size_t swapped);
+#endif
 
 static int want_chunks(const lshm_storage *s) {
     /* Not for resizable storages: after a failed chunked share their range would be several
@@ -262,18 +265,26 @@ static int chunks_done(chunked *c, size_t swapped, size_t capacity, int rc) {
 static int pwrite_chunks(int fd, char *data, size_t *off, size_t end, const lshm__fence *fence) {
     size_t page = lshm__os_page_size();
     int rc = 0;
+    /* fd was sized by this share (lshm__os_memfd_sized: its ftruncate checked RLIMIT_FSIZE),
+     * so no getrlimit per chunk; a limit another thread lowers meanwhile must still be -EFBIG
+     * and not the kernel's SIGXFSZ, which killed the process: held back over the chunks. */
+    sigset_t mask;
+    lshm__os_file_size_signal_hold(&mask);
     while (*off < end) {
         size_t chunk = next_chunk(page);
         size_t n = end - *off < chunk ? end - *off : chunk;
         void *m;
-        /* (fd was sized by this share, lshm__os_memfd_sized: its ftruncate checked
-         * RLIMIT_FSIZE once, not a getrlimit per chunk) */
         if ((rc = lshm__os_pwrite_inside(fd, data + *off, n, *off)) != 0 ||
             (rc = lshm__os_map_fd(fd, *off, n, 0, data + *off, &m)) != 0)
             break;
         lshm__os_fence_wake(fence, data + *off, n);
         *off += n;
+#ifdef LSHM_TESTING
+        if (lshm__share_after_chunk != NULL)
+            lshm__share_after_chunk(*off);
+#endif
     }
+    lshm__os_file_size_signal_release(&mask, rc);
     return rc;
 }
 

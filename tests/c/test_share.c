@@ -862,6 +862,15 @@ static void test_rlimit_nofile(void) {
     lshm_storage_release(s);
 }
 
+/* The child `pid` ended with _exit(0), not killed by a signal (SIGXFSZ: 25). */
+static void child_exited_well(pid_t pid) {
+    int status;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    if (WIFSIGNALED(status))
+        TEST_FAIL("the child was killed by signal %d", WTERMSIG(status));
+    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 /* RLIMIT_FSIZE holds for memfds too, and a write or ftruncate past it does not just fail: the
  * kernel sends SIGXFSZ first, whose default action kills the process. So every share that would
  * go past it must be -EFBIG, the storage as it was: a memfd sized past it (chunked, a storage
@@ -916,11 +925,50 @@ static void test_rlimit_fsize(void) {
         }
         _exit(0);
     }
-    int status;
-    ASSERT_EQ(waitpid(pid, &status, 0), pid);
-    if (WIFSIGNALED(status))
-        TEST_FAIL("the child was killed by signal %d", WTERMSIG(status));
-    ASSERT(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    child_exited_well(pid);
+}
+
+/* RLIMIT_FSIZE lowered (by another thread, here by the share's own step between two chunks)
+ * while a chunked share runs: the next chunk's pwrite starts at or past the limit, where the
+ * kernel sends SIGXFSZ. That killed the process (a chunked share checked the limit once, when
+ * it sized the memfd); now it is -EFBIG, the storage as it was, no fd left. */
+static void lower_file_size_limit(size_t swapped) {
+    struct rlimit lim = {(rlim_t)swapped, (rlim_t)swapped};
+    ASSERT_OK(setrlimit(RLIMIT_FSIZE, &lim));
+    lshm__share_after_chunk = NULL;
+}
+
+static void test_rlimit_fsize_lowered_mid_share(void) {
+    pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        signal(SIGXFSZ, SIG_DFL);
+        const size_t size = (size_t)3 << 19; /* 1.5 MiB: chunked (not huge), 6 chunks */
+        lshm_storage *s;
+        ASSERT_OK(lshm_storage_create(size, NULL, 0, &s));
+        void *data = lshm_storage_data(s);
+        fill(data, size, 60);
+        int fds = fd_count();
+        unsigned long restores = lshm__share_restores;
+        lshm__share_after_chunk = lower_file_size_limit;
+        ASSERT_ERR(lshm_storage_share(s), -EFBIG);
+        ASSERT(lshm__share_after_chunk == NULL); /* (lowered after the first chunk) */
+        ASSERT(strstr(lshm_last_error(), "RLIMIT_FSIZE") != NULL);
+        ASSERT_UINT_EQ(lshm__share_restores, restores + 1);
+        ASSERT_PTR_EQ(lshm_storage_data(s), data);
+        ASSERT_EQ(lshm_storage_flags(s), 0);
+        ASSERT(check(data, size, 60));
+        ASSERT_EQ(fd_count(), fds);
+        sigset_t pending;
+        ASSERT_OK(sigpending(&pending));
+        ASSERT(!sigismember(&pending, SIGXFSZ));
+        struct rlimit none = {RLIM_INFINITY, RLIM_INFINITY};
+        if (setrlimit(RLIMIT_FSIZE, &none) == 0) /* (raising the hard limit needs privilege) */
+            ASSERT_OK(lshm_storage_share(s));
+        lshm_storage_release(s);
+        _exit(0);
+    }
+    child_exited_well(pid);
 }
 
 static void test_large(void) {
@@ -1397,6 +1445,7 @@ int main(void) {
     RUN_TEST(test_huge_share_under_rlimit_as);
     RUN_TEST(test_rlimit_nofile);
     RUN_TEST(test_rlimit_fsize);
+    RUN_TEST(test_rlimit_fsize_lowered_mid_share);
     RUN_TEST(test_large);
     RUN_TEST(test_copy_between_shared);
     RUN_TEST(test_seal_readonly);
