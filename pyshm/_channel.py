@@ -1211,7 +1211,8 @@ class _Server:
         # child closes its copies of them (_after_fork_in_child), which would keep them open
         # (a receiver whose connection we closed unanswered would wait for the child's end,
         # then get "connection reset"). Changed only under conns_lock, which a fork holds
-        # (_before_fork): no connection is between its accept4 and this set when we fork.
+        # (_before_fork): no connection is between its accept4 and this set when we fork (a
+        # fork that could not take it has the child look for them: _close_accepted).
         self.conns: set = set()
         self.conns_lock = threading.Lock()
         self.failed = False  # (the server's own work failed: said once, see _say_failed)
@@ -1843,15 +1844,19 @@ def _janitor() -> None:
 
 
 _fork_held: list = []  # the servers whose conns_lock the fork under way holds (_before_fork)
+_FORK_WAIT_SECONDS = 0.25  # how long a fork waits for a server's conns_lock (_before_fork)
 
 
 def _before_fork() -> None:
     """Hold the conns_lock of every server of this process across a fork, so that the child
-    finds each server's connections all in its conns set (_after_fork_in_child)."""
+    finds each server's connections all in its conns set (_after_fork_in_child). Waited for
+    _FORK_WAIT_SECONDS at most: the server thread runs Python while it holds one (a finalizer
+    the garbage collector runs there may wait for a lock the forking thread holds, or fork
+    itself), and a fork that waited for ever would hang both. A child forked without a
+    server's lock finds that server's connections by their name instead (_close_accepted)."""
     servers = [] if state.server is None else [state.server, *state.former]
-    for server in servers:
-        server.conns_lock.acquire()
-    _fork_held[:] = servers
+    _fork_held[:] = [server for server in servers
+                     if server.conns_lock.acquire(timeout=_FORK_WAIT_SECONDS)]
 
 
 def _after_fork_in_parent() -> None:
@@ -1860,13 +1865,40 @@ def _after_fork_in_parent() -> None:
     _fork_held.clear()
 
 
+def _close_accepted(addresses: set) -> None:
+    """Close every socket of this process whose name is one of `addresses` (a forked child,
+    for the servers it inherited: a connection a server accepted bears its listening socket's
+    name; a receiver's connection has none)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):
+            continue  # (gone, or the listing's own fd)
+        try:
+            bound = sock.getsockname()
+        except OSError:
+            bound = None
+        if bound in addresses:
+            sock.close()
+        else:
+            sock.detach()
+
+
 def _after_fork_in_child() -> None:
     global _silent_lock
     _silent_lock = threading.Lock()  # (perhaps held by a thread the fork left behind)
+    held = list(_fork_held)  # (the servers whose conns set the fork found complete)
     _fork_held.clear()  # (the servers stay the parent's: their locks are never taken here)
     old = state
     if old.server is not None:
         note_reached(old.server.address)  # (the parent's server: on this kernel)
+        unheld = set()
         # (and those of the users it ran as before: see _own_server)
         for server in (old.server, *old.former):
             try:
@@ -1878,12 +1910,17 @@ def _after_fork_in_child() -> None:
                 os.close(reserve)
             # the parent's connections, waiting or being answered: ours would keep them open
             # after the parent closed them
-            for conn in server.conns:
-                try:
-                    os.close(conn)
-                except OSError:
-                    pass
+            if any(server is h for h in held):
+                for conn in server.conns:
+                    try:
+                        os.close(conn)
+                    except OSError:
+                        pass
+            else:
+                unheld.add(server.address)  # (its conns set may lack one, or name a closed fd)
             server.conns = set()
+        if unheld:
+            _close_accepted(unheld)
     old.former = []
     old.server = None
     old.lock = threading.RLock()

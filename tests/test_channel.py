@@ -1992,6 +1992,98 @@ def test_a_forked_child_keeps_none_of_the_servers_connections():
             client.close()
 
 
+FORK_WHILE_THE_SERVER_TAKES_A_CONNECTION = textwrap.dedent(
+    """
+    import json, os, socket, sys, threading
+    import numpy as np, pyshm
+    from pyshm import _channel, reduction
+
+    who = sys.argv[1]  # who forks: "another thread" or "the finalizer" itself
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    _, args = reduction.reduce_ndarray(a)
+    _, (token,) = args[1].__reduce__()
+    key, address, secret = token[0], token[1], token[6]
+    lock = threading.Lock()  # the program's, held by the thread that forks
+    ran = threading.Event()
+    accept = _channel._held.accept
+    forked = []
+
+    def socket_inodes():
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink("/proc/self/fd/" + fd))
+            except OSError:
+                pass
+        return " ".join(l[8:-1] for l in links if l.startswith("socket:[")).encode()
+
+    def fork():
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, socket_inodes() + b".")
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            forked.append((f.read().rstrip(b".").decode().split(), os.waitpid(pid, 0)[1]))
+
+    def finalizer():  # (what the garbage collector may run on the server thread, anywhere)
+        ran.set()
+        if who == "the finalizer":
+            fork()
+        else:
+            with lock:
+                pass
+
+    def accept_and_finalize(listening):
+        conn = accept(listening)
+        if threading.current_thread().name == "pyshm-fd-server" and not ran.is_set():
+            finalizer()  # (the connection taken, not yet in the server's conns set)
+        return conn
+
+    _channel._held.accept = accept_and_finalize
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.settimeout(10)
+    if who == "the finalizer":
+        client.connect(address)
+        assert ran.wait(10)
+    else:
+        with lock:
+            client.connect(address)
+            assert ran.wait(10)
+            fork()
+    with open("/proc/net/unix") as table:  # (the sockets bound to our server's name)
+        name = "@" + address[1:].decode()
+        ours = {r[6] for r in map(str.split, table) if len(r) > 7 and r[7] == name}
+    client.send(_channel.build_request(None, [(key, secret)], [], 0, address))
+    reply, fds, _, _ = socket.recv_fds(client, 65536, 4)
+    (kept, status), = forked
+    print(json.dumps({"kept": sorted(ours & set(kept)), "ours": len(ours), "status": status,
+                      "reply": reply.hex(), "fds": len(fds)}))
+    """
+)
+
+
+@pytest.mark.parametrize("who", ["another thread", "the finalizer"])
+def test_fork_while_the_server_runs_a_finalizer_as_it_takes_a_connection(who):
+    # the fd server thread runs Python while it holds its conns_lock (taking a connection),
+    # so a finalizer the garbage collector runs there may wait for a lock the forking thread
+    # holds, or fork itself. The fork must not wait for that lock for ever (before: a hang of
+    # the whole process, the fork's hook waiting for the server, the server for the program),
+    # and the child must hold none of the server's connections, the one being taken too
+    try:
+        done = subprocess.run([sys.executable, "-c", FORK_WHILE_THE_SERVER_TAKES_A_CONNECTION,
+                               who], capture_output=True, text=True, timeout=15, env=_env(),
+                              cwd="/")
+    except subprocess.TimeoutExpired:
+        pytest.fail("the fork waited for the fd server for ever")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["ours"] >= 2  # (the listening socket and the connection being taken)
+    assert got["kept"] == [] and got["status"] == 0, got
+    assert got["reply"] == "0100" and got["fds"] == 1, got
+
+
 def test_a_request_that_came_while_the_server_was_held_up_is_answered(monkeypatch):
     # the server held up longer than _REQUEST_SECONDS (here by the channel's lock; a thread
     # holding the GIL in C, a stopped process do the same) while a receiver it had accepted
