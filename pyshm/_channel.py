@@ -834,6 +834,9 @@ def lookup(key: tuple) -> Optional[Any]:
             for batch in state.batches.values():
                 member = batch.members.get(key)
                 if member is not None:
+                    # (the holder next asked for: a fetch of a message of many ranges of one
+                    # slab looks for each; without this it walked the batches for each again)
+                    state.live[key] = weakref.ref(member[0])
                     return member[0]
         if holder is None and key in state.shared_keys:
             holder = next((h for (k, _, _, _), ref in list(state.ranges.items())

@@ -1776,6 +1776,40 @@ def test_a_sweep_looks_at_the_batches_that_expired_not_at_every_held_one(monkeyp
     assert _CountedBatch.looks <= 3 * 2 + 1
 
 
+def test_a_fetch_of_many_ranges_of_a_slab_walks_the_held_batches_once(monkeypatch):
+    """A slab whose first exported array went (its message delivered, the array dropped):
+    its holder is then looked for among the held batches. A fetch of 500 ranges of it walked
+    them for each (0.5 ms a memfd, the channel's lock held, with 10,000 messages unread);
+    the holder found is the one next asked for."""
+    arrays = [pyshm.zeros(16, np.float32, shared=True) for _ in range(2000)]
+    unread = [ForkingPickler.dumps(a) for a in arrays]  # (a batch each, held)
+    key, address, secret = _token_of(arrays[-1])  # (in the second slab)
+    state = _channel.state
+    first = state.live[key]()
+    for batch in list(state.batches.values()):
+        if batch.members.get(key, (None,))[0] is first:
+            _channel._drop(batch.id)  # (delivered)
+    arrays = [a for a in arrays if _owner_of(a) is not first]
+    del first
+    gc.collect()
+    assert state.live[key]() is None
+    looked = []
+
+    class Batches(dict):
+        def values(self):
+            for batch in super().values():
+                looked.append(batch)
+                yield batch
+
+    monkeypatch.setattr(state, "batches", Batches(state.batches))
+    request = _channel.build_request(None, [(key, secret)] * 500, [], 0, address)
+    reply, fds, _ = _channel.serve(request, address)  # (the storages' own fds: not ours)
+    assert reply == b"\x01" * 500 + b"\x00" and len(fds) == 500
+    assert len(looked) <= len(state.batches) + 500, len(looked)
+    del unread
+    _channel.drop_holds()
+
+
 def test_sweeps_while_a_thread_pickles_many_memfds():
     """The once-a-second sweep (of every thread's export and of the server when idle) walks
     the batches while another thread's pickle adds to its own batch without the lock: it
