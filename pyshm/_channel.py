@@ -1224,7 +1224,16 @@ class _Server:
         # back once a connection is closed (see _accept)
         self.reserve = _reserve_fd()
         self.thread = threading.Thread(target=self._run, name="pyshm-fd-server", daemon=True)
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:  # (no thread left: RLIMIT_NPROC, a cgroup's pids.max, memory)
+            # (the next pickle tries again: none of this may stay behind from each try)
+            sock.close()
+            if self.reserve is not None:
+                os.close(self.reserve)
+            _server_netns.pop(self.address, None)
+            _reached.pop(self.address, None)
+            raise
         _register_linger()  # (again: a fork may have cleared it; linger() twice is harmless)
 
     def _say_failed(self, what: str, error: Exception) -> None:

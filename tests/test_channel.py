@@ -1982,6 +1982,38 @@ def _open_socket_inodes() -> set:
     return {link[8:-1] for link in links if link.startswith("socket:[")}
 
 
+def test_an_fd_server_that_could_not_start_its_thread_leaves_nothing_behind(monkeypatch):
+    # no thread left to start (RLIMIT_NPROC, a cgroup's pids.max): each pickle that needs the
+    # server says so, and leaves no fd nor bound name behind (before: a reserve fd each, for
+    # good, and a socket bound until the error was collected)
+    real = threading.Thread.start
+
+    def start(thread):
+        if thread.name == "pyshm-fd-server":
+            raise RuntimeError("can't start new thread")
+        return real(thread)
+
+    def bound_names():
+        prefix = "@pyshm-%d-" % os.getpid()
+        with open("/proc/net/unix") as table:
+            return {row.split()[-1] for row in table if row.split()[-1].startswith(prefix)}
+
+    a = pyshm.zeros(100, np.uint8, shared=True)
+    monkeypatch.setattr(_channel.state, "server", None)  # (a process that has none yet)
+    monkeypatch.setattr(_channel.state, "former", [])
+    monkeypatch.setattr(threading.Thread, "start", start)
+    fds, names = sorted(os.listdir("/proc/self/fd")), bound_names()
+    errors = []
+    for _ in range(10):
+        try:
+            ForkingPickler.dumps(a)
+        except RuntimeError as error:
+            errors.append(str(error))
+    assert errors == ["can't start new thread"] * 10
+    assert sorted(os.listdir("/proc/self/fd")) == fds and bound_names() == names
+    assert _channel.state.server is None
+
+
 def test_a_forked_child_keeps_none_of_the_servers_connections():
     # connections our fd server accepted and waits on when we fork: the child must not hold
     # them (before: it did until it exited, so a receiver the server dropped unanswered saw
