@@ -1564,6 +1564,11 @@ def take_acks(address: bytes) -> list:
     return acks
 
 
+class _Forked(Exception):
+    """This process is a child forked in the middle of a fetch (a signal handler that forks
+    runs inside it): the connection, and the reply on its way, are its parent's."""
+
+
 def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extras: int = 0,
           acks: list = (), own_acks: bool = True) -> tuple:
     """One round trip to the sender at `address`.
@@ -1571,9 +1576,21 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
     Returns (fd or None for each of `fetches`, [(key, readonly, fd)] extras, released flag).
     The caller closes every fd. DeliveryError when the sender cannot be reached. `acks` that
     the sender did not read go back to the janitor (_ack_failed), unless `own_acks` is false
-    (the caller sees to them).
+    (the caller sees to them). A child forked in the middle of a fetch leaves that connection
+    and its reply to its parent (before: the one that read first got the reply, the other
+    "closed the connection without an answer") and asks again on a connection of its own.
     """
+    while True:
+        try:
+            return _fetch_once(address, fetches, proof, max_extras, acks, own_acks)
+        except _Forked:
+            continue
+
+
+def _fetch_once(address: bytes, fetches: list, proof: Optional[tuple], max_extras: int,
+                acks: list, own_acks: bool) -> tuple:
     started = _monotonic()
+    me = os.getpid()  # (see _Forked)
     if not is_address(address):
         raise pickle.UnpicklingError(f"bad pyshm sender address {address!r}")
     received: list = []
@@ -1598,7 +1615,8 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
             ) from None
         pid = _check_peer_user(sock)
         # (an acknowledgement alone is not worth waiting for: the janitor sends them all)
-        peer = _Peer(pid if fetches else 0, address)
+        peer = _Peer(pid if fetches else 0, address, me)
+        peer.check_forked()  # (a request of ours on our parent's connection: never)
         note_reached(address)
         state.round_trips += 1
         if fetches:
@@ -1654,7 +1672,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
             _held.close(sock)
         if peer is not None:
             peer.close()
-        if acks and not answered and own_acks:
+        if acks and not answered and own_acks and os.getpid() == me:
             _ack_failed(address, acks, _worth_again(started, sys.exc_info()[1]))
 
 
@@ -1738,12 +1756,20 @@ class _Peer:
     closed the connection (an error at once), unless a child of its holds its socket: then
     it is found dead at the next look. pid 0: not waited for (not known, or not worth it)."""
 
-    __slots__ = ("pid", "pidfd", "address")
+    __slots__ = ("pid", "pidfd", "address", "owner")
 
-    def __init__(self, pid: int, address: bytes) -> None:
+    def __init__(self, pid: int, address: bytes, owner: int = 0) -> None:
         self.pid = pid
         self.address = address
         self.pidfd: Optional[int] = None  # (opened at the first silence: no fd otherwise)
+        self.owner = owner or os.getpid()  # (the process whose connection this is)
+
+    def check_forked(self) -> None:
+        """_Forked in a child forked since the connection was made (see fetch). Looked at
+        right before each read: a signal handler that forks runs while we wait for the reply
+        (a fork between this look and the read, a few bytecodes, is not caught)."""
+        if os.getpid() != self.owner:
+            raise _Forked()
 
     def alive(self) -> bool:
         if self.pid <= 0:
@@ -1766,6 +1792,7 @@ class _Peer:
         thread runs Python), then with it released."""
         held = _HELD_WAIT_MS
         while True:
+            self.check_forked()
             received = _held.recv_fds(sock, size, _MAX_FDS_PER_MESSAGE)
             if received is not None:
                 with _silent_lock:

@@ -2192,6 +2192,71 @@ def test_a_request_that_came_while_the_server_was_held_up_is_answered(monkeypatc
         first.close()
 
 
+FORK_IN_A_SIGNAL_HANDLER_DURING_A_FETCH = textwrap.dedent(
+    """
+    import json, os, pickle, signal, threading, time
+    import numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel
+    from shm_harness import forked_sender
+
+    kept = []
+
+    def send():  # (answers 0.5 s after it sent: its lock held meanwhile)
+        b = pyshm.zeros(20_000, np.int32, shared=True)
+        b[:] = 7
+        kept.append(b)  # (still held once a receiver fetched it: the child may fetch it too)
+        blob = bytes(ForkingPickler.dumps(b))
+        held = threading.Event()
+
+        def hold():
+            with _channel.state.lock:
+                held.set()
+                time.sleep(0.5)
+
+        threading.Thread(target=hold).start()
+        held.wait()
+        return blob
+
+    me, children = os.getpid(), []
+
+    def handler(signum, frame):  # (a fork in a signal handler: the child goes on fetching)
+        pid = os.fork()
+        if pid:
+            children.append(pid)
+            time.sleep(0.8)  # (the parent's handler takes its time: the child reads first)
+
+    signal.signal(signal.SIGALRM, handler)
+    payload, release = forked_sender(send)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)  # (while we wait for the sender's reply)
+    try:
+        b = pickle.loads(payload)
+        got = ["ok", int(b[0]), int(b.sum())]
+    except Exception as error:
+        got = ["error", str(error)]
+    if os.getpid() != me:
+        os._exit(0 if got[0] == "ok" and got[2] == 7 * 20_000 else 3)
+    child = os.waitpid(children[0], 0)[1]
+    release()
+    print(json.dumps({"parent": got, "child": child}))
+    """
+)
+
+
+def test_a_child_forked_in_a_signal_handler_during_a_fetch_leaves_the_reply_to_its_parent():
+    # a signal handler runs in the main thread while it waits for a sender's reply; one that
+    # forks has a child going on with that same fetch, on the parent's connection. Before:
+    # the child read the parent's reply (the memory came to the child) and the parent got
+    # DeliveryError "closed the connection without an answer". The child must leave that
+    # connection to its parent and fetch on its own
+    done = subprocess.run([sys.executable, "-c", FORK_IN_A_SIGNAL_HANDLER_DURING_A_FETCH],
+                          capture_output=True, text=True, timeout=30, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["parent"] == ["ok", 7, 7 * 20_000], got
+    assert os.WIFEXITED(got["child"]) and os.WEXITSTATUS(got["child"]) == 0, got
+
+
 def test_a_reply_that_came_with_the_end_of_its_connection_is_read(monkeypatch):
     # a non-blocking recvmsg of a SEQPACKET socket looks at its queue, then at whether the peer
     # is gone: a reply sent and the connection closed between the two looks reads as the end
