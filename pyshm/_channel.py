@@ -1882,7 +1882,9 @@ def _janitor() -> None:
             return
 
 
-_fork_held: list = []  # the servers whose conns_lock the fork under way holds (_before_fork)
+# thread -> the servers whose conns_lock its fork under way holds (_before_fork); per thread:
+# two threads may fork at once, one holding a lock the other did not wait for
+_fork_held: dict = {}
 _FORK_WAIT_SECONDS = 0.25  # how long a fork waits for a server's conns_lock (_before_fork)
 
 
@@ -1894,14 +1896,13 @@ def _before_fork() -> None:
     itself), and a fork that waited for ever would hang both. A child forked without a
     server's lock finds that server's connections by their name instead (_close_accepted)."""
     servers = [] if state.server is None else [state.server, *state.former]
-    _fork_held[:] = [server for server in servers
-                     if server.conns_lock.acquire(timeout=_FORK_WAIT_SECONDS)]
+    _fork_held[threading.get_ident()] = [
+        server for server in servers if server.conns_lock.acquire(timeout=_FORK_WAIT_SECONDS)]
 
 
 def _after_fork_in_parent() -> None:
-    for server in _fork_held:
+    for server in _fork_held.pop(threading.get_ident(), ()):
         server.conns_lock.release()
-    _fork_held.clear()
 
 
 def _close_accepted(addresses: set) -> None:
@@ -1932,8 +1933,10 @@ def _close_accepted(addresses: set) -> None:
 def _after_fork_in_child() -> None:
     global _silent_lock
     _silent_lock = threading.Lock()  # (perhaps held by a thread the fork left behind)
-    held = list(_fork_held)  # (the servers whose conns set the fork found complete)
-    _fork_held.clear()  # (the servers stay the parent's: their locks are never taken here)
+    # (the servers whose conns set the fork found complete; they stay the parent's: their
+    # locks are never taken here)
+    held = _fork_held.pop(threading.get_ident(), [])
+    _fork_held.clear()
     old = state
     if old.server is not None:
         note_reached(old.server.address)  # (the parent's server: on this kernel)

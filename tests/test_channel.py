@@ -2130,6 +2130,56 @@ FORK_WHILE_THE_SERVER_TAKES_A_CONNECTION = textwrap.dedent(
 )
 
 
+TWO_THREADS_FORK_AT_ONCE = textwrap.dedent(
+    """
+    import os, socket, threading, time
+
+    def slow_fork():  # (runs after pyshm's own before-fork hook, registered later)
+        if threading.current_thread().name == "slow":
+            time.sleep(0.8)
+
+    os.register_at_fork(before=slow_fork)
+    import numpy as np, pyshm
+    from pyshm import _channel, reduction
+
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    _, args = reduction.reduce_ndarray(a)
+    _, (token,) = args[1].__reduce__()
+    key, address, secret = token[0], token[1], token[6]
+    statuses = []
+
+    def fork():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        statuses.append(os.waitpid(pid, 0)[1])
+
+    slow = threading.Thread(target=fork, name="slow")
+    slow.start()
+    time.sleep(0.2)  # (the slow fork holds the server's conns_lock now)
+    fork()  # (another thread's fork meanwhile)
+    slow.join()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.settimeout(5)
+    client.connect(address)
+    client.send(_channel.build_request(None, [(key, secret)], [], 0, address))
+    reply, fds, _, _ = socket.recv_fds(client, 65536, 4)
+    print(reply.hex(), len(fds), statuses)
+    """
+)
+
+
+def test_two_threads_that_fork_at_once_leave_the_server_serving():
+    # a fork holds each server's conns_lock from its before-fork hook to its after-fork one,
+    # and another thread's fork meanwhile waits for it only so long: that one's hooks must
+    # not take the first one's place (before: the first released no lock after its fork,
+    # and the server waited for its conns_lock for ever: no receiver was answered again)
+    done = subprocess.run([sys.executable, "-c", TWO_THREADS_FORK_AT_ONCE],
+                          capture_output=True, text=True, timeout=30, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0100", "1", "[0,", "0]"], done.stdout
+
+
 @pytest.mark.parametrize("who", ["another thread", "the finalizer"])
 def test_fork_while_the_server_runs_a_finalizer_as_it_takes_a_connection(who):
     # the fd server thread runs Python while it holds its conns_lock (taking a connection),
