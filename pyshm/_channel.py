@@ -1826,7 +1826,8 @@ class _Peer:
 
 def _connect(sock: int, address: bytes) -> None:
     """connect(), waiting while the server's backlog is full (EAGAIN: many receivers at
-    once), up to _REPLY_TIMEOUT."""
+    once), up to _REPLY_TIMEOUT. Connected meanwhile (EISCONN, to `address`: a child forked
+    while we waited, by a signal handler, connected it, and leaves it to us: see _Forked)."""
     deadline = time.monotonic() + _REPLY_TIMEOUT
     delay = 0.001
     while True:
@@ -1838,6 +1839,10 @@ def _connect(sock: int, address: bytes) -> None:
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        except OSError as exc:
+            if exc.errno != errno.EISCONN:
+                raise
+            return
 
 
 def ensure_janitor() -> None:

@@ -2307,6 +2307,62 @@ def test_a_child_forked_in_a_signal_handler_during_a_fetch_leaves_the_reply_to_i
     assert os.WIFEXITED(got["child"]) and os.WEXITSTATUS(got["child"]) == 0, got
 
 
+FORK_WHILE_A_FETCH_WAITS_FOR_ROOM_IN_THE_BACKLOG = textwrap.dedent(
+    """
+    import errno, json, os, pickle, sys, time
+    import numpy as np, pyshm
+    from multiprocessing.reduction import ForkingPickler
+    from pyshm import _channel
+    from shm_harness import forked_sender
+
+    kept = []
+
+    def send():
+        b = pyshm.zeros(20_000, np.int32, shared=True)
+        b[:] = 7
+        kept.append(b)
+        return bytes(ForkingPickler.dumps(b))
+
+    payload, release = forked_sender(send)
+    me, forked, connect = os.getpid(), [], _channel._held.connect
+
+    def full_then_fork(sock, address):  # (the backlog is full: the fetch waits, and a
+        # signal handler forks meanwhile)
+        if not forked and sys._getframe(1).f_code is _channel._connect.__code__:
+            forked.append(os.fork())
+            if forked[0]:
+                time.sleep(0.3)  # (the parent's handler takes its time: the child goes first)
+            raise BlockingIOError(errno.EAGAIN, "full")
+        return connect(sock, address)
+
+    _channel._held.connect = full_then_fork
+    try:
+        b = pickle.loads(payload)
+        got = ["ok", int(b.sum())]
+    except Exception as error:
+        got = ["error", str(error)]
+    if os.getpid() != me:
+        os._exit(0 if got == ["ok", 7 * 20_000] else 3)
+    child = os.waitpid(forked[0], 0)[1]
+    release()
+    print(json.dumps({"parent": got, "child": child}))
+    """
+)
+
+
+def test_a_child_forked_while_a_fetch_waits_to_connect_leaves_the_connection_to_its_parent():
+    # the same fork, while the fetch waits for room in the sender's backlog: the child goes on
+    # connecting the parent's socket, and the parent's next connect then says EISCONN. Before:
+    # DeliveryError "has exited or was killed" in the parent; that socket is connected (where
+    # it was to be): the parent goes on, the child leaves it and fetches on its own
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_A_FETCH_WAITS_FOR_ROOM_IN_THE_BACKLOG],
+                          capture_output=True, text=True, timeout=30, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["parent"] == ["ok", 7 * 20_000], got
+    assert os.WIFEXITED(got["child"]) and os.WEXITSTATUS(got["child"]) == 0, got
+
+
 def test_a_reply_that_came_with_the_end_of_its_connection_is_read(monkeypatch):
     # a non-blocking recvmsg of a SEQPACKET socket looks at its queue, then at whether the peer
     # is gone: a reply sent and the connection closed between the two looks reads as the end
