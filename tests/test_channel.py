@@ -2242,125 +2242,95 @@ def test_a_request_that_came_while_the_server_was_held_up_is_answered(monkeypatc
         first.close()
 
 
-FORK_IN_A_SIGNAL_HANDLER_DURING_A_FETCH = textwrap.dedent(
-    """
-    import json, os, pickle, signal, threading, time
-    import numpy as np, pyshm
-    from multiprocessing.reduction import ForkingPickler
-    from pyshm import _channel
-    from shm_harness import forked_sender
+_FETCH_WITH_A_FORK = """
+import errno, json, os, pickle, signal, sys, threading, time
+import numpy as np, pyshm
+from multiprocessing.reduction import ForkingPickler
+from pyshm import _channel
+from shm_harness import forked_sender
 
-    kept = []
+kept = []
 
-    def send():  # (answers 0.5 s after it sent: its lock held meanwhile)
-        b = pyshm.zeros(20_000, np.int32, shared=True)
-        b[:] = 7
-        kept.append(b)  # (still held once a receiver fetched it: the child may fetch it too)
-        blob = bytes(ForkingPickler.dumps(b))
-        held = threading.Event()
+def send():  # (answers 0.5 s after it sent: its lock held meanwhile)
+    b = pyshm.zeros(20_000, np.int32, shared=True)
+    b[:] = 7
+    kept.append(b)  # (still held once a receiver fetched it: the child may fetch it too)
+    blob = bytes(ForkingPickler.dumps(b))
+    held = threading.Event()
 
-        def hold():
-            with _channel.state.lock:
-                held.set()
-                time.sleep(0.5)
+    def hold():
+        with _channel.state.lock:
+            held.set()
+            time.sleep(0.5)
 
-        threading.Thread(target=hold).start()
-        held.wait()
-        return blob
+    threading.Thread(target=hold).start()
+    held.wait()
+    return blob
 
-    me, children = os.getpid(), []
+payload, release = forked_sender(send)
+me, forked = os.getpid(), []
+{fork}
+try:
+    b = pickle.loads(payload)
+    got = ["ok", int(b.sum())]
+except Exception as error:
+    got = ["error", str(error)]
+if os.getpid() != me:
+    os._exit(0 if got == ["ok", 7 * 20_000] else 3)
+child = os.waitpid(forked[0], 0)[1]
+release()
+print(json.dumps({"parent": got, "child": child}))
+"""
 
-    def handler(signum, frame):  # (a fork in a signal handler: the child goes on fetching)
-        pid = os.fork()
-        if pid:
-            children.append(pid)
-            time.sleep(0.8)  # (the parent's handler takes its time: the child reads first)
 
-    signal.signal(signal.SIGALRM, handler)
-    payload, release = forked_sender(send)
-    signal.setitimer(signal.ITIMER_REAL, 0.2)  # (while we wait for the sender's reply)
-    try:
-        b = pickle.loads(payload)
-        got = ["ok", int(b[0]), int(b.sum())]
-    except Exception as error:
-        got = ["error", str(error)]
-    if os.getpid() != me:
-        os._exit(0 if got[0] == "ok" and got[2] == 7 * 20_000 else 3)
-    child = os.waitpid(children[0], 0)[1]
-    release()
-    print(json.dumps({"parent": got, "child": child}))
-    """
-)
+def _fetch_with_a_fork(fork: str) -> None:
+    """Run _FETCH_WITH_A_FORK, `fork` making the receiver fork in the middle of its fetch
+    (the child going on with it, as after a signal handler's fork): the parent must get its
+    memory, and the child too, on a connection of its own."""
+    script = _FETCH_WITH_A_FORK.replace("{fork}", textwrap.dedent(fork))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=30, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["parent"] == ["ok", 7 * 20_000], got
+    assert os.WIFEXITED(got["child"]) and os.WEXITSTATUS(got["child"]) == 0, got
 
 
 def test_a_child_forked_in_a_signal_handler_during_a_fetch_leaves_the_reply_to_its_parent():
     # a signal handler runs in the main thread while it waits for a sender's reply; one that
     # forks has a child going on with that same fetch, on the parent's connection. Before:
     # the child read the parent's reply (the memory came to the child) and the parent got
-    # DeliveryError "closed the connection without an answer". The child must leave that
-    # connection to its parent and fetch on its own
-    done = subprocess.run([sys.executable, "-c", FORK_IN_A_SIGNAL_HANDLER_DURING_A_FETCH],
-                          capture_output=True, text=True, timeout=30, env=_env(), cwd="/")
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout)
-    assert got["parent"] == ["ok", 7, 7 * 20_000], got
-    assert os.WIFEXITED(got["child"]) and os.WEXITSTATUS(got["child"]) == 0, got
-
-
-FORK_WHILE_A_FETCH_WAITS_FOR_ROOM_IN_THE_BACKLOG = textwrap.dedent(
-    """
-    import errno, json, os, pickle, sys, time
-    import numpy as np, pyshm
-    from multiprocessing.reduction import ForkingPickler
-    from pyshm import _channel
-    from shm_harness import forked_sender
-
-    kept = []
-
-    def send():
-        b = pyshm.zeros(20_000, np.int32, shared=True)
-        b[:] = 7
-        kept.append(b)
-        return bytes(ForkingPickler.dumps(b))
-
-    payload, release = forked_sender(send)
-    me, forked, connect = os.getpid(), [], _channel._held.connect
-
-    def full_then_fork(sock, address):  # (the backlog is full: the fetch waits, and a
-        # signal handler forks meanwhile)
-        if not forked and sys._getframe(1).f_code is _channel._connect.__code__:
+    # DeliveryError "closed the connection without an answer"
+    _fetch_with_a_fork("""
+        def handler(signum, frame):
             forked.append(os.fork())
             if forked[0]:
-                time.sleep(0.3)  # (the parent's handler takes its time: the child goes first)
-            raise BlockingIOError(errno.EAGAIN, "full")
-        return connect(sock, address)
+                time.sleep(0.8)  # (the parent's handler takes its time: the child reads first)
 
-    _channel._held.connect = full_then_fork
-    try:
-        b = pickle.loads(payload)
-        got = ["ok", int(b.sum())]
-    except Exception as error:
-        got = ["error", str(error)]
-    if os.getpid() != me:
-        os._exit(0 if got == ["ok", 7 * 20_000] else 3)
-    child = os.waitpid(forked[0], 0)[1]
-    release()
-    print(json.dumps({"parent": got, "child": child}))
-    """
-)
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)  # (while we wait for the sender's reply)
+        """)
 
 
 def test_a_child_forked_while_a_fetch_waits_to_connect_leaves_the_connection_to_its_parent():
     # the same fork, while the fetch waits for room in the sender's backlog: the child goes on
     # connecting the parent's socket, and the parent's next connect then says EISCONN. Before:
     # DeliveryError "has exited or was killed" in the parent; that socket is connected (where
-    # it was to be): the parent goes on, the child leaves it and fetches on its own
-    done = subprocess.run([sys.executable, "-c", FORK_WHILE_A_FETCH_WAITS_FOR_ROOM_IN_THE_BACKLOG],
-                          capture_output=True, text=True, timeout=30, env=_env(), cwd="/")
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout)
-    assert got["parent"] == ["ok", 7 * 20_000], got
-    assert os.WIFEXITED(got["child"]) and os.WEXITSTATUS(got["child"]) == 0, got
+    # it was to be): the parent goes on
+    _fetch_with_a_fork("""
+        connect = _channel._held.connect
+
+        def full_then_fork(sock, address):  # (the backlog is full: the fetch waits, and a
+            # signal handler forks meanwhile)
+            if not forked and sys._getframe(1).f_code is _channel._connect.__code__:
+                forked.append(os.fork())
+                if forked[0]:
+                    time.sleep(0.3)  # (the parent's handler takes its time: the child first)
+                raise BlockingIOError(errno.EAGAIN, "full")
+            return connect(sock, address)
+
+        _channel._held.connect = full_then_fork
+        """)
 
 
 def test_a_reply_that_came_with_the_end_of_its_connection_is_read(monkeypatch):
