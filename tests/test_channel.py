@@ -1418,6 +1418,10 @@ def test_a_fetch_waits_for_a_quick_reply_with_the_gil_held(monkeypatch, held_ms)
     monkeypatch.setattr(_channel._held, "send", send_then_wake)
     with _messages_of(IDLE_SENDER, pids) as messages:
         os.kill(pids[0], signal.SIGSTOP)
+        # (stopped once each of its threads is: until the thread the signal woke has run, the
+        # others run on, its fd server too, and may answer at once on a loaded machine)
+        _, status = os.waitpid(pids[0], os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
         try:
             a = ForkingPickler.loads(messages[0])
         finally:
