@@ -834,6 +834,9 @@ def lookup(key: tuple) -> Optional[Any]:
             for batch in state.batches.values():
                 member = batch.members.get(key)
                 if member is not None:
+                    # (the holder next asked for: a fetch of a message of many ranges of one
+                    # slab looks for each; without this it walked the batches for each again)
+                    state.live[key] = weakref.ref(member[0])
                     return member[0]
         if holder is None and key in state.shared_keys:
             holder = next((h for (k, _, _, _), ref in list(state.ranges.items())
@@ -1211,7 +1214,8 @@ class _Server:
         # child closes its copies of them (_after_fork_in_child), which would keep them open
         # (a receiver whose connection we closed unanswered would wait for the child's end,
         # then get "connection reset"). Changed only under conns_lock, which a fork holds
-        # (_before_fork): no connection is between its accept4 and this set when we fork.
+        # (_before_fork): no connection is between its accept4 and this set when we fork (a
+        # fork that could not take it has the child look for them: _close_accepted).
         self.conns: set = set()
         self.conns_lock = threading.Lock()
         self.failed = False  # (the server's own work failed: said once, see _say_failed)
@@ -1220,7 +1224,16 @@ class _Server:
         # back once a connection is closed (see _accept)
         self.reserve = _reserve_fd()
         self.thread = threading.Thread(target=self._run, name="pyshm-fd-server", daemon=True)
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:  # (no thread left: RLIMIT_NPROC, a cgroup's pids.max, memory)
+            # (the next pickle tries again: none of this may stay behind from each try)
+            sock.close()
+            if self.reserve is not None:
+                os.close(self.reserve)
+            _server_netns.pop(self.address, None)
+            _reached.pop(self.address, None)
+            raise
         _register_linger()  # (again: a fork may have cleared it; linger() twice is harmless)
 
     def _say_failed(self, what: str, error: Exception) -> None:
@@ -1551,6 +1564,11 @@ def take_acks(address: bytes) -> list:
     return acks
 
 
+class _Forked(Exception):
+    """This process is a child forked in the middle of a fetch (a signal handler that forks
+    runs inside it): the connection, and the reply on its way, are its parent's."""
+
+
 def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extras: int = 0,
           acks: list = (), own_acks: bool = True) -> tuple:
     """One round trip to the sender at `address`.
@@ -1558,9 +1576,21 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
     Returns (fd or None for each of `fetches`, [(key, readonly, fd)] extras, released flag).
     The caller closes every fd. DeliveryError when the sender cannot be reached. `acks` that
     the sender did not read go back to the janitor (_ack_failed), unless `own_acks` is false
-    (the caller sees to them).
+    (the caller sees to them). A child forked in the middle of a fetch leaves that connection
+    and its reply to its parent (before: the one that read first got the reply, the other
+    "closed the connection without an answer") and asks again on a connection of its own.
     """
+    while True:
+        try:
+            return _fetch_once(address, fetches, proof, max_extras, acks, own_acks)
+        except _Forked:
+            continue
+
+
+def _fetch_once(address: bytes, fetches: list, proof: Optional[tuple], max_extras: int,
+                acks: list, own_acks: bool) -> tuple:
     started = _monotonic()
+    me = os.getpid()  # (see _Forked)
     if not is_address(address):
         raise pickle.UnpicklingError(f"bad pyshm sender address {address!r}")
     received: list = []
@@ -1585,7 +1615,8 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
             ) from None
         pid = _check_peer_user(sock)
         # (an acknowledgement alone is not worth waiting for: the janitor sends them all)
-        peer = _Peer(pid if fetches else 0, address)
+        peer = _Peer(pid if fetches else 0, address, me)
+        peer.check_forked()  # (a request of ours on our parent's connection: never)
         note_reached(address)
         state.round_trips += 1
         if fetches:
@@ -1641,7 +1672,7 @@ def fetch(address: bytes, fetches: list, proof: Optional[tuple] = None, max_extr
             _held.close(sock)
         if peer is not None:
             peer.close()
-        if acks and not answered and own_acks:
+        if acks and not answered and own_acks and os.getpid() == me:
             _ack_failed(address, acks, _worth_again(started, sys.exc_info()[1]))
 
 
@@ -1725,12 +1756,20 @@ class _Peer:
     closed the connection (an error at once), unless a child of its holds its socket: then
     it is found dead at the next look. pid 0: not waited for (not known, or not worth it)."""
 
-    __slots__ = ("pid", "pidfd", "address")
+    __slots__ = ("pid", "pidfd", "address", "owner")
 
-    def __init__(self, pid: int, address: bytes) -> None:
+    def __init__(self, pid: int, address: bytes, owner: int = 0) -> None:
         self.pid = pid
         self.address = address
         self.pidfd: Optional[int] = None  # (opened at the first silence: no fd otherwise)
+        self.owner = owner or os.getpid()  # (the process whose connection this is)
+
+    def check_forked(self) -> None:
+        """_Forked in a child forked since the connection was made (see fetch). Looked at
+        right before each read: a signal handler that forks runs while we wait for the reply
+        (a fork between this look and the read, a few bytecodes, is not caught)."""
+        if os.getpid() != self.owner:
+            raise _Forked()
 
     def alive(self) -> bool:
         if self.pid <= 0:
@@ -1753,6 +1792,7 @@ class _Peer:
         thread runs Python), then with it released."""
         held = _HELD_WAIT_MS
         while True:
+            self.check_forked()
             received = _held.recv_fds(sock, size, _MAX_FDS_PER_MESSAGE)
             if received is not None:
                 with _silent_lock:
@@ -1786,7 +1826,8 @@ class _Peer:
 
 def _connect(sock: int, address: bytes) -> None:
     """connect(), waiting while the server's backlog is full (EAGAIN: many receivers at
-    once), up to _REPLY_TIMEOUT."""
+    once), up to _REPLY_TIMEOUT. Connected meanwhile (EISCONN, to `address`: a child forked
+    while we waited, by a signal handler, connected it, and leaves it to us: see _Forked)."""
     deadline = time.monotonic() + _REPLY_TIMEOUT
     delay = 0.001
     while True:
@@ -1798,6 +1839,10 @@ def _connect(sock: int, address: bytes) -> None:
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        except OSError as exc:
+            if exc.errno != errno.EISCONN:
+                raise
+            return
 
 
 def ensure_janitor() -> None:
@@ -1842,31 +1887,65 @@ def _janitor() -> None:
             return
 
 
-_fork_held: list = []  # the servers whose conns_lock the fork under way holds (_before_fork)
+# thread -> the servers whose conns_lock its fork under way holds (_before_fork); per thread:
+# two threads may fork at once, one holding a lock the other did not wait for
+_fork_held: dict = {}
+_FORK_WAIT_SECONDS = 0.25  # how long a fork waits for a server's conns_lock (_before_fork)
 
 
 def _before_fork() -> None:
     """Hold the conns_lock of every server of this process across a fork, so that the child
-    finds each server's connections all in its conns set (_after_fork_in_child)."""
+    finds each server's connections all in its conns set (_after_fork_in_child). Waited for
+    _FORK_WAIT_SECONDS at most: the server thread runs Python while it holds one (a finalizer
+    the garbage collector runs there may wait for a lock the forking thread holds, or fork
+    itself), and a fork that waited for ever would hang both. A child forked without a
+    server's lock finds that server's connections by their name instead (_close_accepted)."""
     servers = [] if state.server is None else [state.server, *state.former]
-    for server in servers:
-        server.conns_lock.acquire()
-    _fork_held[:] = servers
+    _fork_held[threading.get_ident()] = [
+        server for server in servers if server.conns_lock.acquire(timeout=_FORK_WAIT_SECONDS)]
 
 
 def _after_fork_in_parent() -> None:
-    for server in _fork_held:
+    for server in _fork_held.pop(threading.get_ident(), ()):
         server.conns_lock.release()
-    _fork_held.clear()
+
+
+def _close_accepted(addresses: set) -> None:
+    """Close every socket of this process whose name is one of `addresses` (a forked child,
+    for the servers it inherited: a connection a server accepted bears its listening socket's
+    name; a receiver's connection has none)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):
+            continue  # (gone, or the listing's own fd)
+        try:
+            bound = sock.getsockname()
+        except OSError:
+            bound = None
+        if bound in addresses:
+            sock.close()
+        else:
+            sock.detach()
 
 
 def _after_fork_in_child() -> None:
     global _silent_lock
     _silent_lock = threading.Lock()  # (perhaps held by a thread the fork left behind)
-    _fork_held.clear()  # (the servers stay the parent's: their locks are never taken here)
+    # (the servers whose conns set the fork found complete; they stay the parent's: their
+    # locks are never taken here)
+    held = _fork_held.pop(threading.get_ident(), [])
+    _fork_held.clear()
     old = state
     if old.server is not None:
         note_reached(old.server.address)  # (the parent's server: on this kernel)
+        unheld = set()
         # (and those of the users it ran as before: see _own_server)
         for server in (old.server, *old.former):
             try:
@@ -1878,12 +1957,17 @@ def _after_fork_in_child() -> None:
                 os.close(reserve)
             # the parent's connections, waiting or being answered: ours would keep them open
             # after the parent closed them
-            for conn in server.conns:
-                try:
-                    os.close(conn)
-                except OSError:
-                    pass
+            if any(server is h for h in held):
+                for conn in server.conns:
+                    try:
+                        os.close(conn)
+                    except OSError:
+                        pass
+            else:
+                unheld.add(server.address)  # (its conns set may lack one, or name a closed fd)
             server.conns = set()
+        if unheld:
+            _close_accepted(unheld)
     old.former = []
     old.server = None
     old.lock = threading.RLock()

@@ -1418,6 +1418,10 @@ def test_a_fetch_waits_for_a_quick_reply_with_the_gil_held(monkeypatch, held_ms)
     monkeypatch.setattr(_channel._held, "send", send_then_wake)
     with _messages_of(IDLE_SENDER, pids) as messages:
         os.kill(pids[0], signal.SIGSTOP)
+        # (stopped once each of its threads is: until the thread the signal woke has run, the
+        # others run on, its fd server too, and may answer at once on a loaded machine)
+        _, status = os.waitpid(pids[0], os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
         try:
             a = ForkingPickler.loads(messages[0])
         finally:
@@ -1776,6 +1780,40 @@ def test_a_sweep_looks_at_the_batches_that_expired_not_at_every_held_one(monkeyp
     assert _CountedBatch.looks <= 3 * 2 + 1
 
 
+def test_a_fetch_of_many_ranges_of_a_slab_walks_the_held_batches_once(monkeypatch):
+    """A slab whose first exported array went (its message delivered, the array dropped):
+    its holder is then looked for among the held batches. A fetch of 500 ranges of it walked
+    them for each (0.5 ms a memfd, the channel's lock held, with 10,000 messages unread);
+    the holder found is the one next asked for."""
+    arrays = [pyshm.zeros(16, np.float32, shared=True) for _ in range(2000)]
+    unread = [ForkingPickler.dumps(a) for a in arrays]  # (a batch each, held)
+    key, address, secret = _token_of(arrays[-1])  # (in the second slab)
+    state = _channel.state
+    first = state.live[key]()
+    for batch in list(state.batches.values()):
+        if batch.members.get(key, (None,))[0] is first:
+            _channel._drop(batch.id)  # (delivered)
+    arrays = [a for a in arrays if _owner_of(a) is not first]
+    del first
+    gc.collect()
+    assert state.live[key]() is None
+    looked = []
+
+    class Batches(dict):
+        def values(self):
+            for batch in super().values():
+                looked.append(batch)
+                yield batch
+
+    monkeypatch.setattr(state, "batches", Batches(state.batches))
+    request = _channel.build_request(None, [(key, secret)] * 500, [], 0, address)
+    reply, fds, _ = _channel.serve(request, address)  # (the storages' own fds: not ours)
+    assert reply == b"\x01" * 500 + b"\x00" and len(fds) == 500
+    assert len(looked) <= len(state.batches) + 500, len(looked)
+    del unread
+    _channel.drop_holds()
+
+
 def test_sweeps_while_a_thread_pickles_many_memfds():
     """The once-a-second sweep (of every thread's export and of the server when idle) walks
     the batches while another thread's pickle adds to its own batch without the lock: it
@@ -1948,6 +1986,38 @@ def _open_socket_inodes() -> set:
     return {link[8:-1] for link in links if link.startswith("socket:[")}
 
 
+def test_an_fd_server_that_could_not_start_its_thread_leaves_nothing_behind(monkeypatch):
+    # no thread left to start (RLIMIT_NPROC, a cgroup's pids.max): each pickle that needs the
+    # server says so, and leaves no fd nor bound name behind (before: a reserve fd each, for
+    # good, and a socket bound until the error was collected)
+    real = threading.Thread.start
+
+    def start(thread):
+        if thread.name == "pyshm-fd-server":
+            raise RuntimeError("can't start new thread")
+        return real(thread)
+
+    def bound_names():
+        prefix = "@pyshm-%d-" % os.getpid()
+        with open("/proc/net/unix") as table:
+            return {row.split()[-1] for row in table if row.split()[-1].startswith(prefix)}
+
+    a = pyshm.zeros(100, np.uint8, shared=True)
+    monkeypatch.setattr(_channel.state, "server", None)  # (a process that has none yet)
+    monkeypatch.setattr(_channel.state, "former", [])
+    monkeypatch.setattr(threading.Thread, "start", start)
+    fds, names = sorted(os.listdir("/proc/self/fd")), bound_names()
+    errors = []
+    for _ in range(10):
+        try:
+            ForkingPickler.dumps(a)
+        except RuntimeError as error:
+            errors.append(str(error))
+    assert errors == ["can't start new thread"] * 10
+    assert sorted(os.listdir("/proc/self/fd")) == fds and bound_names() == names
+    assert _channel.state.server is None
+
+
 def test_a_forked_child_keeps_none_of_the_servers_connections():
     # connections our fd server accepted and waits on when we fork: the child must not hold
     # them (before: it did until it exited, so a receiver the server dropped unanswered saw
@@ -1992,6 +2062,148 @@ def test_a_forked_child_keeps_none_of_the_servers_connections():
             client.close()
 
 
+FORK_WHILE_THE_SERVER_TAKES_A_CONNECTION = textwrap.dedent(
+    """
+    import json, os, socket, sys, threading
+    import numpy as np, pyshm
+    from pyshm import _channel, reduction
+
+    who = sys.argv[1]  # who forks: "another thread" or "the finalizer" itself
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    _, args = reduction.reduce_ndarray(a)
+    _, (token,) = args[1].__reduce__()
+    key, address, secret = token[0], token[1], token[6]
+    lock = threading.Lock()  # the program's, held by the thread that forks
+    ran = threading.Event()
+    accept = _channel._held.accept
+    forked = []
+
+    def socket_inodes():
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink("/proc/self/fd/" + fd))
+            except OSError:
+                pass
+        return " ".join(l[8:-1] for l in links if l.startswith("socket:[")).encode()
+
+    def fork():
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, socket_inodes() + b".")
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            forked.append((f.read().rstrip(b".").decode().split(), os.waitpid(pid, 0)[1]))
+
+    def finalizer():  # (what the garbage collector may run on the server thread, anywhere)
+        ran.set()
+        if who == "the finalizer":
+            fork()
+        else:
+            with lock:
+                pass
+
+    def accept_and_finalize(listening):
+        conn = accept(listening)
+        if threading.current_thread().name == "pyshm-fd-server" and not ran.is_set():
+            finalizer()  # (the connection taken, not yet in the server's conns set)
+        return conn
+
+    _channel._held.accept = accept_and_finalize
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.settimeout(10)
+    if who == "the finalizer":
+        client.connect(address)
+        assert ran.wait(10)
+    else:
+        with lock:
+            client.connect(address)
+            assert ran.wait(10)
+            fork()
+    with open("/proc/net/unix") as table:  # (the sockets bound to our server's name)
+        name = "@" + address[1:].decode()
+        ours = {r[6] for r in map(str.split, table) if len(r) > 7 and r[7] == name}
+    client.send(_channel.build_request(None, [(key, secret)], [], 0, address))
+    reply, fds, _, _ = socket.recv_fds(client, 65536, 4)
+    (kept, status), = forked
+    print(json.dumps({"kept": sorted(ours & set(kept)), "ours": len(ours), "status": status,
+                      "reply": reply.hex(), "fds": len(fds)}))
+    """
+)
+
+
+TWO_THREADS_FORK_AT_ONCE = textwrap.dedent(
+    """
+    import os, socket, threading, time
+
+    def slow_fork():  # (runs after pyshm's own before-fork hook, registered later)
+        if threading.current_thread().name == "slow":
+            time.sleep(0.8)
+
+    os.register_at_fork(before=slow_fork)
+    import numpy as np, pyshm
+    from pyshm import _channel, reduction
+
+    a = pyshm.share_memory_(pyshm.zeros(70_000, np.uint8))
+    _, args = reduction.reduce_ndarray(a)
+    _, (token,) = args[1].__reduce__()
+    key, address, secret = token[0], token[1], token[6]
+    statuses = []
+
+    def fork():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        statuses.append(os.waitpid(pid, 0)[1])
+
+    slow = threading.Thread(target=fork, name="slow")
+    slow.start()
+    time.sleep(0.2)  # (the slow fork holds the server's conns_lock now)
+    fork()  # (another thread's fork meanwhile)
+    slow.join()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.settimeout(5)
+    client.connect(address)
+    client.send(_channel.build_request(None, [(key, secret)], [], 0, address))
+    reply, fds, _, _ = socket.recv_fds(client, 65536, 4)
+    print(reply.hex(), len(fds), statuses)
+    """
+)
+
+
+def test_two_threads_that_fork_at_once_leave_the_server_serving():
+    # a fork holds each server's conns_lock from its before-fork hook to its after-fork one,
+    # and another thread's fork meanwhile waits for it only so long: that one's hooks must
+    # not take the first one's place (before: the first released no lock after its fork,
+    # and the server waited for its conns_lock for ever: no receiver was answered again)
+    done = subprocess.run([sys.executable, "-c", TWO_THREADS_FORK_AT_ONCE],
+                          capture_output=True, text=True, timeout=30, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0100", "1", "[0,", "0]"], done.stdout
+
+
+@pytest.mark.parametrize("who", ["another thread", "the finalizer"])
+def test_fork_while_the_server_runs_a_finalizer_as_it_takes_a_connection(who):
+    # the fd server thread runs Python while it holds its conns_lock (taking a connection),
+    # so a finalizer the garbage collector runs there may wait for a lock the forking thread
+    # holds, or fork itself. The fork must not wait for that lock for ever (before: a hang of
+    # the whole process, the fork's hook waiting for the server, the server for the program),
+    # and the child must hold none of the server's connections, the one being taken too
+    try:
+        done = subprocess.run([sys.executable, "-c", FORK_WHILE_THE_SERVER_TAKES_A_CONNECTION,
+                               who], capture_output=True, text=True, timeout=15, env=_env(),
+                              cwd="/")
+    except subprocess.TimeoutExpired:
+        pytest.fail("the fork waited for the fd server for ever")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["ours"] >= 2  # (the listening socket and the connection being taken)
+    assert got["kept"] == [] and got["status"] == 0, got
+    assert got["reply"] == "0100" and got["fds"] == 1, got
+
+
 def test_a_request_that_came_while_the_server_was_held_up_is_answered(monkeypatch):
     # the server held up longer than _REQUEST_SECONDS (here by the channel's lock; a thread
     # holding the GIL in C, a stopped process do the same) while a receiver it had accepted
@@ -2032,6 +2244,97 @@ def test_a_request_that_came_while_the_server_was_held_up_is_answered(monkeypatc
     finally:
         late.close()
         first.close()
+
+
+_FETCH_WITH_A_FORK = """
+import errno, json, os, pickle, signal, sys, threading, time
+import numpy as np, pyshm
+from multiprocessing.reduction import ForkingPickler
+from pyshm import _channel
+from shm_harness import forked_sender
+
+kept = []
+
+def send():  # (answers 0.5 s after it sent: its lock held meanwhile)
+    b = pyshm.zeros(20_000, np.int32, shared=True)
+    b[:] = 7
+    kept.append(b)  # (still held once a receiver fetched it: the child may fetch it too)
+    blob = bytes(ForkingPickler.dumps(b))
+    held = threading.Event()
+
+    def hold():
+        with _channel.state.lock:
+            held.set()
+            time.sleep(0.5)
+
+    threading.Thread(target=hold).start()
+    held.wait()
+    return blob
+
+payload, release = forked_sender(send)
+me, forked = os.getpid(), []
+{fork}
+try:
+    b = pickle.loads(payload)
+    got = ["ok", int(b.sum())]
+except Exception as error:
+    got = ["error", str(error)]
+if os.getpid() != me:
+    os._exit(0 if got == ["ok", 7 * 20_000] else 3)
+child = os.waitpid(forked[0], 0)[1]
+release()
+print(json.dumps({"parent": got, "child": child}))
+"""
+
+
+def _fetch_with_a_fork(fork: str) -> None:
+    """Run _FETCH_WITH_A_FORK, `fork` making the receiver fork in the middle of its fetch
+    (the child going on with it, as after a signal handler's fork): the parent must get its
+    memory, and the child too, on a connection of its own."""
+    script = _FETCH_WITH_A_FORK.replace("{fork}", textwrap.dedent(fork))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=30, env=_env(), cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert got["parent"] == ["ok", 7 * 20_000], got
+    assert os.WIFEXITED(got["child"]) and os.WEXITSTATUS(got["child"]) == 0, got
+
+
+def test_a_child_forked_in_a_signal_handler_during_a_fetch_leaves_the_reply_to_its_parent():
+    # a signal handler runs in the main thread while it waits for a sender's reply; one that
+    # forks has a child going on with that same fetch, on the parent's connection. Before:
+    # the child read the parent's reply (the memory came to the child) and the parent got
+    # DeliveryError "closed the connection without an answer"
+    _fetch_with_a_fork("""
+        def handler(signum, frame):
+            forked.append(os.fork())
+            if forked[0]:
+                time.sleep(0.8)  # (the parent's handler takes its time: the child reads first)
+
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)  # (while we wait for the sender's reply)
+        """)
+
+
+def test_a_child_forked_while_a_fetch_waits_to_connect_leaves_the_connection_to_its_parent():
+    # the same fork, while the fetch waits for room in the sender's backlog: the child goes on
+    # connecting the parent's socket, and the parent's next connect then says EISCONN. Before:
+    # DeliveryError "has exited or was killed" in the parent; that socket is connected (where
+    # it was to be): the parent goes on
+    _fetch_with_a_fork("""
+        connect = _channel._held.connect
+
+        def full_then_fork(sock, address):  # (the backlog is full: the fetch waits, and a
+            # signal handler forks meanwhile)
+            if not forked and sys._getframe(1).f_code is _channel._connect.__code__:
+                forked.append(os.fork())
+                if forked[0]:
+                    time.sleep(0.3)  # (the parent's handler takes its time: the child first)
+                raise BlockingIOError(errno.EAGAIN, "full")
+            return connect(sock, address)
+
+        _channel._held.connect = full_then_fork
+        """)
 
 
 def test_a_reply_that_came_with_the_end_of_its_connection_is_read(monkeypatch):
