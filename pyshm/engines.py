@@ -569,11 +569,12 @@ def _proc_net_address(host: str) -> tuple:
     return words, "0" * 32
 
 
-# how long a peer's uids are remembered (one sock_diag query: about 40 us; one read of
-# /proc/net/tcp{,6}, where netlink is refused: 7 ms on a 2-CPU VM with almost no sockets
-# open, as the kernel walks its whole hash tables; tools/bench_binding.py peers)
+# how long a peer's uids read from /proc/net/tcp{,6} are remembered (7 ms a read on a 2-CPU VM
+# with almost no sockets open, as the kernel walks its whole hash tables; only where netlink
+# cannot say). A sock_diag answer (35 us, tools/bench_binding.py peers) is never remembered:
+# the socket at an address may be another user's a moment later.
 _PEER_SECONDS = 1.0
-_peers: dict = {}  # (host, port) -> (monotonic time read, uids)
+_peers: dict = {}  # (host, port, via) -> (monotonic time read, uids)
 
 
 def _peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
@@ -581,26 +582,35 @@ def _peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
     process a message to that address reaches (empty if none is found). `via`: (host, port)
     of our end of the connection to it, if known: then the peer's socket of that very
     connection (an accepted connection, or a client's, which listens nowhere), else one
-    listening there. Remembered for _PEER_SECONDS."""
+    listening there. Asked of the kernel each time (_diag_uids); read from the tables where
+    it cannot say, and those remembered for _PEER_SECONDS."""
+    uids = _diag_uids(host, port, via)
+    if uids is not None:
+        return uids
     now = time.monotonic()
     known = _peers.get((host, port, via))
     if known is not None and now - known[0] < _PEER_SECONDS:
         return known[1]
     if len(_peers) > 4096:
         _peers.clear()
-    uids = _read_peer_uids(host, port, via)
+    uids = _table_uids(host, port)
     _peers[host, port, via] = (now, uids)
     return uids
 
 
 def _read_peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
+    """_peer_uids, not remembered."""
+    uids = _diag_uids(host, port, via)
+    return uids if uids is not None else _table_uids(host, port)
+
+
+def _table_uids(host: str, port: int) -> set:
+    """The uids of the sockets listening or connected at (host, port) in /proc/net/tcp{,6}
+    (which know no connection's far end)."""
     try:
         wanted = _proc_net_address(host)
     except ValueError:
         return set()
-    uids = _diag_uids(host, port, via)
-    if uids is not None:
-        return uids
     suffix = f":{port:04X}"
     uids = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -622,6 +632,11 @@ _NETLINK_SOCK_DIAG = 4  # (linux/netlink.h)
 _SOCK_DIAG_BY_FAMILY = 20  # (linux/sock_diag.h: a request, and each socket of the answer)
 _NLMSG_ERROR = 2
 _NO_COOKIE = 0xFFFFFFFF  # (INET_DIAG_NOCOOKIE: any socket at that address)
+_TCP_ESTABLISHED = 1  # (an inet_diag_msg's state)
+# Whether a lookup of this process found a socket: until then "no such socket" (ENOENT) may
+# mean that the kernel has no TCP lookup to offer (inet_diag or tcp_diag not built, a module
+# that cannot be loaded here answers ENOENT too), and the tables are read instead
+_DIAG_FOUND: list = []
 
 
 def _diag_queries(host: str, via: Optional[tuple]) -> list:
@@ -648,8 +663,10 @@ def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[se
     """_read_peer_uids through the kernel's own socket lookup (sock_diag, as ``ss`` asks it;
     no privilege needed): the uid of the socket at (host, port) whose peer is `via` (our
     end of a connection to it), or without `via` of the listener a new connection there
-    reaches (bound to that address or to every address); an empty set if there is none;
-    None if netlink cannot say (refused here: the caller reads /proc/net/tcp instead)."""
+    reaches (bound to that address or to every address); an empty set if there is none, or
+    none held by a process (a connection its peer closed: the kernel names no owner but
+    root); None if netlink cannot say (refused here, or no lookup yet found a socket: see
+    _DIAG_FOUND; the caller reads /proc/net/tcp instead)."""
     import struct
 
     try:
@@ -681,11 +698,16 @@ def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[se
                 if error == errno.ENOENT:
                     continue  # (no such socket: the next family, or none)
                 return None
-            # inet_diag_msg: 4 bytes, the socket's id (48), expires, queues, then its uid
-            if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < 16 + 68:
+            # inet_diag_msg: 4 bytes, the socket's id (48), expires, queues, its uid, inode
+            if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < 16 + 72:
                 return None
-            return {struct.unpack_from("=I", reply, 16 + 64)[0]}
-        return set()
+            _DIAG_FOUND[:] = [True]
+            uid, inode = struct.unpack_from("=II", reply, 16 + 64)
+            # (no inode and not established: no process holds it, nor will: a time-wait or
+            # orphaned socket, whose uid the kernel gives as 0; established: one not accepted
+            # yet, the listener's)
+            return {uid} if inode or reply[16 + 1] == _TCP_ESTABLISHED else set()
+        return set() if _DIAG_FOUND else None
     except OSError:
         return None
     finally:
