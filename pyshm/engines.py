@@ -642,13 +642,16 @@ _DIAG_FOUND: list = []
 def _diag_queries(host: str, via: Optional[tuple]) -> list:
     """(family, the socket's address, its peer's) of each lookup _diag_uids makes: an IPv4
     address also as IPv4-mapped IPv6 (sockets of both stacks); the peer's address zero
-    (a listener) without `via`."""
+    (a listener) without `via`; none for a link-local IPv6 address."""
     import ipaddress
 
     address = ipaddress.ip_address(host.strip("[]"))
     peer = ipaddress.ip_address(via[0].strip("[]")) if via is not None else None
     if peer is not None and peer.version != address.version:
         raise ValueError("one connection, two IP versions")
+    if address.version == 6 and (address.is_link_local or peer and peer.is_link_local):
+        return []  # (a socket there is bound to its interface, which a distributed address
+        # does not name: the kernel finds it only given that interface)
     if address.version == 6:
         return [(socket.AF_INET6, address.packed, peer.packed if peer else bytes(16))]
 
@@ -675,6 +678,8 @@ def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[se
         ports = struct.pack("!HH", port, peer_port)
     except (ValueError, TypeError, struct.error):
         return set()
+    if not queries:
+        return None
     try:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC,
                              _NETLINK_SOCK_DIAG)

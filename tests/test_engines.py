@@ -1698,6 +1698,32 @@ def test_dask_a_peers_owner_is_not_remembered_nor_taken_from_a_kernel_that_canno
             os.waitpid(child, 0)
 
 
+def test_dask_a_peer_at_a_link_local_address_of_this_machine_is_ours(no_fd_leak):
+    # A connection to a link-local IPv6 address of ours (fe80::, on the interface of its
+    # scope) is bound to that interface, which a distributed address ("[fe80::1]:port", no
+    # scope) does not name: the kernel's lookup without it found no socket at the client's
+    # end, and a result to that client went by value. The tables find it
+    import ipaddress
+    import socket
+
+    with open("/proc/net/if_inet6") as table:
+        scoped = [(str(ipaddress.ip_address(int(words[0], 16))), int(words[1], 16))
+                  for words in map(str.split, table) if words[0].startswith("fe80")]
+    if not scoped:
+        pytest.skip("no link-local IPv6 address here")
+    address, interface = scoped[0]
+    with socket.create_server(("::", 0), family=socket.AF_INET6) as server, \
+            socket.socket(socket.AF_INET6) as client:
+        client.connect((address, server.getsockname()[1], 0, interface))
+        with server.accept()[0] as accepted:
+            client_end, accepted_end = client.getsockname()[:2], accepted.getsockname()[:2]
+            assert client_end[0] == address and engines._local_host(address)
+            me = {os.geteuid()}
+            # (client -> worker: the accepted end is bound to no interface, and found)
+            assert engines._peer_uids(*accepted_end, client_end) == me
+            assert engines._peer_uids(*client_end, accepted_end) == me  # (worker -> client)
+
+
 LOAD_WITHOUT_PYSHM = """
     import logging, pickle, sys
     sys.modules["pyshm"] = None  # (pyshm not importable in this worker)
