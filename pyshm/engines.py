@@ -764,7 +764,9 @@ def _host_and_port(address: Any) -> Optional[tuple]:
         return None
     scheme, _, rest = address.partition("://")
     host, _, port = rest.rpartition(":")
-    if scheme not in ("tcp", "tls", "ws", "wss") or not port.isdigit() or not host:
+    # (isdigit alone takes "²", which int() refuses)
+    if scheme not in ("tcp", "tls", "ws", "wss") or not port.isascii() or \
+            not port.isdigit() or not host:
         return None
     return host, int(port)
 

@@ -1513,6 +1513,9 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
              # another machine's process behind a TCP forwarder of ours (ssh -L, socat)
              (to(peer, **{**facts, "pyshm-machine": "0f1e2d3c/4026531840"}), False),
              (to(peer, **{k: v for k, v in facts.items() if k != "pyshm-machine"}), False),
+             # an address no port of which int() reads: no error out of the serializer
+             (to("tcp://127.0.0.1:\u00b2", **facts), False),
+             ({**here, "sender": {"address": "tcp://127.0.0.1:\u00b2"}}, True),
              (None, False)]  # (spilling to disk: no recipient)
     other = None
     if os.geteuid() == 0:  # a worker of another user here: it would be refused the memory
