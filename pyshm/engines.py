@@ -551,6 +551,7 @@ def _schedulers() -> set:
 
 
 _TCP_STATES = ("01", "0A")  # ESTABLISHED, LISTEN (/proc/net/tcp's st column)
+_TCP_LISTEN = "0A"
 
 
 def _proc_net_address(host: str) -> tuple:
@@ -570,9 +571,9 @@ def _proc_net_address(host: str) -> tuple:
 
 
 # how long a peer's uids read from /proc/net/tcp{,6} are remembered (7 ms a read on a 2-CPU VM
-# with almost no sockets open, as the kernel walks its whole hash tables; only where netlink
-# cannot say). A sock_diag answer (35 us, tools/bench_binding.py peers) is never remembered:
-# the socket at an address may be another user's a moment later.
+# with almost no sockets open, as the kernel walks its whole hash tables; only where sock_diag
+# finds no socket or is refused). A sock_diag answer (35 us, tools/bench_binding.py peers) is
+# never remembered: the socket at an address may be another user's a moment later.
 _PEER_SECONDS = 1.0
 _peers: dict = {}  # (host, port, via) -> (monotonic time read, uids)
 
@@ -593,7 +594,7 @@ def _peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
         return known[1]
     if len(_peers) > 4096:
         _peers.clear()
-    uids = _table_uids(host, port)
+    uids = _table_uids(host, port, via)
     _peers[host, port, via] = (now, uids)
     return uids
 
@@ -601,18 +602,20 @@ def _peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
 def _read_peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
     """_peer_uids, not remembered."""
     uids = _diag_uids(host, port, via)
-    return uids if uids is not None else _table_uids(host, port)
+    return uids if uids is not None else _table_uids(host, port, via)
 
 
-def _table_uids(host: str, port: int) -> set:
-    """The uids of the sockets listening or connected at (host, port) in /proc/net/tcp{,6}
-    (which know no connection's far end)."""
+def _table_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
+    """_diag_uids from /proc/net/tcp{,6}: the uids of the sockets connected at (host, port) to
+    `via` (any peer without it), else of those listening there."""
     try:
         wanted = _proc_net_address(host)
-    except ValueError:
+        peers = {f"{word}:{int(via[1]):04X}" for word in _proc_net_address(via[0])
+                 if word.strip("0")} if via is not None else None
+    except (ValueError, TypeError):
         return set()
     suffix = f":{port:04X}"
-    uids = set()
+    connected, listening = set(), set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as lines:
@@ -622,10 +625,13 @@ def _table_uids(host: str, port: int) -> set:
                     if len(fields) > 7 and fields[3] in _TCP_STATES and \
                             fields[1].endswith(suffix) and \
                             fields[1][:-len(suffix)] in wanted:
-                        uids.add(int(fields[7]))
+                        if fields[3] == _TCP_LISTEN:
+                            listening.add(int(fields[7]))
+                        elif peers is None or fields[2] in peers:
+                            connected.add(int(fields[7]))
         except (OSError, ValueError):
             continue
-    return uids
+    return connected | listening if via is None else connected or listening
 
 
 _NETLINK_SOCK_DIAG = 4  # (linux/netlink.h)
@@ -633,25 +639,18 @@ _SOCK_DIAG_BY_FAMILY = 20  # (linux/sock_diag.h: a request, and each socket of t
 _NLMSG_ERROR = 2
 _NO_COOKIE = 0xFFFFFFFF  # (INET_DIAG_NOCOOKIE: any socket at that address)
 _TCP_ESTABLISHED = 1  # (an inet_diag_msg's state)
-# Whether a lookup of this process found a socket: until then "no such socket" (ENOENT) may
-# mean that the kernel has no TCP lookup to offer (inet_diag or tcp_diag not built, a module
-# that cannot be loaded here answers ENOENT too), and the tables are read instead
-_DIAG_FOUND: list = []
 
 
 def _diag_queries(host: str, via: Optional[tuple]) -> list:
     """(family, the socket's address, its peer's) of each lookup _diag_uids makes: an IPv4
     address also as IPv4-mapped IPv6 (sockets of both stacks); the peer's address zero
-    (a listener) without `via`; none for a link-local IPv6 address."""
+    (a listener) without `via`."""
     import ipaddress
 
     address = ipaddress.ip_address(host.strip("[]"))
     peer = ipaddress.ip_address(via[0].strip("[]")) if via is not None else None
     if peer is not None and peer.version != address.version:
         raise ValueError("one connection, two IP versions")
-    if address.version == 6 and (address.is_link_local or peer and peer.is_link_local):
-        return []  # (a socket there is bound to its interface, which a distributed address
-        # does not name: the kernel finds it only given that interface)
     if address.version == 6:
         return [(socket.AF_INET6, address.packed, peer.packed if peer else bytes(16))]
 
@@ -666,10 +665,10 @@ def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[se
     """_read_peer_uids through the kernel's own socket lookup (sock_diag, as ``ss`` asks it;
     no privilege needed): the uid of the socket at (host, port) whose peer is `via` (our
     end of a connection to it), or without `via` of the listener a new connection there
-    reaches (bound to that address or to every address); an empty set if there is none, or
-    none held by a process (a connection its peer closed: the kernel names no owner but
-    root); None if netlink cannot say (refused here, or no lookup yet found a socket: see
-    _DIAG_FOUND; the caller reads /proc/net/tcp instead)."""
+    reaches (bound to that address or to every address); an empty set if the socket found is
+    held by no process (a connection its peer closed: the kernel names no owner but root);
+    None if netlink finds none or cannot say (refused here: the caller reads /proc/net/tcp
+    instead, which a socket the lookup cannot find may be in, and remembers it)."""
     import struct
 
     try:
@@ -678,8 +677,6 @@ def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[se
         ports = struct.pack("!HH", port, peer_port)
     except (ValueError, TypeError, struct.error):
         return set()
-    if not queries:
-        return None
     try:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC,
                              _NETLINK_SOCK_DIAG)
@@ -706,13 +703,16 @@ def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[se
             # inet_diag_msg: 4 bytes, the socket's id (48), expires, queues, its uid, inode
             if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < 16 + 72:
                 return None
-            _DIAG_FOUND[:] = [True]
             uid, inode = struct.unpack_from("=II", reply, 16 + 64)
             # (no inode and not established: no process holds it, nor will: a time-wait or
             # orphaned socket, whose uid the kernel gives as 0; established: one not accepted
             # yet, the listener's)
             return {uid} if inode or reply[16 + 1] == _TCP_ESTABLISHED else set()
-        return set() if _DIAG_FOUND else None
+        # None found: the kernel's lookup misses what /proc/net/tcp lists as ours where a
+        # socket is bound to an interface, which a distributed address does not name (a
+        # link-local address's, SO_BINDTODEVICE, a VRF), and a kernel without tcp_diag (not
+        # built, a module that cannot be loaded) says ENOENT to all
+        return None
     except OSError:
         return None
     finally:

@@ -1539,10 +1539,10 @@ def test_dask_the_owner_of_a_peers_socket_is_asked_of_the_kernel_not_read_from_p
     # with the answers those tables gave, which stay for where netlink is refused
     import socket
 
-    def proc_tables(host, port):
+    def proc_tables(host, port, via=None):
         with monkeypatch.context() as patched:
             patched.setattr(engines, "_diag_uids", lambda *args: None)
-            return engines._read_peer_uids(host, port)
+            return engines._read_peer_uids(host, port, via)
 
     sockets = []
 
@@ -1591,9 +1591,9 @@ def test_dask_the_owner_of_a_peers_socket_is_asked_of_the_kernel_not_read_from_p
         for host, port, via, uids in cases:
             assert engines._read_peer_uids(host, port, via) == uids, (host, port, via)
             if host[0].isdigit() or host[0] in ":[":
-                assert engines._diag_uids(host, port, via) == uids, (host, port, via)
-            if via is None or via[1] != 1:  # (the tables know no connections)
-                assert proc_tables(host, port) == uids, (host, port, via)
+                # (None: none found; then the tables are read, see below)
+                assert engines._diag_uids(host, port, via) == (uids or None), (host, port, via)
+            assert proc_tables(host, port, via) == uids, (host, port, via)
         # where netlink is refused (a seccomp filter, an old sandbox): the tables, as before
         real_socket = socket.socket
 
@@ -1678,8 +1678,8 @@ def test_dask_a_peers_owner_is_not_remembered_nor_taken_from_a_kernel_that_canno
                                      engines._REFERENCE_FORMAT, engines._MACHINE_KEY:
                                      engines._machine(_channel.own_netns())}}
             assert not engines._recipient_here(context)
-        # a kernel that answers ENOENT to every lookup: not "nobody", until one has found a
-        # socket in this process; then the tables (7 ms, remembered) answer
+        # a kernel that answers ENOENT to every lookup: not "nobody"; the tables (7 ms,
+        # remembered) answer
         with socket.create_server(("127.0.0.1", 0)) as ours:
             real_socket = socket.socket
 
@@ -1690,7 +1690,6 @@ def test_dask_a_peers_owner_is_not_remembered_nor_taken_from_a_kernel_that_canno
 
             with monkeypatch.context() as patched:
                 patched.setattr(socket, "socket", kernel_without_tcp_lookup)
-                patched.setattr(engines, "_DIAG_FOUND", [], raising=False)
                 assert engines._diag_uids("127.0.0.1", ours.getsockname()[1]) is None
                 assert engines._peer_uids("127.0.0.1", ours.getsockname()[1]) == me
     finally:
@@ -1701,30 +1700,49 @@ def test_dask_a_peers_owner_is_not_remembered_nor_taken_from_a_kernel_that_canno
             os.waitpid(child, 0)
 
 
-def test_dask_a_peer_at_a_link_local_address_of_this_machine_is_ours(no_fd_leak):
-    # A connection to a link-local IPv6 address of ours (fe80::, on the interface of its
-    # scope) is bound to that interface, which a distributed address ("[fe80::1]:port", no
-    # scope) does not name: the kernel's lookup without it found no socket at the client's
-    # end, and a result to that client went by value. The tables find it
+def test_dask_a_peer_whose_socket_is_bound_to_an_interface_is_ours(no_fd_leak):
+    # The kernel's lookup (sock_diag) finds a socket bound to an interface only given that
+    # interface, which a distributed address does not name: a connection to a link-local
+    # IPv6 address of ours ("[fe80::1]:port", no scope: the client's end is bound to the
+    # scope's interface), a listener bound with SO_BINDTODEVICE (or in a VRF). It said
+    # "nobody" and the peer got bytes where the /proc tables said ours; they answer now
     import ipaddress
     import socket
 
+    me = {os.geteuid()}
+    with socket.create_server(("127.0.0.1", 0)) as plain:  # (one the lookup finds)
+        assert engines._diag_uids("127.0.0.1", plain.getsockname()[1]) == me
     with open("/proc/net/if_inet6") as table:
         scoped = [(str(ipaddress.ip_address(int(words[0], 16))), int(words[1], 16))
                   for words in map(str.split, table) if words[0].startswith("fe80")]
-    if not scoped:
-        pytest.skip("no link-local IPv6 address here")
-    address, interface = scoped[0]
-    with socket.create_server(("::", 0), family=socket.AF_INET6) as server, \
-            socket.socket(socket.AF_INET6) as client:
-        client.connect((address, server.getsockname()[1], 0, interface))
-        with server.accept()[0] as accepted:
-            client_end, accepted_end = client.getsockname()[:2], accepted.getsockname()[:2]
-            assert client_end[0] == address and engines._local_host(address)
-            me = {os.geteuid()}
-            # (client -> worker: the accepted end is bound to no interface, and found)
-            assert engines._peer_uids(*accepted_end, client_end) == me
-            assert engines._peer_uids(*client_end, accepted_end) == me  # (worker -> client)
+    tried = 0
+    if scoped:
+        address, interface = scoped[0]
+        with socket.create_server(("::", 0), family=socket.AF_INET6) as server, \
+                socket.socket(socket.AF_INET6) as client:
+            client.connect((address, server.getsockname()[1], 0, interface))
+            with server.accept()[0] as accepted:
+                client_end, accepted_end = client.getsockname()[:2], accepted.getsockname()[:2]
+                assert client_end[0] == address and engines._local_host(address)
+                assert engines._peer_uids(*accepted_end, client_end) == me  # (to the server)
+                assert engines._peer_uids(*client_end, accepted_end) == me  # (to the client)
+        tried += 1
+    with socket.socket() as server:
+        try:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b"lo")
+        except PermissionError:  # (CAP_NET_RAW needed)
+            pass
+        else:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            port = server.getsockname()[1]
+            assert engines._peer_uids("127.0.0.1", port) == me
+            with socket.create_connection(("127.0.0.1", port)) as client, \
+                    server.accept()[0]:  # (an accepted end is bound to that interface too)
+                assert engines._peer_uids("127.0.0.1", port, client.getsockname()) == me
+            tried += 1
+    if not tried:
+        pytest.skip("no link-local IPv6 address here, and SO_BINDTODEVICE not permitted")
 
 
 LOAD_WITHOUT_PYSHM = """
