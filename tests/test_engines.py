@@ -1665,6 +1665,7 @@ def test_dask_a_peers_owner_is_not_remembered_nor_taken_from_a_kernel_that_canno
         assert engines._peer_uids(*accepted_end, client_end) == set()
         # (a listener that had no connection: its port is free at once once it is closed)
         fresh = socket.create_server(("127.0.0.1", 0))
+        sockets.append(fresh)
         port = fresh.getsockname()[1]
         assert engines._peer_uids("127.0.0.1", port) == me
         fresh.close()
