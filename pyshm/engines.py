@@ -551,6 +551,7 @@ def _schedulers() -> set:
 
 
 _TCP_STATES = ("01", "0A")  # ESTABLISHED, LISTEN (/proc/net/tcp's st column)
+_TCP_LISTEN = "0A"
 
 
 def _proc_net_address(host: str) -> tuple:
@@ -569,11 +570,12 @@ def _proc_net_address(host: str) -> tuple:
     return words, "0" * 32
 
 
-# how long a peer's uids are remembered (one sock_diag query: about 40 us; one read of
-# /proc/net/tcp{,6}, where netlink is refused: 7 ms on a 2-CPU VM with almost no sockets
-# open, as the kernel walks its whole hash tables; tools/bench_binding.py peers)
+# how long a peer's uids read from /proc/net/tcp{,6} are remembered (7 ms a read on a 2-CPU VM
+# with almost no sockets open, as the kernel walks its whole hash tables; only where sock_diag
+# finds no socket or is refused). A sock_diag answer (35 us, tools/bench_binding.py peers) is
+# never remembered: the socket at an address may be another user's a moment later.
 _PEER_SECONDS = 1.0
-_peers: dict = {}  # (host, port) -> (monotonic time read, uids)
+_peers: dict = {}  # (host, port, via) -> (monotonic time read, uids)
 
 
 def _peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
@@ -581,28 +583,39 @@ def _peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
     process a message to that address reaches (empty if none is found). `via`: (host, port)
     of our end of the connection to it, if known: then the peer's socket of that very
     connection (an accepted connection, or a client's, which listens nowhere), else one
-    listening there. Remembered for _PEER_SECONDS."""
+    listening there. Asked of the kernel each time (_diag_uids); read from the tables where
+    it cannot say, and those remembered for _PEER_SECONDS."""
+    uids = _diag_uids(host, port, via)
+    if uids is not None:
+        return uids
     now = time.monotonic()
     known = _peers.get((host, port, via))
     if known is not None and now - known[0] < _PEER_SECONDS:
         return known[1]
     if len(_peers) > 4096:
         _peers.clear()
-    uids = _read_peer_uids(host, port, via)
+    uids = _table_uids(host, port, via)
     _peers[host, port, via] = (now, uids)
     return uids
 
 
 def _read_peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
+    """_peer_uids, not remembered."""
+    uids = _diag_uids(host, port, via)
+    return uids if uids is not None else _table_uids(host, port, via)
+
+
+def _table_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
+    """_diag_uids from /proc/net/tcp{,6}: the uids of the sockets connected at (host, port) to
+    `via` (any peer without it), else of those listening there."""
     try:
         wanted = _proc_net_address(host)
-    except ValueError:
+        peers = {f"{word}:{int(via[1]):04X}" for word in _proc_net_address(via[0])
+                 if word.strip("0")} if via is not None else None
+    except (ValueError, TypeError):
         return set()
-    uids = _diag_uids(host, port, via)
-    if uids is not None:
-        return uids
     suffix = f":{port:04X}"
-    uids = set()
+    connected, listening = set(), set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as lines:
@@ -612,16 +625,20 @@ def _read_peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
                     if len(fields) > 7 and fields[3] in _TCP_STATES and \
                             fields[1].endswith(suffix) and \
                             fields[1][:-len(suffix)] in wanted:
-                        uids.add(int(fields[7]))
+                        if fields[3] == _TCP_LISTEN:
+                            listening.add(int(fields[7]))
+                        elif peers is None or fields[2] in peers:
+                            connected.add(int(fields[7]))
         except (OSError, ValueError):
             continue
-    return uids
+    return connected | listening if via is None else connected or listening
 
 
 _NETLINK_SOCK_DIAG = 4  # (linux/netlink.h)
 _SOCK_DIAG_BY_FAMILY = 20  # (linux/sock_diag.h: a request, and each socket of the answer)
 _NLMSG_ERROR = 2
 _NO_COOKIE = 0xFFFFFFFF  # (INET_DIAG_NOCOOKIE: any socket at that address)
+_TCP_ESTABLISHED = 1  # (an inet_diag_msg's state)
 
 
 def _diag_queries(host: str, via: Optional[tuple]) -> list:
@@ -648,8 +665,10 @@ def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[se
     """_read_peer_uids through the kernel's own socket lookup (sock_diag, as ``ss`` asks it;
     no privilege needed): the uid of the socket at (host, port) whose peer is `via` (our
     end of a connection to it), or without `via` of the listener a new connection there
-    reaches (bound to that address or to every address); an empty set if there is none;
-    None if netlink cannot say (refused here: the caller reads /proc/net/tcp instead)."""
+    reaches (bound to that address or to every address); an empty set if the socket found is
+    held by no process (a connection its peer closed: the kernel names no owner but root);
+    None if netlink finds none or cannot say (refused here: the caller reads /proc/net/tcp
+    instead, which a socket the lookup cannot find may be in, and remembers it)."""
     import struct
 
     try:
@@ -681,11 +700,19 @@ def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[se
                 if error == errno.ENOENT:
                     continue  # (no such socket: the next family, or none)
                 return None
-            # inet_diag_msg: 4 bytes, the socket's id (48), expires, queues, then its uid
-            if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < 16 + 68:
+            # inet_diag_msg: 4 bytes, the socket's id (48), expires, queues, its uid, inode
+            if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < 16 + 72:
                 return None
-            return {struct.unpack_from("=I", reply, 16 + 64)[0]}
-        return set()
+            uid, inode = struct.unpack_from("=II", reply, 16 + 64)
+            # (no inode and not established: no process holds it, nor will: a time-wait or
+            # orphaned socket, whose uid the kernel gives as 0; established: one not accepted
+            # yet, the listener's)
+            return {uid} if inode or reply[16 + 1] == _TCP_ESTABLISHED else set()
+        # None found: the kernel's lookup misses what /proc/net/tcp lists as ours where a
+        # socket is bound to an interface, which a distributed address does not name (a
+        # link-local address's, SO_BINDTODEVICE, a VRF), and a kernel without tcp_diag (not
+        # built, a module that cannot be loaded) says ENOENT to all
+        return None
     except OSError:
         return None
     finally:
@@ -737,7 +764,9 @@ def _host_and_port(address: Any) -> Optional[tuple]:
         return None
     scheme, _, rest = address.partition("://")
     host, _, port = rest.rpartition(":")
-    if scheme not in ("tcp", "tls", "ws", "wss") or not port.isdigit() or not host:
+    # (isdigit alone takes "²", which int() refuses)
+    if scheme not in ("tcp", "tls", "ws", "wss") or not port.isascii() or \
+            not port.isdigit() or not host:
         return None
     return host, int(port)
 

@@ -1449,10 +1449,11 @@ def test_dask_data_scattered_by_a_client_that_exits_at_once_stays_readable(tmp_p
         assert shared and total == 5.0 * (1 << 18)
 
 
-def socket_as(uid: int, connect_to: int = 0):
+def socket_as(uid: int, connect_to: int = 0, bind_to: int = 0):
     """(port, child pid) of a TCP socket on 127.0.0.1 in a forked child that became `uid`: a
-    process of another user on this machine (the child waits to be killed). A listener;
-    or, given `connect_to`, the local port of its connection to 127.0.0.1:`connect_to`."""
+    process of another user on this machine (the child waits to be killed). A listener (on
+    port `bind_to` if given); or, given `connect_to`, the local port of its connection to
+    127.0.0.1:`connect_to`."""
     import socket
 
     read_end, write_end = os.pipe()
@@ -1467,7 +1468,7 @@ def socket_as(uid: int, connect_to: int = 0):
                 sock = socket.create_connection(("127.0.0.1", connect_to))
             else:
                 sock = socket.socket()
-                sock.bind(("127.0.0.1", 0))
+                sock.bind(("127.0.0.1", bind_to))
                 sock.listen()
             os.write(write_end, str(sock.getsockname()[1]).encode())
             time.sleep(120)
@@ -1512,6 +1513,9 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
              # another machine's process behind a TCP forwarder of ours (ssh -L, socat)
              (to(peer, **{**facts, "pyshm-machine": "0f1e2d3c/4026531840"}), False),
              (to(peer, **{k: v for k, v in facts.items() if k != "pyshm-machine"}), False),
+             # an address no port of which int() reads: no error out of the serializer
+             (to("tcp://127.0.0.1:\u00b2", **facts), False),
+             ({**here, "sender": {"address": "tcp://127.0.0.1:\u00b2"}}, True),
              (None, False)]  # (spilling to disk: no recipient)
     other = None
     if os.geteuid() == 0:  # a worker of another user here: it would be refused the memory
@@ -1535,10 +1539,10 @@ def test_dask_the_owner_of_a_peers_socket_is_asked_of_the_kernel_not_read_from_p
     # with the answers those tables gave, which stay for where netlink is refused
     import socket
 
-    def proc_tables(host, port):
+    def proc_tables(host, port, via=None):
         with monkeypatch.context() as patched:
             patched.setattr(engines, "_diag_uids", lambda *args: None)
-            return engines._read_peer_uids(host, port)
+            return engines._read_peer_uids(host, port, via)
 
     sockets = []
 
@@ -1587,9 +1591,9 @@ def test_dask_the_owner_of_a_peers_socket_is_asked_of_the_kernel_not_read_from_p
         for host, port, via, uids in cases:
             assert engines._read_peer_uids(host, port, via) == uids, (host, port, via)
             if host[0].isdigit() or host[0] in ":[":
-                assert engines._diag_uids(host, port, via) == uids, (host, port, via)
-            if via is None or via[1] != 1:  # (the tables know no connections)
-                assert proc_tables(host, port) == uids, (host, port, via)
+                # (None: none found; then the tables are read, see below)
+                assert engines._diag_uids(host, port, via) == (uids or None), (host, port, via)
+            assert proc_tables(host, port, via) == uids, (host, port, via)
         # where netlink is refused (a seccomp filter, an old sandbox): the tables, as before
         real_socket = socket.socket
 
@@ -1608,6 +1612,138 @@ def test_dask_the_owner_of_a_peers_socket_is_asked_of_the_kernel_not_read_from_p
         for pid in children:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
+
+
+class NetlinkAnsweringNoSuchSocket:
+    """A NETLINK_SOCK_DIAG socket of a kernel without its TCP lookup (inet_diag or tcp_diag
+    not built, or a module that cannot be loaded): every request is answered ENOENT, as if
+    there were no such socket."""
+
+    def __init__(self, *args):
+        self.replies = []
+
+    def settimeout(self, seconds):
+        pass
+
+    def send(self, request):
+        import errno
+        import struct
+
+        sequence = struct.unpack_from("=I", request, 8)[0]
+        self.replies.append(struct.pack("=IHHIIi", 36, 2, 0, sequence, 0, -errno.ENOENT)
+                            + request[:16])
+
+    def recv(self, size):
+        return self.replies.pop(0)
+
+    def close(self):
+        pass
+
+
+def test_dask_a_peers_owner_is_not_remembered_nor_taken_from_a_kernel_that_cannot_tell(
+        monkeypatch, no_fd_leak):
+    # The sock_diag lookup of a peer's owner (35 us) was remembered for a second, as the 7 ms
+    # /proc read was: a socket closed and another user's at that address in that second got
+    # a reference still. A connection its peer closed (time-wait, orphaned) was said to be
+    # root's (the kernel names no owner there). And a kernel without the TCP lookup answers
+    # "no such socket" to all: every peer of ours got bytes, where the tables said ours
+    import socket
+
+    me = {os.geteuid()}
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    child, sockets = None, [server]
+    try:
+        assert engines._peer_uids("127.0.0.1", port) == me
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted = server.accept()[0]
+        sockets += [client, accepted]
+        client_end, accepted_end = client.getsockname(), accepted.getsockname()
+        assert engines._peer_uids(*accepted_end, client_end) == me
+        accepted.close()  # (the peer goes; its end stays, in FIN-WAIT-2, owned by no one)
+        assert engines._diag_uids(*accepted_end, client_end) == set()
+        assert engines._peer_uids(*accepted_end, client_end) == set()
+        # (a listener that had no connection: its port is free at once once it is closed)
+        fresh = socket.create_server(("127.0.0.1", 0))
+        sockets.append(fresh)
+        port = fresh.getsockname()[1]
+        assert engines._peer_uids("127.0.0.1", port) == me
+        fresh.close()
+        assert engines._peer_uids("127.0.0.1", port) == set()  # (at once: nobody there)
+        if os.geteuid() == 0:  # another user's listener at that address, at once
+            bound, child = socket_as(65534, bind_to=port)
+            assert bound == port
+            assert engines._peer_uids("127.0.0.1", port) == {65534}
+            context = {"recipient": {"address": f"tcp://127.0.0.1:{port}",
+                                     "pickle-protocol": 5, engines._ANNOUNCED:
+                                     engines._REFERENCE_FORMAT, engines._MACHINE_KEY:
+                                     engines._machine(_channel.own_netns())}}
+            assert not engines._recipient_here(context)
+        # a kernel that answers ENOENT to every lookup: not "nobody"; the tables (7 ms,
+        # remembered) answer
+        with socket.create_server(("127.0.0.1", 0)) as ours:
+            real_socket = socket.socket
+
+            def kernel_without_tcp_lookup(family=-1, *args, **kwargs):
+                if family == socket.AF_NETLINK:
+                    return NetlinkAnsweringNoSuchSocket()
+                return real_socket(family, *args, **kwargs)
+
+            with monkeypatch.context() as patched:
+                patched.setattr(socket, "socket", kernel_without_tcp_lookup)
+                assert engines._diag_uids("127.0.0.1", ours.getsockname()[1]) is None
+                assert engines._peer_uids("127.0.0.1", ours.getsockname()[1]) == me
+    finally:
+        for sock in sockets:
+            sock.close()
+        if child is not None:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+
+
+def test_dask_a_peer_whose_socket_is_bound_to_an_interface_is_ours(no_fd_leak):
+    # The kernel's lookup (sock_diag) finds a socket bound to an interface only given that
+    # interface, which a distributed address does not name: a connection to a link-local
+    # IPv6 address of ours ("[fe80::1]:port", no scope: the client's end is bound to the
+    # scope's interface), a listener bound with SO_BINDTODEVICE (or in a VRF). It said
+    # "nobody" and the peer got bytes where the /proc tables said ours; they answer now
+    import ipaddress
+    import socket
+
+    me = {os.geteuid()}
+    with socket.create_server(("127.0.0.1", 0)) as plain:  # (one the lookup finds)
+        assert engines._diag_uids("127.0.0.1", plain.getsockname()[1]) == me
+    with open("/proc/net/if_inet6") as table:
+        scoped = [(str(ipaddress.ip_address(int(words[0], 16))), int(words[1], 16))
+                  for words in map(str.split, table) if words[0].startswith("fe80")]
+    tried = 0
+    if scoped:
+        address, interface = scoped[0]
+        with socket.create_server(("::", 0), family=socket.AF_INET6) as server, \
+                socket.socket(socket.AF_INET6) as client:
+            client.connect((address, server.getsockname()[1], 0, interface))
+            with server.accept()[0] as accepted:
+                client_end, accepted_end = client.getsockname()[:2], accepted.getsockname()[:2]
+                assert client_end[0] == address and engines._local_host(address)
+                assert engines._peer_uids(*accepted_end, client_end) == me  # (to the server)
+                assert engines._peer_uids(*client_end, accepted_end) == me  # (to the client)
+        tried += 1
+    with socket.socket() as server:
+        try:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b"lo")
+        except PermissionError:  # (CAP_NET_RAW needed)
+            pass
+        else:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            port = server.getsockname()[1]
+            assert engines._peer_uids("127.0.0.1", port) == me
+            with socket.create_connection(("127.0.0.1", port)) as client, \
+                    server.accept()[0]:  # (an accepted end is bound to that interface too)
+                assert engines._peer_uids("127.0.0.1", port, client.getsockname()) == me
+            tried += 1
+    if not tried:
+        pytest.skip("no link-local IPv6 address here, and SO_BINDTODEVICE not permitted")
 
 
 LOAD_WITHOUT_PYSHM = """

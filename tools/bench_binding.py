@@ -16,7 +16,8 @@ min and median microseconds per call over `--repeat` rounds of `--number` calls:
             HandleLifetime._release_with, and by weakref.finalize: pyshm/_memory.py
   address   an array's data pointer read at its offset and through __array_interface__:
             _memory.py, data_address
-  peers     one read of /proc/net/tcp and tcp6 for a peer's uids: pyshm/engines.py
+  peers     a peer's uids: one sock_diag lookup, one read of /proc/net/tcp and tcp6:
+            pyshm/engines.py, _peer_uids
 
     PYTHONPATH=. python3 tools/bench_binding.py                 # every case
     PYTHONPATH=. python3 tools/bench_binding.py gil typed --repeat 9
