@@ -25,7 +25,8 @@ What each hook does, and the engine's extension point it uses:
   hook wraps its two array reducers (``ArrayMemmapForwardReducer.__call__`` and
   ``reduce_array_memmap_backward``): a pyshm array goes by reference, anything else as before.
   Its picklers do not use torch's ForkingPickler reducer: the reducers it makes for a pool or
-  an executor (``get_memmapping_reducers``) get pyshm's for torch tensors too.
+  an executor (``get_memmapping_reducers``) get pyshm's for torch tensors too, in front of the
+  user's own (_JoblibTensor).
 * **dask.distributed** serializes numpy arrays with the serializer it registers for them in
   its ``dask_serialize`` registry (scatter, results, transfers between workers); the hook
   registers a wrapper there: shared pyshm memory sent straight to a process of this user on
@@ -60,6 +61,7 @@ What each hook does, and the engine's extension point it uses:
 
 from __future__ import annotations
 
+import copyreg
 import importlib.abc
 import os
 import pickle
@@ -106,7 +108,7 @@ def install() -> frozenset:
                 pass  # (another version of the engine: it keeps its own ways)
     for name, tensors in (("ray", _install_ray_tensors),
                           ("distributed", _install_distributed_tensors),
-                          ("joblib", _add_late_joblib_tensors)):
+                          ("joblib", _update_joblib_reducers)):
         if name in _installed:
             try:
                 tensors()
@@ -359,20 +361,48 @@ def _install_joblib() -> None:
         reduce_array_memmap_backward._pyshm_wraps = backward
         reduce_array_memmap_backward._pyshm_joblib_backward = True  # (kept by cloudpickle)
         module.reduce_array_memmap_backward = reduce_array_memmap_backward
-        _repoint_loky_results(backward, reduce_array_memmap_backward)
+        _repoint_pending.append(True)  # (see _update_joblib_reducers, which install() calls)
     _install_joblib_tensors(module)
     _installed.add("joblib")
 
 
-def _joblib_tensor(tensor: Any) -> tuple:
-    """joblib's reducer for torch tensors (both ways): over pyshm memory by reference (read-only
-    memory by value, see _tensor_by_value), any other tensor as joblib pickles it without
-    pyshm (torch's own pickling, by value)."""
-    try:
-        reduced = _tensor_reduction(tensor)
-    except _ReadOnlyTensor:
-        return _tensor_by_value(tensor)
-    return reduced or tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+class _JoblibTensor:
+    """joblib's reducer for torch tensors (both ways) in a pool's or an executor's reducers:
+    over pyshm memory by reference (read-only memory by value, see _tensor_by_value); any other
+    tensor as joblib's pickler would send it without pyshm: by the reducer that was in those
+    reducers for its type (``previous``: one of the user's, ``forward_reducers`` and
+    ``backward_reducers``), else one registered for its type with ``copyreg`` or, for loky's
+    pickler (``loky``), with loky's ``register``, else torch's own pickling (by value)."""
+
+    __slots__ = ("previous", "loky")
+
+    def __init__(self, previous: Any, loky: bool) -> None:
+        self.previous, self.loky = previous, loky
+
+    def __call__(self, tensor: Any) -> tuple:
+        try:
+            reduced = _tensor_reduction(tensor)
+        except _ReadOnlyTensor:
+            return _tensor_by_value(tensor)
+        if reduced is not None:
+            return reduced
+        reducer = self.previous or _registered_reducer(type(tensor), self.loky)
+        if reducer is not None:
+            return reducer(tensor)
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+    def __reduce__(self):
+        return _JoblibTensor, (self.previous, self.loky)
+
+
+def _registered_reducer(kind: type, loky: bool) -> Any:
+    """The reducer registered for ``kind`` with copyreg or, for loky's pickler, in loky's
+    registry (``loky.backend.reduction.register``, which that pickler puts above copyreg's),
+    or None."""
+    registry = getattr(sys.modules.get("joblib.externals.loky.backend.reduction"),
+                       "_dispatch_table", None) if loky else None
+    found = registry.get(kind) if isinstance(registry, dict) else None
+    return found or copyreg.dispatch_table.get(kind)
 
 
 def _install_joblib_tensors(module: Any) -> None:
@@ -380,7 +410,7 @@ def _install_joblib_tensors(module: Any) -> None:
     get_memmapping_reducers makes for it (a dispatch table: numpy's arrays only), and torch's
     tensor reducer is ForkingPickler's, which joblib's picklers do not use: so the reducers
     made get pyshm's for torch tensors too (those made before torch's import get it at that
-    import: _add_late_joblib_tensors). joblib.pool and joblib.executor hold the function under
+    import: _update_joblib_reducers). joblib.pool and joblib.executor hold the function under
     their own names (imported from the module)."""
     original = module.get_memmapping_reducers
     wrapped = original
@@ -388,10 +418,12 @@ def _install_joblib_tensors(module: Any) -> None:
 
         def get_memmapping_reducers(*args, **kwargs):
             forward, backward = original(*args, **kwargs)
-            if _with_joblib_tensors(forward) and _with_joblib_tensors(backward):
+            # (for loky's executor, or for a multiprocessing pool: whose pickler's registry)
+            loky = sys._getframe(1).f_globals.get("__name__") == "joblib.executor"
+            if _with_joblib_tensors(forward, loky) and _with_joblib_tensors(backward, loky):
                 return forward, backward
             # (no torch yet: dicts it can find again once torch is imported)
-            forward, backward = _Reducers(forward), _Reducers(backward)
+            forward, backward = _Reducers(forward, loky), _Reducers(backward, loky)
             for reducers in (forward, backward):
                 _reducers_without_tensors[id(reducers)] = reducers
             return forward, backward
@@ -408,9 +440,14 @@ def _install_joblib_tensors(module: Any) -> None:
 
 class _Reducers(dict):
     """joblib's reducers for a pool or an executor made before torch's import, in a dict that a
-    weak reference can name; pickled (a loky worker's result reducers go to it) as a plain dict."""
+    weak reference can name, with the pickler they are for (``loky``: see _JoblibTensor);
+    pickled (a loky worker's result reducers go to it) as a plain dict."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "loky")
+
+    def __init__(self, reducers: dict, loky: bool) -> None:
+        super().__init__(reducers)
+        self.loky = loky
 
     def __reduce__(self):
         return dict, (dict(self),)
@@ -419,62 +456,89 @@ class _Reducers(dict):
 # (the reducer dicts made before torch's import, while their pool or executor lives)
 _reducers_without_tensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _late_joblib_tensors_added = False
+_repoint_pending: list = []  # (the hook is in: a loky worker's result reducers to repoint)
+_loky_results: list = []  # ([the result reducers of this loky worker], once looked for)
 
 
-def _with_joblib_tensors(reducers: dict) -> bool:
-    """Add pyshm's reducer for torch tensors to a dict of joblib's reducers; False (nothing
-    added) if torch is not imported."""
+def _torch_ready() -> bool:
+    """Whether torch is imported, as far as its tensor types (torch.nn.Parameter)."""
     torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "nn"):
+    return torch is not None and hasattr(torch, "nn")
+
+
+def _with_joblib_tensors(reducers: dict, loky: bool) -> bool:
+    """Add pyshm's reducer for torch tensors to a dict of joblib's reducers, for loky's pickler
+    or not (in front of the one there: _JoblibTensor); False (nothing added) if torch is not
+    imported."""
+    if not _torch_ready():
         return False
+    torch = _torch()
     for kind in (torch.Tensor, torch.nn.Parameter):
-        reducers.setdefault(kind, _joblib_tensor)
+        previous = reducers.get(kind)
+        if type(previous) is not _JoblibTensor:
+            reducers[kind] = _JoblibTensor(previous, loky)
     return True
 
 
-def _add_late_joblib_tensors() -> None:
-    """Once torch is imported in a process that made joblib reducers before (a pool or an
-    executor, which keeps them for its life; a loky worker's result reducers, unpickled at its
-    start): they get pyshm's tensor reducer, so tensors over pyshm memory go by reference
-    through them too."""
+def _executor_reducers() -> list:
+    """The reducer dicts of loky's reusable executor (joblib's loky backend: one per process,
+    which every Parallel call reuses with the reducers it was made with), if there is one."""
+    loky = sys.modules.get("joblib.externals.loky.reusable_executor")
+    executor = getattr(loky, "_executor", None)
+    queues = (getattr(executor, "_call_queue", None), getattr(executor, "_result_queue", None))
+    return [q._reducers for q in queues if isinstance(getattr(q, "_reducers", None), dict)]
+
+
+def _update_joblib_reducers() -> None:
+    """After the joblib hook's install and after each later watched import (install()): the
+    reducers joblib made before get what they lack. Once torch is imported, pyshm's tensor
+    reducer: the reducers made before torch's import (a pool or an executor keeps them for its
+    life) and those of loky's executor, made maybe before pyshm's import. In a loky worker, its
+    result reducers (unpickled at its start): pyshm's array reducer in place of joblib's, and
+    the tensor reducer. So tensors and arrays over pyshm memory go by reference through all of
+    them."""
     global _late_joblib_tensors_added
-    if _late_joblib_tensors_added or "torch" not in sys.modules or \
-            not _with_joblib_tensors({}):
+    tensors = not _late_joblib_tensors_added and _torch_ready()
+    if tensors:
+        _late_joblib_tensors_added = True
+        for reducers in list(_reducers_without_tensors.values()):
+            _with_joblib_tensors(reducers, reducers.loky)
+        for reducers in _executor_reducers():
+            _with_joblib_tensors(reducers, True)
+        _reducers_without_tensors.clear()
+    repoint = bool(_repoint_pending)
+    if not (tensors or repoint):
         return
-    _late_joblib_tensors_added = True
-    for reducers in list(_reducers_without_tensors.values()):
-        _with_joblib_tensors(reducers)
-    _reducers_without_tensors.clear()
+    _repoint_pending.clear()
     module = sys.modules["joblib._memmapping_reducer"]
-    backward = module.reduce_array_memmap_backward
-    for holder in _loky_result_reducers(getattr(backward, "_pyshm_wraps", backward)):
-        _with_joblib_tensors(holder)
+    wrapped = module.reduce_array_memmap_backward
+    original = getattr(wrapped, "_pyshm_wraps", wrapped)
+    for holder in _loky_result_reducers(original):
+        for kind in (np.ndarray, np.memmap):
+            if repoint and holder.get(kind) is original:
+                holder[kind] = wrapped
+        if tensors:
+            _with_joblib_tensors(holder, True)
 
 
 def _loky_result_reducers(original: Any) -> list:
     """In a loky worker: the dicts of reducers (its result queue's, unpickled at its start)
     whose reducer for numpy arrays is joblib's ``original`` or pyshm's wrapper of it (a copy:
-    cloudpickle sends closures by value); none elsewhere. (Found among the referrers of
-    np.ndarray: a walk over every object, once or twice per worker.)"""
+    cloudpickle sends closures by value); none elsewhere. Found among the referrers of
+    np.ndarray, a walk over every object: once per worker, kept (a worker has one result queue,
+    unpickled before its first task: before _CURRENT_DEPTH is set)."""
+    if _loky_results:
+        return _loky_results[0]
     loky = sys.modules.get("joblib.externals.loky.process_executor")
     if loky is None or not getattr(loky, "_CURRENT_DEPTH", 0) > 0:
         return []
     import gc
 
-    return [holder for holder in gc.get_referrers(np.ndarray) if isinstance(holder, dict) and
-            (holder.get(np.ndarray) is original or
-             getattr(holder.get(np.ndarray), "_pyshm_joblib_backward", False))]
-
-
-def _repoint_loky_results(original: Any, wrapped: Any) -> None:
-    """In a loky worker (of an executor started before this process imported pyshm), the
-    reducers of its result queue, a dict it unpickled at its start, still name joblib's own
-    backward reducer, so its results would come back as copies for the executor's whole
-    life: point them to pyshm's."""
-    for holder in _loky_result_reducers(original):
-        for kind in (np.ndarray, np.memmap):
-            if holder.get(kind) is original:
-                holder[kind] = wrapped
+    _loky_results.append([
+        holder for holder in gc.get_referrers(np.ndarray) if isinstance(holder, dict) and
+        (holder.get(np.ndarray) is original or
+         getattr(holder.get(np.ndarray), "_pyshm_joblib_backward", False))])
+    return _loky_results[0]
 
 
 # ---- dask.distributed -------------------------------------------------------------------------
@@ -743,8 +807,7 @@ def _install_distributed_tensors() -> None:
     recipient where a reference goes, pyshm makes the same message with the context passed
     on (the numpy view: found by address, see reduction.as_pyshm); distributed's deserializer
     then makes the tensor over the same memory. Other tensors go distributed's way."""
-    if "distributed" not in _installed or "torch" not in sys.modules or \
-            not hasattr(sys.modules["torch"], "nn"):
+    if "distributed" not in _installed or not _torch_ready():
         return
     from distributed.protocol.serialize import dask_serialize, serialize
 
@@ -1439,8 +1502,7 @@ def _install_ray() -> None:
 
 def _install_ray_tensors() -> None:
     """Tensors over pyshm memory through Ray (once both are imported)."""
-    if "ray" not in _installed or "torch" not in sys.modules or \
-            not hasattr(sys.modules["torch"], "nn"):
+    if "ray" not in _installed or not _torch_ready():
         return
     torch = _torch()
     for kind in (torch.Tensor, torch.nn.Parameter):

@@ -654,19 +654,25 @@ def test_joblib_executor_started_before_pyshm_returns_the_parents_arrays():
     assert out.decode().split() == ["[True,", "True,", "True,", "True]", str(1 << 20)]
 
 
-def test_joblib_executor_made_before_torchs_import_sends_tensors_by_reference():
+@pytest.mark.parametrize("before, after", [("import pyshm", "import torch"),
+                                           ("", "import torch, pyshm"),
+                                           ("import torch", "import pyshm")])
+def test_joblib_executor_made_before_torchs_or_pyshms_import_sends_tensors_by_reference(
+        before, after):
     # an executor keeps the reducers it was made with (loky's workers: those of their results,
-    # from their start): one made before torch's import now sends tensors over pyshm memory as
-    # that memory both ways once torch is imported (before: by value for the executor's whole
-    # life, the workers' writes lost without a word)
+    # from their start), and joblib reuses it: one made before torch's or pyshm's import now
+    # sends tensors over pyshm memory as that memory both ways once both are imported (before:
+    # by value for the executor's whole life, the workers' writes lost without a word; made
+    # before pyshm's import: [False]*4 and 0 until this fix)
     engine_or_skip("joblib")
     torch_or_skip()
-    out = run_python("""
+    out = run_python(f"""
         import numpy as np
-        import pyshm
         from joblib import Parallel, delayed
+        {before}
         Parallel(n_jobs=2)(delayed(abs)(i) for i in range(2))  # (the executor, started)
-        import torch
+        {after}
+        import pyshm, torch
         a = pyshm.zeros((4, 1 << 16), np.float32, shared=True)
         t = torch.from_numpy(a)
         def fill(x):
@@ -676,6 +682,89 @@ def test_joblib_executor_made_before_torchs_import_sends_tensors_by_reference():
         print([b.data_ptr() == t[i].data_ptr() for i, b in enumerate(backs)], int(a.sum()))
     """)
     assert out.decode().split() == ["[True,", "True,", "True,", "True]", str(3 << 18)]
+
+
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+
+def rebuild_point(x):
+    point = Point(x)
+    point.via = "the user's reducer"
+    return point
+
+
+def reduce_point(point):
+    return rebuild_point, (point.x,)
+
+
+def rebuild_marked_tensor(values, mark):
+    import torch
+
+    tensor = torch.from_numpy(values)
+    tensor.via = mark
+    return tensor
+
+
+def reduce_marked_tensor(tensor, mark="the user's reducer"):
+    return rebuild_marked_tensor, (tensor.detach().numpy().copy(), mark)
+
+
+def reduce_tensor_for_copyreg(tensor):
+    return reduce_marked_tensor(tensor, "copyreg")
+
+
+def reduce_tensor_for_loky(tensor):
+    return reduce_marked_tensor(tensor, "loky's registry")
+
+
+def users_reducers_seen(point, shared, plain, parameter, array):
+    import torch
+
+    shared.numpy()[...] += 1
+    array += 1
+    return ([getattr(x, "via", None) for x in (point, plain, parameter)], shared, array,
+            torch.zeros(2))
+
+
+@pytest.mark.parametrize("backend", ["loky", "multiprocessing"])
+def test_joblib_uses_the_users_own_reducers_beside_pyshms(backend):
+    # reducers of the user's own, for this Parallel (forward_reducers, backward_reducers: in
+    # Parallel's arguments or parallel_config's) or registered for every pickling (copyreg,
+    # and loky's register for loky's pickler, above copyreg there), still pickle what is not
+    # pyshm memory, and pyshm memory still goes by reference (before: a user's tensor reducer
+    # for this Parallel sent pyshm tensors by value, the worker's write lost; one registered
+    # with loky or copyreg was never called)
+    joblib = engine_or_skip("joblib")
+    torch = torch_or_skip()
+    import copyreg
+
+    from joblib.externals.loky.backend import reduction as loky_reduction
+
+    array = pyshm.zeros(1 << 10, np.float32, shared=True)
+    shared = torch.from_numpy(pyshm.zeros(1 << 10, np.float32, shared=True))[8:]
+    plain, parameter = torch.zeros(3), torch.nn.Parameter(torch.zeros(3))
+    call = [joblib.delayed(users_reducers_seen)(Point(1), shared, plain, parameter, array)]
+    own = {"forward_reducers": {Point: reduce_point, torch.Tensor: reduce_marked_tensor},
+           "backward_reducers": {torch.Tensor: reduce_marked_tensor}}
+    copyreg.pickle(torch.nn.Parameter, reduce_tensor_for_copyreg)
+    loky_reduction.register(torch.nn.Parameter, reduce_tensor_for_loky)
+    try:
+        if backend == "loky":
+            results = joblib.Parallel(n_jobs=2, backend=backend, **own)(call)
+        else:
+            with joblib.parallel_config(backend=backend, n_jobs=2, **own):
+                results = joblib.Parallel()(call)
+    finally:
+        loky_reduction._dispatch_table.pop(torch.nn.Parameter, None)
+        copyreg.dispatch_table.pop(torch.nn.Parameter, None)
+    (seen, back, back_array, result), = results
+    assert seen == ["the user's reducer", "the user's reducer",
+                    "loky's registry" if backend == "loky" else "copyreg"]
+    assert getattr(result, "via", None) == "the user's reducer"  # (backward_reducers)
+    assert back.data_ptr() == shared.data_ptr() and (shared == 1).all()
+    assert back_array.ctypes.data == array.ctypes.data and (array == 1).all()
 
 
 # ---- attacks on the hooks (a review's findings) ----------------------------------------------
