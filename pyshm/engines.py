@@ -919,12 +919,15 @@ def _workers_of(client: Any) -> list:
 def _refs_in(values: list, kind: Any = None, wanted: Any = None) -> dict:
     """The pyshm.refs (or the instances of ``kind`` for which ``wanted`` is true) where dask
     looks (see _swap_refs) in ``values``, by their ids; each container walked once (a cycle,
-    or one list in many places, costs no more)."""
+    or one list in many places, costs no more), and each instance asked once."""
     refs: dict = {}
+    seen: set = set()
 
     def note(ref: Any) -> Any:
-        if wanted is None or wanted(ref):
-            refs[id(ref)] = ref
+        if id(ref) not in seen:
+            seen.add(id(ref))
+            if wanted is None or wanted(ref):
+                refs[id(ref)] = ref
         return ref
 
     _swap_refs(list(values), note, kind)
@@ -1201,15 +1204,16 @@ def _scattered_kinds() -> tuple:
         else (np.ndarray,)
 
 
-def _array_as_ref(a: Any) -> Any:
-    """A ref of ``a`` if it is a pyshm array to pass by reference (_pyshm_array: shared, or
-    shared in place now, on the caller's thread), else ``a`` (dask's own way: by value). An
-    array that cannot be shared in place (a slice of a private arena, no memory or fds left
-    for its memfd) goes by value too, as it would without pyshm."""
-    if type(a) is not np.ndarray:
-        return _TensorRef(a) if _pyshm_tensor(a) else a
-    if not _pyshm_array(a):
+def _array_as_ref(a: Any, sendable: bool) -> Any:
+    """A ref of ``a`` if it is a pyshm array or tensor to pass by reference (``sendable``:
+    _pyshm_value's answer, asked once: shared, or shared in place now, on the caller's
+    thread), else ``a`` (dask's own way: by value). An array that cannot be shared in place (a
+    slice of a private arena, no memory or fds left for its memfd) goes by value too, as it
+    would without pyshm."""
+    if not sendable:
         return a
+    if type(a) is not np.ndarray:
+        return _TensorRef(a)
     try:
         return reduction.Ref(reduction.as_pyshm(a))
     except (TypeError, OSError, MemoryError):
@@ -1228,12 +1232,13 @@ def _arrays_as_refs(client: Any, args: tuple, kwargs: dict, names: list,
     at = [i for i, a in enumerate(args) if not each or isinstance(a, (list, tuple))]
     looked = [args[i] for i in at] + [kwargs[name] for name in names]
     kinds = _scattered_kinds()
-    if not _refs_in(looked, kinds, _pyshm_value):
+    sendable = _refs_in(looked, kinds, _pyshm_value)
+    if not sendable:
         return args, kwargs, None  # (no pyshm array: no question to the scheduler)
     workers = _workers_here(client)
     if not workers:
         return args, kwargs, workers
-    swapped = _swap_refs(looked, _array_as_ref, kinds)
+    swapped = _swap_refs(looked, lambda a: _array_as_ref(a, id(a) in sendable), kinds)
     args = list(args)
     for i, value in zip(at, swapped):
         args[i] = value
