@@ -684,6 +684,31 @@ def test_joblib_executor_made_before_torchs_or_pyshms_import_sends_tensors_by_re
     assert out.decode().split() == ["[True,", "True,", "True,", "True]", str(3 << 18)]
 
 
+def test_joblib_tensor_made_in_a_worker_that_alone_imports_torch_is_the_parents_memory():
+    # torch imported in a loky worker only (a task's import), after the executor's start: the
+    # worker's result reducers get the tensor reducer then, so a tensor it makes over a pyshm
+    # array it received comes back over the parent's memory (the parent imports torch then)
+    engine_or_skip("joblib")
+    torch_or_skip()
+    out = run_python("""
+        import sys
+        import numpy as np
+        import pyshm
+        from joblib import Parallel, delayed
+        def as_tensor(x):
+            import torch
+            t = torch.from_numpy(x)[2:].view(-1, 2)
+            t.numpy()[...] = 7
+            return t
+        a = pyshm.zeros((2, 64), np.float32, shared=True)
+        Parallel(n_jobs=2)(delayed(abs)(i) for i in range(2))  # (the executor, started)
+        assert "torch" not in sys.modules
+        backs = Parallel(n_jobs=2)(delayed(as_tensor)(a[i]) for i in range(2))
+        print([b.data_ptr() == a[i, 2:].ctypes.data for i, b in enumerate(backs)], int(a.sum()))
+    """)
+    assert out.decode().split() == ["[True,", "True]", str(2 * 62 * 7)]
+
+
 class Point:
     def __init__(self, x):
         self.x = x
@@ -2381,6 +2406,26 @@ def test_ray_carries_tensors_over_pyshm_memory(ray_session):
     # the worker may write (the memory itself would crash it)
     back, _ = ray.get(ray.remote(add_one_tensor_and_say_where).remote(readonly))
     assert float(back.sum()) == 1024 and float(frozen.sum()) == 0
+
+
+def same_tensor(tensor):
+    return tensor
+
+
+def test_ray_carries_strided_and_expanded_views_of_pyshm_memory(ray_session):
+    # a view with an offset and strides over part of a pyshm array, and one with a zero stride
+    # (expand): the same memory both ways, as for the other engines
+    torch = torch_or_skip()
+    ray = ray_session
+    array = pyshm.zeros((64, 48), np.float32, shared=True)
+    strided = torch.from_numpy(array)[8:16, 1::3].t()
+    back, _ = ray.get(ray.remote(add_one_tensor_and_say_where).remote(strided))
+    assert back.data_ptr() == strided.data_ptr() and back.stride() == strided.stride()
+    assert (array[8:16, 1::3] == 1).all() and array.sum() == 8 * 16
+    expanded = torch.from_numpy(array)[20, :8].expand(4, 8)
+    back = ray.get(ray.remote(same_tensor).remote(expanded))
+    assert back.data_ptr() == expanded.data_ptr() and back.stride() == (0, 1)
+    assert back.shape == (4, 8) and (back == 0).all()
 
 
 def total(value):
