@@ -62,6 +62,7 @@ What each hook does, and the engine's extension point it uses:
 from __future__ import annotations
 
 import copyreg
+import importlib
 import importlib.abc
 import os
 import pickle
@@ -352,18 +353,40 @@ def _install_joblib() -> None:
         forward.__call__ = __call__
     backward = module.reduce_array_memmap_backward
     if getattr(backward, "_pyshm_wraps", None) is None:
-
-        def reduce_array_memmap_backward(a):
-            if _pyshm_array(a):
-                return reduction.reduce_ndarray(a)
-            return backward(a)
-
-        reduce_array_memmap_backward._pyshm_wraps = backward
-        reduce_array_memmap_backward._pyshm_joblib_backward = True  # (kept by cloudpickle)
-        module.reduce_array_memmap_backward = reduce_array_memmap_backward
+        module.reduce_array_memmap_backward = _JoblibBackward(backward)
         _repoint_pending.append(True)  # (see _update_joblib_reducers, which install() calls)
     _install_joblib_tensors(module)
     _installed.add("joblib")
+
+
+class _JoblibBackward:
+    """pyshm's wrapper of joblib's ``reduce_array_memmap_backward`` (``_pyshm_wraps``), the
+    reducer of arrays in results: a pyshm array by reference, any other as joblib's. Pickled
+    (a worker's result reducers go to it: loky's, a pool's of a spawn or forkserver context)
+    as the wrapper of the process that loads it, by any pickler (loky's may be plain pickle:
+    LOKY_PICKLER), where a function of its own would not pickle."""
+
+    __slots__ = ("_pyshm_wraps",)
+    _pyshm_joblib_backward = True  # (the mark by which a loky worker finds its result reducers)
+
+    def __init__(self, original: Any) -> None:
+        self._pyshm_wraps = original
+
+    def __call__(self, a: Any) -> tuple:
+        if _pyshm_array(a):
+            return reduction.reduce_ndarray(a)
+        return self._pyshm_wraps(a)
+
+    def __reduce__(self):
+        return _joblib_backward, ()
+
+
+def _joblib_backward() -> Any:
+    """This process's reducer of arrays in joblib's results (a pickled _JoblibBackward): pyshm's
+    wrapper, or joblib's own where the hook cannot go in."""
+    module = importlib.import_module("joblib._memmapping_reducer")
+    install()
+    return module.reduce_array_memmap_backward
 
 
 class _JoblibTensor:
@@ -523,8 +546,8 @@ def _update_joblib_reducers() -> None:
 
 def _loky_result_reducers(original: Any) -> list:
     """In a loky worker: the dicts of reducers (its result queue's, unpickled at its start)
-    whose reducer for numpy arrays is joblib's ``original`` or pyshm's wrapper of it (a copy:
-    cloudpickle sends closures by value); none elsewhere. Found among the referrers of
+    whose reducer for numpy arrays is joblib's ``original`` or pyshm's wrapper of it; none
+    elsewhere. Found among the referrers of
     np.ndarray, a walk over every object: once per worker, kept (a worker has one result queue,
     unpickled before its first task: before _CURRENT_DEPTH is set)."""
     if _loky_results:

@@ -709,6 +709,31 @@ def test_joblib_tensor_made_in_a_worker_that_alone_imports_torch_is_the_parents_
     assert out.decode().split() == ["[True,", "True]", str(2 * 62 * 7)]
 
 
+@pytest.mark.parametrize("setting, backend", [("LOKY_PICKLER=pickle", "loky"),
+                                              ("JOBLIB_START_METHOD=spawn", "multiprocessing"),
+                                              ("JOBLIB_START_METHOD=forkserver",
+                                               "multiprocessing")])
+def test_joblib_workers_that_get_their_reducers_by_plain_pickle_start(setting, backend):
+    # loky with plain pickle for its pickler, and a pool of a spawn or forkserver context
+    # (Python 3.14's default on Linux), pickle the reducers of results for each worker with
+    # plain pickle: pyshm's, a function of its own, could not be, so every Parallel call
+    # raised (before: AttributeError "Can't pickle local object ...reduce_array_memmap_
+    # backward"); now they start, and pyshm arrays go by reference both ways
+    engine_or_skip("joblib")
+    name, _, value = setting.partition("=")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import numpy as np
+        import pyshm
+        from joblib import Parallel, delayed
+        a = pyshm.zeros((2, 1 << 18), np.float32, shared=True)
+        backs = Parallel(n_jobs=2, backend="{backend}")(
+            delayed(np.add)(a[i], 3, out=a[i]) for i in range(2))
+        print([b.ctypes.data == a[i].ctypes.data for i, b in enumerate(backs)], int(a.sum()))
+    """)], capture_output=True, timeout=120, cwd=HERE, env={**os.environ, name: value})
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split() == ["[True,", "True]", str(3 << 19)]
+
+
 class Point:
     def __init__(self, x):
         self.x = x
