@@ -449,6 +449,9 @@ def _install_joblib_tensors(module: Any) -> None:
             forward, backward = _Reducers(forward, loky), _Reducers(backward, loky)
             for reducers in (forward, backward):
                 _reducers_without_tensors[id(reducers)] = reducers
+            if _late_joblib_tensors_added:  # (torch came meanwhile, imported by another thread)
+                for reducers in (forward, backward):
+                    _with_joblib_tensors(reducers, loky)
             return forward, backward
 
         get_memmapping_reducers._pyshm_wraps = original

@@ -734,6 +734,24 @@ def test_joblib_workers_that_get_their_reducers_by_plain_pickle_start(setting, b
     assert done.stdout.decode().split() == ["[True,", "True]", str(3 << 19)]
 
 
+def test_joblib_reducers_made_while_another_thread_imports_torch_get_the_tensor_reducer(
+        monkeypatch):
+    # a pool or an executor made on one thread while torch's import completes on another: its
+    # reducers, made when torch was not there yet, are registered after the import's update
+    # took the reducers to update (forced here: torch is said absent to the maker only).
+    # Before, they kept no tensor reducer for their life (tensors by value, writes lost)
+    engine_or_skip("joblib")
+    torch = torch_or_skip()
+    from joblib import _memmapping_reducer
+
+    assert engines._late_joblib_tensors_added  # (torch's import has updated the reducers)
+    monkeypatch.setattr(engines, "_torch_ready", iter([False] + [True] * 9).__next__)
+    forward, backward = _memmapping_reducer.get_memmapping_reducers()
+    for reducers in (forward, backward):
+        assert isinstance(reducers[torch.Tensor], engines._JoblibTensor)
+        assert isinstance(reducers[torch.nn.Parameter], engines._JoblibTensor)
+
+
 class Point:
     def __init__(self, x):
         self.x = x
