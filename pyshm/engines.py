@@ -550,9 +550,9 @@ def _update_joblib_reducers() -> None:
 def _loky_result_reducers(original: Any) -> list:
     """In a loky worker: the dicts of reducers (its result queue's, unpickled at its start)
     whose reducer for numpy arrays is joblib's ``original`` or pyshm's wrapper of it; none
-    elsewhere. Found among the referrers of
-    np.ndarray, a walk over every object: once per worker, kept (a worker has one result queue,
-    unpickled before its first task: before _CURRENT_DEPTH is set)."""
+    elsewhere. Found among the referrers of np.ndarray, a walk over every object: once per
+    worker, kept (a worker has one result queue, unpickled before its first task: before
+    _CURRENT_DEPTH is set)."""
     if _loky_results:
         return _loky_results[0]
     loky = sys.modules.get("joblib.externals.loky.process_executor")
