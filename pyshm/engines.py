@@ -745,6 +745,9 @@ def _recipient_here(context: Any) -> bool:
 # format of those it loads (the "pyshm" key of a reference's header too)
 _ANNOUNCED = "pyshm"
 _REFERENCE_FORMAT = 1
+# ... and the key of a message's context (never sent) under which a tensor's numpy view goes by
+# reference only over memory its receivers may write (_install_distributed_tensors)
+_WRITABLE_ONLY = "pyshm-writable-only"
 # ... and the key by which it says where it runs: this boot of this machine, this network
 # namespace (whose abstract sockets the channel uses)
 _MACHINE_KEY = "pyshm-machine"
@@ -811,8 +814,11 @@ def _install_distributed() -> None:
         # (pyshm not importable there) logs the pickle's first frame, and only that.
         found = reduction.as_pyshm(x) if type(x) is np.ndarray and x.nbytes > 0 else None
         if found is not None and is_shared(found) and _recipient_here(context):
+            reduced = reduction.reduce_ndarray(found)  # (what pickling a ref of it makes)
+            if reduced[1][1].readonly and context.get(_WRITABLE_ONLY):
+                return original(x, context=context)  # (a tensor's view: see below)
             frames: list = [None]
-            frames[0] = pickle.dumps(reduction.Ref(found), protocol=5,
+            frames[0] = pickle.dumps(_Reduced(reduced), protocol=5,
                                      buffer_callback=lambda b: frames.append(b.raw()))
             return {"pickle": True, _ANNOUNCED: _REFERENCE_FORMAT}, frames
         return original(x, context=context)
@@ -831,8 +837,11 @@ def _install_distributed_tensors() -> None:
     numpy view, or a Parameter's tensor, without the message's context, so that the array
     serializer above would send it by value: for a tensor over pyshm memory shared, and a
     recipient where a reference goes, pyshm makes the same message with the context passed
-    on (the numpy view: found by address, see reduction.as_pyshm); distributed's deserializer
-    then makes the tensor over the same memory. Other tensors go distributed's way."""
+    on (the numpy view: found by address, see reduction.as_pyshm), which the array serializer
+    sends by value if the memory is read-only for receivers (_WRITABLE_ONLY: a tensor has no
+    read-only flag), telling so from the one reduction it makes for the message;
+    distributed's deserializer then makes the tensor over the same memory. Other tensors go
+    distributed's way."""
     if "distributed" not in _installed or not _torch_ready():
         return
     from distributed.protocol.serialize import dask_serialize, serialize
@@ -846,17 +855,16 @@ def _install_distributed_tensors() -> None:
         def serialize_tensor(t, context=None, original=original, kind=kind):
             if type(t) is kind and _dask_tensor(t) and _recipient_here(context):
                 data = _tensor_bytes(t)
-                try:  # (shared, and writable for receivers)
-                    by_reference = data is not None and is_shared(data) and \
-                        _tensor_reduction(t) is not None
-                except _ReadOnlyTensor:
-                    by_reference = False
-                if by_reference:
+                if data is not None and is_shared(data):
+                    # (by reference only if writable for receivers, which the numpy view's
+                    # serializer tells from the one reduction it makes: else by value, the
+                    # message distributed's serializer makes)
+                    writable = {**context, _WRITABLE_ONLY: True}
                     if kind is torch.Tensor:
-                        sub_header, frames = serialize(t.detach().numpy(), context=context)
+                        sub_header, frames = serialize(t.detach().numpy(), context=writable)
                         header = {"sub-header": sub_header, "device": "cpu"}
                     else:
-                        sub_header, frames = serialize(t.detach(), context=context)
+                        sub_header, frames = serialize(t.detach(), context=writable)
                         header = {"sub-header": sub_header}
                     header["requires_grad"] = bool(t.requires_grad)
                     return header, frames

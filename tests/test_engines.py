@@ -1155,6 +1155,34 @@ def test_dask_tensors_over_pyshm_memory_are_the_same_memory(caplog):
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_dask_a_scattered_tensor_is_reduced_once(monkeypatch):
+    # a tensor over pyshm memory scattered (or a task's result) is reduced once, for its
+    # message; before, once more to tell whether its memory is read-only for receivers, and a
+    # Parameter twice more (its tensor went through the same check): 2 and 3 reductions
+    distributed = engine_or_skip("distributed")
+    torch = torch_or_skip()
+    array = pyshm.zeros(1 << 12, np.float32, shared=True)
+    tensor = torch.from_numpy(array)[8:].view(-1, 8)[:, 2:5]
+    parameter = torch.nn.Parameter(torch.from_numpy(array)[:64], requires_grad=False)
+    frozen = torch.from_numpy(pyshm.share_readonly(pyshm.zeros(64, np.float32)))
+    reduced = []
+    reduce_ndarray = reduction.reduce_ndarray
+    monkeypatch.setattr(reduction, "reduce_ndarray",
+                        lambda a: reduced.append(a) or reduce_ndarray(a))
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster, direct_to_workers=True) as client:
+        counts = []
+        for sent in (tensor, parameter, frozen):
+            reduced.clear()
+            future = client.scatter(sent, direct=True, hash=False)
+            counts.append(len(reduced))
+            back = client.submit(fill_tensor_with, future, 5.0, pure=False).result()
+            assert (back.data_ptr() == sent.data_ptr()) is (sent is not frozen)
+    assert counts == [1, 1, 1]
+    assert (array[:64] == 5).all() and (frozen == 0).all()  # (read-only: a copy was written)
+
+
 def fill_and_say(array, value):
     array[:] = value
     return float(array.sum()), pyshm.is_shared(array)
