@@ -25,7 +25,8 @@ What each hook does, and the engine's extension point it uses:
   hook wraps its two array reducers (``ArrayMemmapForwardReducer.__call__`` and
   ``reduce_array_memmap_backward``): a pyshm array goes by reference, anything else as before.
   Its picklers do not use torch's ForkingPickler reducer: the reducers it makes for a pool or
-  an executor (``get_memmapping_reducers``) get pyshm's for torch tensors too.
+  an executor (``get_memmapping_reducers``) get pyshm's for torch tensors too, in front of the
+  user's own (_JoblibTensor).
 * **dask.distributed** serializes numpy arrays with the serializer it registers for them in
   its ``dask_serialize`` registry (scatter, results, transfers between workers); the hook
   registers a wrapper there: shared pyshm memory sent straight to a process of this user on
@@ -60,7 +61,9 @@ What each hook does, and the engine's extension point it uses:
 
 from __future__ import annotations
 
+import copyreg
 import errno
+import importlib
 import importlib.abc
 import os
 import pickle
@@ -108,7 +111,7 @@ def install() -> frozenset:
                 pass  # (another version of the engine: it keeps its own ways)
     for name, tensors in (("ray", _install_ray_tensors),
                           ("distributed", _install_distributed_tensors),
-                          ("joblib", _add_late_joblib_tensors)):
+                          ("joblib", _update_joblib_reducers)):
         if name in _installed:
             try:
                 tensors()
@@ -352,29 +355,79 @@ def _install_joblib() -> None:
         forward.__call__ = __call__
     backward = module.reduce_array_memmap_backward
     if getattr(backward, "_pyshm_wraps", None) is None:
-
-        def reduce_array_memmap_backward(a):
-            if _pyshm_array(a):
-                return reduction.reduce_ndarray(a)
-            return backward(a)
-
-        reduce_array_memmap_backward._pyshm_wraps = backward
-        reduce_array_memmap_backward._pyshm_joblib_backward = True  # (kept by cloudpickle)
-        module.reduce_array_memmap_backward = reduce_array_memmap_backward
-        _repoint_loky_results(backward, reduce_array_memmap_backward)
+        module.reduce_array_memmap_backward = _JoblibBackward(backward)
+        _repoint_pending.append(True)  # (see _update_joblib_reducers, which install() calls)
     _install_joblib_tensors(module)
     _installed.add("joblib")
 
 
-def _joblib_tensor(tensor: Any) -> tuple:
-    """joblib's reducer for torch tensors (both ways): over pyshm memory by reference (read-only
-    memory by value, see _tensor_by_value), any other tensor as joblib pickles it without
-    pyshm (torch's own pickling, by value)."""
-    try:
-        reduced = _tensor_reduction(tensor)
-    except _ReadOnlyTensor:
-        return _tensor_by_value(tensor)
-    return reduced or tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+class _JoblibBackward:
+    """pyshm's wrapper of joblib's ``reduce_array_memmap_backward`` (``_pyshm_wraps``), the
+    reducer of arrays in results: a pyshm array by reference, any other as joblib's. Pickled
+    (a worker's result reducers go to it: loky's, a pool's of a spawn or forkserver context)
+    as the wrapper of the process that loads it, by any pickler (loky's may be plain pickle:
+    LOKY_PICKLER), where a function of its own would not pickle."""
+
+    __slots__ = ("_pyshm_wraps",)
+    _pyshm_joblib_backward = True  # (the mark by which a loky worker finds its result reducers)
+
+    def __init__(self, original: Any) -> None:
+        self._pyshm_wraps = original
+
+    def __call__(self, a: Any) -> tuple:
+        if _pyshm_array(a):
+            return reduction.reduce_ndarray(a)
+        return self._pyshm_wraps(a)
+
+    def __reduce__(self):
+        return _joblib_backward, ()
+
+
+def _joblib_backward() -> Any:
+    """This process's reducer of arrays in joblib's results (a pickled _JoblibBackward): pyshm's
+    wrapper, or joblib's own where the hook cannot go in."""
+    module = importlib.import_module("joblib._memmapping_reducer")
+    install()
+    return module.reduce_array_memmap_backward
+
+
+class _JoblibTensor:
+    """joblib's reducer for torch tensors (both ways) in a pool's or an executor's reducers:
+    over pyshm memory by reference (read-only memory by value, see _tensor_by_value); any other
+    tensor as joblib's pickler would send it without pyshm: by the reducer that was in those
+    reducers for its type (``previous``: one of the user's, ``forward_reducers`` and
+    ``backward_reducers``), else one registered for its type with ``copyreg`` or, for loky's
+    pickler (``loky``), with loky's ``register``, else torch's own pickling (by value)."""
+
+    __slots__ = ("previous", "loky")
+
+    def __init__(self, previous: Any, loky: bool) -> None:
+        self.previous, self.loky = previous, loky
+
+    def __call__(self, tensor: Any) -> tuple:
+        try:
+            reduced = _tensor_reduction(tensor)
+        except _ReadOnlyTensor:
+            return _tensor_by_value(tensor)
+        if reduced is not None:
+            return reduced
+        reducer = self.previous or _registered_reducer(type(tensor), self.loky)
+        if reducer is not None:
+            return reducer(tensor)
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+    def __reduce__(self):
+        return _JoblibTensor, (self.previous, self.loky)
+
+
+def _registered_reducer(kind: type, loky: bool) -> Any:
+    """The reducer registered for ``kind`` with copyreg or, for loky's pickler, in loky's
+    registry (``loky.backend.reduction.register``, which that pickler puts above copyreg's),
+    or None."""
+    registry = getattr(sys.modules.get("joblib.externals.loky.backend.reduction"),
+                       "_dispatch_table", None) if loky else None
+    found = registry.get(kind) if isinstance(registry, dict) else None
+    return found or copyreg.dispatch_table.get(kind)
 
 
 def _install_joblib_tensors(module: Any) -> None:
@@ -382,7 +435,7 @@ def _install_joblib_tensors(module: Any) -> None:
     get_memmapping_reducers makes for it (a dispatch table: numpy's arrays only), and torch's
     tensor reducer is ForkingPickler's, which joblib's picklers do not use: so the reducers
     made get pyshm's for torch tensors too (those made before torch's import get it at that
-    import: _add_late_joblib_tensors). joblib.pool and joblib.executor hold the function under
+    import: _update_joblib_reducers). joblib.pool and joblib.executor hold the function under
     their own names (imported from the module)."""
     original = module.get_memmapping_reducers
     wrapped = original
@@ -390,12 +443,17 @@ def _install_joblib_tensors(module: Any) -> None:
 
         def get_memmapping_reducers(*args, **kwargs):
             forward, backward = original(*args, **kwargs)
-            if _with_joblib_tensors(forward) and _with_joblib_tensors(backward):
+            # (for loky's executor, or for a multiprocessing pool: whose pickler's registry)
+            loky = sys._getframe(1).f_globals.get("__name__") == "joblib.executor"
+            if _with_joblib_tensors(forward, loky) and _with_joblib_tensors(backward, loky):
                 return forward, backward
             # (no torch yet: dicts it can find again once torch is imported)
-            forward, backward = _Reducers(forward), _Reducers(backward)
+            forward, backward = _Reducers(forward, loky), _Reducers(backward, loky)
             for reducers in (forward, backward):
                 _reducers_without_tensors[id(reducers)] = reducers
+            if _late_joblib_tensors_added:  # (torch came meanwhile, imported by another thread)
+                for reducers in (forward, backward):
+                    _with_joblib_tensors(reducers, loky)
             return forward, backward
 
         get_memmapping_reducers._pyshm_wraps = original
@@ -410,9 +468,14 @@ def _install_joblib_tensors(module: Any) -> None:
 
 class _Reducers(dict):
     """joblib's reducers for a pool or an executor made before torch's import, in a dict that a
-    weak reference can name; pickled (a loky worker's result reducers go to it) as a plain dict."""
+    weak reference can name, with the pickler they are for (``loky``: see _JoblibTensor);
+    pickled (a loky worker's result reducers go to it) as a plain dict."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "loky")
+
+    def __init__(self, reducers: dict, loky: bool) -> None:
+        super().__init__(reducers)
+        self.loky = loky
 
     def __reduce__(self):
         return dict, (dict(self),)
@@ -421,62 +484,89 @@ class _Reducers(dict):
 # (the reducer dicts made before torch's import, while their pool or executor lives)
 _reducers_without_tensors: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _late_joblib_tensors_added = False
+_repoint_pending: list = []  # (the hook is in: a loky worker's result reducers to repoint)
+_loky_results: list = []  # ([the result reducers of this loky worker], once looked for)
 
 
-def _with_joblib_tensors(reducers: dict) -> bool:
-    """Add pyshm's reducer for torch tensors to a dict of joblib's reducers; False (nothing
-    added) if torch is not imported."""
+def _torch_ready() -> bool:
+    """Whether torch is imported, as far as its tensor types (torch.nn.Parameter)."""
     torch = sys.modules.get("torch")
-    if torch is None or not hasattr(torch, "nn"):
+    return torch is not None and hasattr(torch, "nn")
+
+
+def _with_joblib_tensors(reducers: dict, loky: bool) -> bool:
+    """Add pyshm's reducer for torch tensors to a dict of joblib's reducers, for loky's pickler
+    or not (in front of the one there: _JoblibTensor); False (nothing added) if torch is not
+    imported."""
+    if not _torch_ready():
         return False
+    torch = _torch()
     for kind in (torch.Tensor, torch.nn.Parameter):
-        reducers.setdefault(kind, _joblib_tensor)
+        previous = reducers.get(kind)
+        if type(previous) is not _JoblibTensor:
+            reducers[kind] = _JoblibTensor(previous, loky)
     return True
 
 
-def _add_late_joblib_tensors() -> None:
-    """Once torch is imported in a process that made joblib reducers before (a pool or an
-    executor, which keeps them for its life; a loky worker's result reducers, unpickled at its
-    start): they get pyshm's tensor reducer, so tensors over pyshm memory go by reference
-    through them too."""
+def _executor_reducers() -> list:
+    """The reducer dicts of loky's reusable executor (joblib's loky backend: one per process,
+    which every Parallel call reuses with the reducers it was made with), if there is one."""
+    loky = sys.modules.get("joblib.externals.loky.reusable_executor")
+    executor = getattr(loky, "_executor", None)
+    queues = (getattr(executor, "_call_queue", None), getattr(executor, "_result_queue", None))
+    return [q._reducers for q in queues if isinstance(getattr(q, "_reducers", None), dict)]
+
+
+def _update_joblib_reducers() -> None:
+    """After the joblib hook's install and after each later watched import (install()): the
+    reducers joblib made before get what they lack. Once torch is imported, pyshm's tensor
+    reducer: the reducers made before torch's import (a pool or an executor keeps them for its
+    life) and those of loky's executor, made maybe before pyshm's import. In a loky worker, its
+    result reducers (unpickled at its start): pyshm's array reducer in place of joblib's, and
+    the tensor reducer. So tensors and arrays over pyshm memory go by reference through all of
+    them."""
     global _late_joblib_tensors_added
-    if _late_joblib_tensors_added or "torch" not in sys.modules or \
-            not _with_joblib_tensors({}):
+    tensors = not _late_joblib_tensors_added and _torch_ready()
+    if tensors:
+        _late_joblib_tensors_added = True
+        for reducers in list(_reducers_without_tensors.values()):
+            _with_joblib_tensors(reducers, reducers.loky)
+        for reducers in _executor_reducers():
+            _with_joblib_tensors(reducers, True)
+        _reducers_without_tensors.clear()
+    repoint = bool(_repoint_pending)
+    if not (tensors or repoint):
         return
-    _late_joblib_tensors_added = True
-    for reducers in list(_reducers_without_tensors.values()):
-        _with_joblib_tensors(reducers)
-    _reducers_without_tensors.clear()
+    _repoint_pending.clear()
     module = sys.modules["joblib._memmapping_reducer"]
-    backward = module.reduce_array_memmap_backward
-    for holder in _loky_result_reducers(getattr(backward, "_pyshm_wraps", backward)):
-        _with_joblib_tensors(holder)
+    wrapped = module.reduce_array_memmap_backward
+    original = getattr(wrapped, "_pyshm_wraps", wrapped)
+    for holder in _loky_result_reducers(original):
+        for kind in (np.ndarray, np.memmap):
+            if repoint and holder.get(kind) is original:
+                holder[kind] = wrapped
+        if tensors:
+            _with_joblib_tensors(holder, True)
 
 
 def _loky_result_reducers(original: Any) -> list:
     """In a loky worker: the dicts of reducers (its result queue's, unpickled at its start)
-    whose reducer for numpy arrays is joblib's ``original`` or pyshm's wrapper of it (a copy:
-    cloudpickle sends closures by value); none elsewhere. (Found among the referrers of
-    np.ndarray: a walk over every object, once or twice per worker.)"""
+    whose reducer for numpy arrays is joblib's ``original`` or pyshm's wrapper of it; none
+    elsewhere. Found among the referrers of np.ndarray, a walk over every object: once per
+    worker, kept (a worker has one result queue, unpickled before its first task: before
+    _CURRENT_DEPTH is set)."""
+    if _loky_results:
+        return _loky_results[0]
     loky = sys.modules.get("joblib.externals.loky.process_executor")
     if loky is None or not getattr(loky, "_CURRENT_DEPTH", 0) > 0:
         return []
     import gc
 
-    return [holder for holder in gc.get_referrers(np.ndarray) if isinstance(holder, dict) and
-            (holder.get(np.ndarray) is original or
-             getattr(holder.get(np.ndarray), "_pyshm_joblib_backward", False))]
-
-
-def _repoint_loky_results(original: Any, wrapped: Any) -> None:
-    """In a loky worker (of an executor started before this process imported pyshm), the
-    reducers of its result queue, a dict it unpickled at its start, still name joblib's own
-    backward reducer, so its results would come back as copies for the executor's whole
-    life: point them to pyshm's."""
-    for holder in _loky_result_reducers(original):
-        for kind in (np.ndarray, np.memmap):
-            if holder.get(kind) is original:
-                holder[kind] = wrapped
+    _loky_results.append([
+        holder for holder in gc.get_referrers(np.ndarray) if isinstance(holder, dict) and
+        (holder.get(np.ndarray) is original or
+         getattr(holder.get(np.ndarray), "_pyshm_joblib_backward", False))])
+    return _loky_results[0]
 
 
 # ---- dask.distributed -------------------------------------------------------------------------
@@ -775,6 +865,9 @@ def _host_and_port(address: Any) -> Optional[tuple]:
 # format of those it loads (the "pyshm" key of a reference's header too)
 _ANNOUNCED = "pyshm"
 _REFERENCE_FORMAT = 1
+# ... and the key of a message's context (never sent) under which a tensor's numpy view goes by
+# reference only over memory its receivers may write (_install_distributed_tensors)
+_WRITABLE_ONLY = "pyshm-writable-only"
 # ... and the key by which it says where it runs: this boot of this machine, this network
 # namespace (whose abstract sockets the channel uses)
 _MACHINE_KEY = "pyshm-machine"
@@ -841,8 +934,11 @@ def _install_distributed() -> None:
         # (pyshm not importable there) logs the pickle's first frame, and only that.
         found = reduction.as_pyshm(x) if type(x) is np.ndarray and x.nbytes > 0 else None
         if found is not None and is_shared(found) and _recipient_here(context):
+            reduced = reduction.reduce_ndarray(found)  # (what pickling a ref of it makes)
+            if reduced[1][1].readonly and context.get(_WRITABLE_ONLY):
+                return original(x, context=context)  # (a tensor's view: see below)
             frames: list = [None]
-            frames[0] = pickle.dumps(reduction.Ref(found), protocol=5,
+            frames[0] = pickle.dumps(_Reduced(reduced), protocol=5,
                                      buffer_callback=lambda b: frames.append(b.raw()))
             return {"pickle": True, _ANNOUNCED: _REFERENCE_FORMAT}, frames
         return original(x, context=context)
@@ -861,10 +957,12 @@ def _install_distributed_tensors() -> None:
     numpy view, or a Parameter's tensor, without the message's context, so that the array
     serializer above would send it by value: for a tensor over pyshm memory shared, and a
     recipient where a reference goes, pyshm makes the same message with the context passed
-    on (the numpy view: found by address, see reduction.as_pyshm); distributed's deserializer
-    then makes the tensor over the same memory. Other tensors go distributed's way."""
-    if "distributed" not in _installed or "torch" not in sys.modules or \
-            not hasattr(sys.modules["torch"], "nn"):
+    on (the numpy view: found by address, see reduction.as_pyshm), which the array serializer
+    sends by value if the memory is read-only for receivers (_WRITABLE_ONLY: a tensor has no
+    read-only flag), telling so from the one reduction it makes for the message;
+    distributed's deserializer then makes the tensor over the same memory. Other tensors go
+    distributed's way."""
+    if "distributed" not in _installed or not _torch_ready():
         return
     from distributed.protocol.serialize import dask_serialize, serialize
 
@@ -877,17 +975,16 @@ def _install_distributed_tensors() -> None:
         def serialize_tensor(t, context=None, original=original, kind=kind):
             if type(t) is kind and _dask_tensor(t) and _recipient_here(context):
                 data = _tensor_bytes(t)
-                try:  # (shared, and writable for receivers)
-                    by_reference = data is not None and is_shared(data) and \
-                        _tensor_reduction(t) is not None
-                except _ReadOnlyTensor:
-                    by_reference = False
-                if by_reference:
+                if data is not None and is_shared(data):
+                    # (by reference only if writable for receivers, which the numpy view's
+                    # serializer tells from the one reduction it makes: else by value, the
+                    # message distributed's serializer makes)
+                    writable = {**context, _WRITABLE_ONLY: True}
                     if kind is torch.Tensor:
-                        sub_header, frames = serialize(t.detach().numpy(), context=context)
+                        sub_header, frames = serialize(t.detach().numpy(), context=writable)
                         header = {"sub-header": sub_header, "device": "cpu"}
                     else:
-                        sub_header, frames = serialize(t.detach(), context=context)
+                        sub_header, frames = serialize(t.detach(), context=writable)
                         header = {"sub-header": sub_header}
                     header["requires_grad"] = bool(t.requires_grad)
                     return header, frames
@@ -976,12 +1073,15 @@ def _workers_of(client: Any) -> list:
 def _refs_in(values: list, kind: Any = None, wanted: Any = None) -> dict:
     """The pyshm.refs (or the instances of ``kind`` for which ``wanted`` is true) where dask
     looks (see _swap_refs) in ``values``, by their ids; each container walked once (a cycle,
-    or one list in many places, costs no more)."""
+    or one list in many places, costs no more), and each instance asked once."""
     refs: dict = {}
+    seen: set = set()
 
     def note(ref: Any) -> Any:
-        if wanted is None or wanted(ref):
-            refs[id(ref)] = ref
+        if id(ref) not in seen:
+            seen.add(id(ref))
+            if wanted is None or wanted(ref):
+                refs[id(ref)] = ref
         return ref
 
     _swap_refs(list(values), note, kind)
@@ -1258,15 +1358,16 @@ def _scattered_kinds() -> tuple:
         else (np.ndarray,)
 
 
-def _array_as_ref(a: Any) -> Any:
-    """A ref of ``a`` if it is a pyshm array to pass by reference (_pyshm_array: shared, or
-    shared in place now, on the caller's thread), else ``a`` (dask's own way: by value). An
-    array that cannot be shared in place (a slice of a private arena, no memory or fds left
-    for its memfd) goes by value too, as it would without pyshm."""
-    if type(a) is not np.ndarray:
-        return _TensorRef(a) if _pyshm_tensor(a) else a
-    if not _pyshm_array(a):
+def _array_as_ref(a: Any, sendable: bool) -> Any:
+    """A ref of ``a`` if it is a pyshm array or tensor to pass by reference (``sendable``:
+    _pyshm_value's answer, asked once: shared, or shared in place now, on the caller's
+    thread), else ``a`` (dask's own way: by value). An array that cannot be shared in place (a
+    slice of a private arena, no memory or fds left for its memfd) goes by value too, as it
+    would without pyshm."""
+    if not sendable:
         return a
+    if type(a) is not np.ndarray:
+        return _TensorRef(a)
     try:
         return reduction.Ref(reduction.as_pyshm(a))
     except (TypeError, OSError, MemoryError):
@@ -1285,12 +1386,13 @@ def _arrays_as_refs(client: Any, args: tuple, kwargs: dict, names: list,
     at = [i for i, a in enumerate(args) if not each or isinstance(a, (list, tuple))]
     looked = [args[i] for i in at] + [kwargs[name] for name in names]
     kinds = _scattered_kinds()
-    if not _refs_in(looked, kinds, _pyshm_value):
+    sendable = _refs_in(looked, kinds, _pyshm_value)
+    if not sendable:
         return args, kwargs, None  # (no pyshm array: no question to the scheduler)
     workers = _workers_here(client)
     if not workers:
         return args, kwargs, workers
-    swapped = _swap_refs(looked, _array_as_ref, kinds)
+    swapped = _swap_refs(looked, lambda a: _array_as_ref(a, id(a) in sendable), kinds)
     args = list(args)
     for i, value in zip(at, swapped):
         args[i] = value
@@ -1559,8 +1661,7 @@ def _install_ray() -> None:
 
 def _install_ray_tensors() -> None:
     """Tensors over pyshm memory through Ray (once both are imported)."""
-    if "ray" not in _installed or "torch" not in sys.modules or \
-            not hasattr(sys.modules["torch"], "nn"):
+    if "ray" not in _installed or not _torch_ready():
         return
     torch = _torch()
     for kind in (torch.Tensor, torch.nn.Parameter):

@@ -654,19 +654,25 @@ def test_joblib_executor_started_before_pyshm_returns_the_parents_arrays():
     assert out.decode().split() == ["[True,", "True,", "True,", "True]", str(1 << 20)]
 
 
-def test_joblib_executor_made_before_torchs_import_sends_tensors_by_reference():
+@pytest.mark.parametrize("before, after", [("import pyshm", "import torch"),
+                                           ("", "import torch, pyshm"),
+                                           ("import torch", "import pyshm")])
+def test_joblib_executor_made_before_torchs_or_pyshms_import_sends_tensors_by_reference(
+        before, after):
     # an executor keeps the reducers it was made with (loky's workers: those of their results,
-    # from their start): one made before torch's import now sends tensors over pyshm memory as
-    # that memory both ways once torch is imported (before: by value for the executor's whole
-    # life, the workers' writes lost without a word)
+    # from their start), and joblib reuses it: one made before torch's or pyshm's import now
+    # sends tensors over pyshm memory as that memory both ways once both are imported (before:
+    # by value for the executor's whole life, the workers' writes lost without a word; made
+    # before pyshm's import: [False]*4 and 0 until this fix)
     engine_or_skip("joblib")
     torch_or_skip()
-    out = run_python("""
+    out = run_python(f"""
         import numpy as np
-        import pyshm
         from joblib import Parallel, delayed
+        {before}
         Parallel(n_jobs=2)(delayed(abs)(i) for i in range(2))  # (the executor, started)
-        import torch
+        {after}
+        import pyshm, torch
         a = pyshm.zeros((4, 1 << 16), np.float32, shared=True)
         t = torch.from_numpy(a)
         def fill(x):
@@ -676,6 +682,157 @@ def test_joblib_executor_made_before_torchs_import_sends_tensors_by_reference():
         print([b.data_ptr() == t[i].data_ptr() for i, b in enumerate(backs)], int(a.sum()))
     """)
     assert out.decode().split() == ["[True,", "True,", "True,", "True]", str(3 << 18)]
+
+
+def test_joblib_tensor_made_in_a_worker_that_alone_imports_torch_is_the_parents_memory():
+    # torch imported in a loky worker only (a task's import), after the executor's start: the
+    # worker's result reducers get the tensor reducer then, so a tensor it makes over a pyshm
+    # array it received comes back over the parent's memory (the parent imports torch then)
+    engine_or_skip("joblib")
+    torch_or_skip()
+    out = run_python("""
+        import sys
+        import numpy as np
+        import pyshm
+        from joblib import Parallel, delayed
+        def as_tensor(x):
+            import torch
+            t = torch.from_numpy(x)[2:].view(-1, 2)
+            t.numpy()[...] = 7
+            return t
+        a = pyshm.zeros((2, 64), np.float32, shared=True)
+        Parallel(n_jobs=2)(delayed(abs)(i) for i in range(2))  # (the executor, started)
+        assert "torch" not in sys.modules
+        backs = Parallel(n_jobs=2)(delayed(as_tensor)(a[i]) for i in range(2))
+        print([b.data_ptr() == a[i, 2:].ctypes.data for i, b in enumerate(backs)], int(a.sum()))
+    """)
+    assert out.decode().split() == ["[True,", "True]", str(2 * 62 * 7)]
+
+
+@pytest.mark.parametrize("setting, backend", [("LOKY_PICKLER=pickle", "loky"),
+                                              ("JOBLIB_START_METHOD=spawn", "multiprocessing"),
+                                              ("JOBLIB_START_METHOD=forkserver",
+                                               "multiprocessing")])
+def test_joblib_workers_that_get_their_reducers_by_plain_pickle_start(setting, backend):
+    # loky with plain pickle for its pickler, and a pool of a spawn or forkserver context
+    # (Python 3.14's default on Linux), pickle the reducers of results for each worker with
+    # plain pickle: pyshm's, a function of its own, could not be, so every Parallel call
+    # raised (before: AttributeError "Can't pickle local object ...reduce_array_memmap_
+    # backward"); now they start, and pyshm arrays go by reference both ways
+    engine_or_skip("joblib")
+    name, _, value = setting.partition("=")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import numpy as np
+        import pyshm
+        from joblib import Parallel, delayed
+        a = pyshm.zeros((2, 1 << 18), np.float32, shared=True)
+        backs = Parallel(n_jobs=2, backend="{backend}")(
+            delayed(np.add)(a[i], 3, out=a[i]) for i in range(2))
+        print([b.ctypes.data == a[i].ctypes.data for i, b in enumerate(backs)], int(a.sum()))
+    """)], capture_output=True, timeout=120, cwd=HERE, env={**os.environ, name: value})
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split() == ["[True,", "True]", str(3 << 19)]
+
+
+def test_joblib_reducers_made_while_another_thread_imports_torch_get_the_tensor_reducer(
+        monkeypatch):
+    # a pool or an executor made on one thread while torch's import completes on another: its
+    # reducers, made when torch was not there yet, are registered after the import's update
+    # took the reducers to update (forced here: torch is said absent to the maker only).
+    # Before, they kept no tensor reducer for their life (tensors by value, writes lost)
+    engine_or_skip("joblib")
+    torch = torch_or_skip()
+    from joblib import _memmapping_reducer
+
+    assert engines._late_joblib_tensors_added  # (torch's import has updated the reducers)
+    monkeypatch.setattr(engines, "_torch_ready", iter([False] + [True] * 9).__next__)
+    forward, backward = _memmapping_reducer.get_memmapping_reducers()
+    for reducers in (forward, backward):
+        assert isinstance(reducers[torch.Tensor], engines._JoblibTensor)
+        assert isinstance(reducers[torch.nn.Parameter], engines._JoblibTensor)
+
+
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+
+def rebuild_point(x):
+    point = Point(x)
+    point.via = "the user's reducer"
+    return point
+
+
+def reduce_point(point):
+    return rebuild_point, (point.x,)
+
+
+def rebuild_marked_tensor(values, mark):
+    import torch
+
+    tensor = torch.from_numpy(values)
+    tensor.via = mark
+    return tensor
+
+
+def reduce_marked_tensor(tensor, mark="the user's reducer"):
+    return rebuild_marked_tensor, (tensor.detach().numpy().copy(), mark)
+
+
+def reduce_tensor_for_copyreg(tensor):
+    return reduce_marked_tensor(tensor, "copyreg")
+
+
+def reduce_tensor_for_loky(tensor):
+    return reduce_marked_tensor(tensor, "loky's registry")
+
+
+def users_reducers_seen(point, shared, plain, parameter, array):
+    import torch
+
+    shared.numpy()[...] += 1
+    array += 1
+    return ([getattr(x, "via", None) for x in (point, plain, parameter)], shared, array,
+            torch.zeros(2))
+
+
+@pytest.mark.parametrize("backend", ["loky", "multiprocessing"])
+def test_joblib_uses_the_users_own_reducers_beside_pyshms(backend):
+    # reducers of the user's own, for this Parallel (forward_reducers, backward_reducers: in
+    # Parallel's arguments or parallel_config's) or registered for every pickling (copyreg,
+    # and loky's register for loky's pickler, above copyreg there), still pickle what is not
+    # pyshm memory, and pyshm memory still goes by reference (before: a user's tensor reducer
+    # for this Parallel sent pyshm tensors by value, the worker's write lost; one registered
+    # with loky or copyreg was never called)
+    joblib = engine_or_skip("joblib")
+    torch = torch_or_skip()
+    import copyreg
+
+    from joblib.externals.loky.backend import reduction as loky_reduction
+
+    array = pyshm.zeros(1 << 10, np.float32, shared=True)
+    shared = torch.from_numpy(pyshm.zeros(1 << 10, np.float32, shared=True))[8:]
+    plain, parameter = torch.zeros(3), torch.nn.Parameter(torch.zeros(3))
+    call = [joblib.delayed(users_reducers_seen)(Point(1), shared, plain, parameter, array)]
+    own = {"forward_reducers": {Point: reduce_point, torch.Tensor: reduce_marked_tensor},
+           "backward_reducers": {torch.Tensor: reduce_marked_tensor}}
+    copyreg.pickle(torch.nn.Parameter, reduce_tensor_for_copyreg)
+    loky_reduction.register(torch.nn.Parameter, reduce_tensor_for_loky)
+    try:
+        if backend == "loky":
+            results = joblib.Parallel(n_jobs=2, backend=backend, **own)(call)
+        else:
+            with joblib.parallel_config(backend=backend, n_jobs=2, **own):
+                results = joblib.Parallel()(call)
+    finally:
+        loky_reduction._dispatch_table.pop(torch.nn.Parameter, None)
+        copyreg.dispatch_table.pop(torch.nn.Parameter, None)
+    (seen, back, back_array, result), = results
+    assert seen == ["the user's reducer", "the user's reducer",
+                    "loky's registry" if backend == "loky" else "copyreg"]
+    assert getattr(result, "via", None) == "the user's reducer"  # (backward_reducers)
+    assert back.data_ptr() == shared.data_ptr() and (shared == 1).all()
+    assert back_array.ctypes.data == array.ctypes.data and (array == 1).all()
 
 
 # ---- attacks on the hooks (a review's findings) ----------------------------------------------
@@ -998,6 +1155,34 @@ def test_dask_tensors_over_pyshm_memory_are_the_same_memory(caplog):
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_dask_a_scattered_tensor_is_reduced_once(monkeypatch):
+    # a tensor over pyshm memory scattered (or a task's result) is reduced once, for its
+    # message; before, once more to tell whether its memory is read-only for receivers, and a
+    # Parameter twice more (its tensor went through the same check): 2 and 3 reductions
+    distributed = engine_or_skip("distributed")
+    torch = torch_or_skip()
+    array = pyshm.zeros(1 << 12, np.float32, shared=True)
+    tensor = torch.from_numpy(array)[8:].view(-1, 8)[:, 2:5]
+    parameter = torch.nn.Parameter(torch.from_numpy(array)[:64], requires_grad=False)
+    frozen = torch.from_numpy(pyshm.share_readonly(pyshm.zeros(64, np.float32)))
+    reduced = []
+    reduce_ndarray = reduction.reduce_ndarray
+    monkeypatch.setattr(reduction, "reduce_ndarray",
+                        lambda a: reduced.append(a) or reduce_ndarray(a))
+    with distributed.LocalCluster(n_workers=1, processes=True, threads_per_worker=1,
+                                  dashboard_address=None) as cluster, \
+            distributed.Client(cluster, direct_to_workers=True) as client:
+        counts = []
+        for sent in (tensor, parameter, frozen):
+            reduced.clear()
+            future = client.scatter(sent, direct=True, hash=False)
+            counts.append(len(reduced))
+            back = client.submit(fill_tensor_with, future, 5.0, pure=False).result()
+            assert (back.data_ptr() == sent.data_ptr()) is (sent is not frozen)
+    assert counts == [1, 1, 1]
+    assert (array[:64] == 5).all() and (frozen == 0).all()  # (read-only: a copy was written)
+
+
 def fill_and_say(array, value):
     array[:] = value
     return float(array.sum()), pyshm.is_shared(array)
@@ -1243,6 +1428,36 @@ def test_dask_pyshm_array_arguments_go_as_refs_or_by_value():
             given.clear()
     finally:
         ours.close()
+
+
+def test_dask_a_tensor_argument_is_reduced_once_before_its_scatter(monkeypatch):
+    # submit looks at each tensor among its arguments once (_pyshm_value: by reference or
+    # not, which reduces its bytes), wherever it is among them; before, twice for each place
+    # (once to decide to ask the scheduler for its workers, once to make its ref): here 4
+    # times, about 20 us each on a 2-CPU VM
+    engine_or_skip("distributed")
+    torch = torch_or_skip()
+    import socket
+
+    given, looked = [], []
+
+    def submit(self, func, *args, key=None, pure=True, **kwargs):
+        given.append(args)
+
+    reduce_tensor = engines._tensor_reduction
+    monkeypatch.setattr(engines, "_tensor_reduction",
+                        lambda t, *more: looked.append(t) or reduce_tensor(t, *more))
+    tensor = torch.from_numpy(pyshm.zeros(1000, np.float32, shared=True))[8:].view(-1, 8)
+    ours = socket.socket()  # (a worker of ours, here)
+    ours.bind(("127.0.0.1", 0))
+    ours.listen()
+    try:
+        here = StandInClient([f"tcp://127.0.0.1:{ours.getsockname()[1]}"])
+        engines._wrap_task_maker(submit)(here, len, tensor, [tensor], pure=False)
+    finally:
+        ours.close()
+    assert given == [(f"future of {id(tensor)}", [f"future of {id(tensor)}"])]
+    assert len(looked) == 1 and looked[0] is tensor
 
 
 class Holder:
@@ -2486,6 +2701,26 @@ def test_ray_carries_tensors_over_pyshm_memory(ray_session):
     # the worker may write (the memory itself would crash it)
     back, _ = ray.get(ray.remote(add_one_tensor_and_say_where).remote(readonly))
     assert float(back.sum()) == 1024 and float(frozen.sum()) == 0
+
+
+def same_tensor(tensor):
+    return tensor
+
+
+def test_ray_carries_strided_and_expanded_views_of_pyshm_memory(ray_session):
+    # a view with an offset and strides over part of a pyshm array, and one with a zero stride
+    # (expand): the same memory both ways, as for the other engines
+    torch = torch_or_skip()
+    ray = ray_session
+    array = pyshm.zeros((64, 48), np.float32, shared=True)
+    strided = torch.from_numpy(array)[8:16, 1::3].t()
+    back, _ = ray.get(ray.remote(add_one_tensor_and_say_where).remote(strided))
+    assert back.data_ptr() == strided.data_ptr() and back.stride() == strided.stride()
+    assert (array[8:16, 1::3] == 1).all() and array.sum() == 8 * 16
+    expanded = torch.from_numpy(array)[20, :8].expand(4, 8)
+    back = ray.get(ray.remote(same_tensor).remote(expanded))
+    assert back.data_ptr() == expanded.data_ptr() and back.stride() == (0, 1)
+    assert back.shape == (4, 8) and (back == 0).all()
 
 
 def total(value):
