@@ -91,11 +91,20 @@ class HandleLifetime:
 
     __slots__ = ("_lifetime", "__weakref__")
 
-    def _release_with(self, release: Any, *args: Any) -> None:
-        """Run ``release(*args)`` once, when this object is collected or _release_now()."""
+    def _release_with(self, release: Any, *args: Any, take: Any = None) -> None:
+        """Run ``release(*args)`` once, when this object is collected or _release_now().
+
+        `take`: a C function (``lib.lshm_storage_retain``) that takes the reference, called
+        as ``take(args[0])`` right after the release is recorded. Nothing between the record
+        and that call is a point where a signal handler runs (CPython runs them at a
+        function's entry and after a call returns): a KeyboardInterrupt comes before both or
+        after both. Retaining first and recording in a second call lost the reference when
+        one came between (an arena tensor's storage then made deallocate refuse for good)."""
         ref = weakref.ref(self, _lifetime_ended)
         LIFETIMES[id(ref)] = (ref, release, args)  # (by id: a Storage compares by its address)
         self._lifetime = ref
+        if take is not None:
+            take(args[0])
 
     def _release_now(self) -> None:
         """Give the reference back now (once: nothing happens when this object dies)."""
@@ -168,16 +177,34 @@ def note_new_owner(ref: "weakref.ref") -> None:
 # arguments, as the stdlib's WeakValueDictionary does, so they never raise then.
 
 
+# A signal handler (Ctrl-C) runs where CPython checks for signals: at a function's entry and
+# right after a call returns. Its KeyboardInterrupt in a weak reference callback is printed
+# ("Exception ignored") and dropped, and so was the release when it came right after the
+# entry was taken out of the dict with pop() (a call): the memfd and mapping stayed until the
+# process exited. The entry is read and deleted with subscripts instead (no call), and the
+# release is the next call, a C function: the interrupt comes before anything is taken, or
+# after the release. (At the entry itself the dict keeps the entry: see HandleLifetime.)
+
+
 def released(ref: "weakref.ref", _references: dict = REFERENCES,
              _release: Any = lib.lshm_storage_release) -> None:
-    handle = _references.pop(ref, None)
+    try:
+        handle = _references[ref]
+    except KeyError:
+        return
+    del _references[ref]
     if handle:
         _release(handle)
 
 
 def _lifetime_ended(ref: Optional[weakref.ref], _lifetimes: dict = LIFETIMES) -> None:
-    entry = _lifetimes.pop(id(ref), None)
-    if entry is not None and _exiting is False:  # (None too once the module is being wiped)
+    key = id(ref)
+    try:
+        entry = _lifetimes[key]
+    except KeyError:
+        return
+    del _lifetimes[key]
+    if _exiting is False:  # (None too once the module is being wiped)
         entry[1](*entry[2])
 
 
@@ -229,7 +256,12 @@ class ArrayOwner(HandleLifetime):
         self.__array_interface__ = array_interface(shape, dtype, data + offset, readonly,
                                                    strides)
         ref = weakref.ref(self, released)
-        REFERENCES[ref] = handle if adopt else lib.lshm_storage_retain(handle)
+        REFERENCES[ref] = handle
+        if not adopt:
+            # right after the record, with no point between where a signal handler runs (see
+            # HandleLifetime._release_with): retained first, a KeyboardInterrupt when the
+            # call returned lost the reference
+            lib.lshm_storage_retain(handle)
         if tracking:
             note_new_owner(ref)
         self._lifetime = ref

@@ -116,7 +116,7 @@ def _pyshm_owner(array: Any) -> Optional[ArrayOwner]:
 
 def _owner_storage(owner: ArrayOwner) -> Storage:
     """A new :class:`Storage` handle (its own reference) on the owner's C storage."""
-    return Storage.from_handle(lib.lshm_storage_retain(owner.handle), keep=owner.keep)
+    return Storage._retaining(owner.handle, keep=owner.keep)
 
 
 ArrayOwner.storage = _owner_storage  # (kept: the method it always had)

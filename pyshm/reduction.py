@@ -1119,7 +1119,7 @@ def _reduce_storage(storage: Storage):
         if lib.lshm_storage_nbytes(handle) == 0:
             return reduce_storage_by_value(storage, 4)
         mapping = storage.keep if isinstance(storage.keep, _Mapping) else None
-        holder = Storage.from_handle(lib.lshm_storage_retain(handle), keep=storage.keep)
+        holder = Storage._retaining(handle, keep=storage.keep)
     finally:
         storage._pins.discard(pin)  # (see Storage._pin)
         storage._unpinned()

@@ -15,7 +15,7 @@ import pytest
 
 import pyshm
 from pyshm import _ffi
-from shm_harness import memfd_maps
+from conftest import memfd_held
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -672,11 +672,11 @@ def test_storages_give_their_reference_back_once_when_collected_and_never_at_exi
     script = textwrap.dedent("""
         import gc, sys, types, pyshm
         from pyshm import storage
-        real = storage._release
+        real = storage.lib.lshm_storage_release
         def noisy(handle):
             print("released", flush=True)
             real(handle)
-        storage._release = noisy
+        storage.lib.lshm_storage_release = noisy  # (what a Storage made from now on calls)
         a, b = pyshm.Storage(64), None
         b = pyshm.Storage.from_handle(pyshm._ffi.lib.lshm_storage_retain(a._as_parameter_))
         assert a == b  # (equal storages: each still has a lifetime of its own)
@@ -933,19 +933,6 @@ def test_a_second_interrupt_in_the_callers_finally_gives_the_pin_back(monkeypatc
         keeper.close()
 
 
-def _memfd_held(inode: int) -> list:
-    """This process's fds and mappings of the memfd of that inode."""
-    held = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.stat(f"/proc/self/fd/{fd}").st_ino == inode:
-                held.append(f"fd {fd}")
-        except OSError:
-            pass  # (listdir's own fd, closed since)
-    held += [line for line in memfd_maps() if int(line.split()[4]) == inode]
-    return held
-
-
 def test_two_interrupts_during_a_share_leave_it_whole_and_leak_nothing(monkeypatch):
     # The first signal comes during the share's C call (its handler runs when it returns),
     # the second while the first KeyboardInterrupt unwinds: the share is done in full (same
@@ -970,7 +957,7 @@ def test_two_interrupts_during_a_share_leave_it_whole_and_leak_nothing(monkeypat
     assert s.is_shared and s.data_ptr == address and array.ctypes.data == address
     assert np.array_equal(array, np.arange(array.size, dtype=np.uint8))
     inode = os.fstat(s.fd).st_ino
-    assert _memfd_held(inode)
+    assert memfd_held(inode)
     del array
     s.close()
-    assert _memfd_held(inode) == []
+    assert memfd_held(inode) == []
