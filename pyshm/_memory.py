@@ -101,6 +101,8 @@ class HandleLifetime:
         after both. Retaining first and recording in a second call lost the reference when
         one came between (an arena tensor's storage then made deallocate refuse for good)."""
         ref = weakref.ref(self, _lifetime_ended)
+        mark = weakref.ref(self, _lifetime_died)  # (see DIED)
+        LIFETIME_MARKS[id(mark)] = (mark, ref)  # (by id: hashing it would hash a Storage)
         LIFETIMES[id(ref)] = (ref, release, args)  # (by id: a Storage compares by its address)
         self._lifetime = ref
         if take is not None:
@@ -143,6 +145,23 @@ _TYPESTRS: dict = {}
 # garbage too.
 REFERENCES: dict = {}
 LIFETIMES: dict = {}
+# A Ctrl-C (a signal handler raises KeyboardInterrupt where CPython checks for signals: a
+# function's entry, right after a call returns) at the entry of one of those callbacks is
+# printed ("Exception ignored") and dropped, with the release: the memfd and its mapping
+# stayed until the process exited. So each object also has a second weak reference, its mark:
+# a key of MARKS (-> the callback's weak reference) whose callback is DIED.append, a C method,
+# which no signal handler interrupts. Every death is recorded in DIED that way, and every
+# release callback then settles DIED (_settle): a release whose callback was cut off is made
+# there, at the next release. (The same for LIFETIMES, whose weak references are never hashed:
+# LIFETIME_MARKS, id of the mark -> (mark, weak reference), and LIFETIMES_DIED.) The marks are
+# made after the callbacks' weak references, and CPython calls the newest first: a death is
+# recorded before its release callback runs, which then settles it at once.
+MARKS: dict = {}
+LIFETIME_MARKS: dict = {}
+DIED: list = []
+LIFETIMES_DIED: list = []
+_died = DIED.append
+_lifetime_died = LIFETIMES_DIED.append
 _exiting = False  # (set at interpreter exit: _release_with's releases no longer run)
 
 
@@ -186,26 +205,65 @@ def note_new_owner(ref: "weakref.ref") -> None:
 # after the release. (At the entry itself the dict keeps the entry: see HandleLifetime.)
 
 
+def _settle(_died: list = DIED, _marks: dict = MARKS, _lifetimes_died: list = LIFETIMES_DIED,
+            _lifetime_marks: dict = LIFETIME_MARKS, _references: dict = REFERENCES,
+            _lifetimes: dict = LIFETIMES, _release: Any = lib.lshm_storage_release) -> None:
+    """Make the releases of the deaths in DIED and LIFETIMES_DIED whose callback did not (cut
+    off at its entry). Each step takes a record and its entry, and deletes both, with no call
+    between (no point where a signal handler runs); the release is the next call."""
+    while _died:
+        mark = _died[-1]
+        ref = _marks[mark] if mark in _marks else None
+        handle = _references[ref] if ref in _references else None
+        if ref is not None:
+            del _marks[mark]
+        if handle is not None:
+            del _references[ref]
+        del _died[-1]
+        if handle:
+            _release(handle)
+    while _lifetimes_died:
+        # (two calls, id, before anything is taken; _lifetime_marks keeps the mark and the
+        # reference alive while the mark is in LIFETIMES_DIED: their ids are their own)
+        mark = _lifetimes_died[-1]
+        mark_key = id(mark)
+        ref = _lifetime_marks[mark_key][1] if mark_key in _lifetime_marks else None
+        key = id(ref)
+        if not _lifetimes_died or _lifetimes_died[-1] is not mark:
+            continue  # (another thread settled it meanwhile: a thread may switch at a call)
+        entry = _lifetimes[key] if key in _lifetimes else None
+        if ref is not None:
+            del _lifetime_marks[mark_key]
+        if entry is not None:
+            del _lifetimes[key]
+        del _lifetimes_died[-1]
+        if entry is not None and _exiting is False:
+            entry[1](*entry[2])
+
+
 def released(ref: "weakref.ref", _references: dict = REFERENCES,
-             _release: Any = lib.lshm_storage_release) -> None:
-    try:
+             _release: Any = lib.lshm_storage_release, _died: list = DIED,
+             _lifetimes_died: list = LIFETIMES_DIED, _settle: Any = _settle) -> None:
+    if ref in _references:
         handle = _references[ref]
-    except KeyError:
-        return
-    del _references[ref]
-    if handle:
-        _release(handle)
+        del _references[ref]
+        if handle:
+            _release(handle)
+    if _died or _lifetimes_died:
+        _settle()
 
 
-def _lifetime_ended(ref: Optional[weakref.ref], _lifetimes: dict = LIFETIMES) -> None:
+def _lifetime_ended(ref: Optional[weakref.ref], _lifetimes: dict = LIFETIMES,
+                    _died: list = DIED, _lifetimes_died: list = LIFETIMES_DIED,
+                    _settle: Any = _settle) -> None:
     key = id(ref)
-    try:
-        entry = _lifetimes[key]
-    except KeyError:
-        return
-    del _lifetimes[key]
-    if _exiting is False:  # (None too once the module is being wiped)
-        entry[1](*entry[2])
+    entry = _lifetimes[key] if key in _lifetimes else None
+    if entry is not None:
+        del _lifetimes[key]
+        if _exiting is False:  # (None too once the module is being wiped)
+            entry[1](*entry[2])
+    if _died or _lifetimes_died:
+        _settle()
 
 
 def array_interface(shape: tuple, dtype: np.dtype, address: int, readonly: bool,
@@ -256,6 +314,7 @@ class ArrayOwner(HandleLifetime):
         self.__array_interface__ = array_interface(shape, dtype, data + offset, readonly,
                                                    strides)
         ref = weakref.ref(self, released)
+        MARKS[weakref.ref(self, _died)] = ref  # (see DIED)
         REFERENCES[ref] = handle
         if not adopt:
             # right after the record, with no point between where a signal handler runs (see

@@ -764,6 +764,7 @@ class _ReceivedOwner(ArrayOwner):
                     offset, nbytes, readonly = self._view
                     handle = _new_view(self.keep.segment, offset, nbytes, readonly)
                     ref = weakref.ref(self, released)
+                    _memory.MARKS[weakref.ref(self, _memory._died)] = ref  # (see DIED)
                     REFERENCES[ref] = handle
                     if _memory.tracking:
                         _memory.note_new_owner(ref)

@@ -62,7 +62,7 @@ def memfd_held(inode: int) -> list:
     return held
 
 
-def interrupted_at(point: int, action, wrappers=(), skip=()) -> bool:
+def interrupted_at(point: int, action, wrappers=()) -> bool:
     """Run ``action()`` with a KeyboardInterrupt at its `point`-th interrupt point (1, 2...):
     True if it had that many (the interrupt came; the action may have swallowed it, as a
     weak reference callback does), False if it ended first (no interrupt).
@@ -72,16 +72,14 @@ def interrupted_at(point: int, action, wrappers=(), skip=()) -> bool:
     there: it raises at a "call" event (the function fails before its first line), at a
     "return" or "c_return" event (the caller gets the exception instead of the result).
     ``wrappers``: Python functions standing for C functions (ctypes calls, which have no
-    events of their own): only their return is an interrupt point, not their entry.
-    ``skip``: Python functions in which no interrupt comes."""
+    events of their own): only their return is an interrupt point, not their entry."""
     codes = {wrapper.__code__ for wrapper in wrappers}
-    skipped = {function.__code__ for function in skip}
     seen = 0
 
     def profile(frame, event, arg):
         nonlocal seen
         if event == "c_call" or event == "c_exception" or (
-                event == "call" and frame.f_code in codes) or frame.f_code in skipped:
+                event == "call" and frame.f_code in codes):
             return
         seen += 1
         if seen == point:

@@ -406,10 +406,8 @@ def test_a_ctrl_c_anywhere_in_storage_or_array_leaves_the_arena_closable(monkeyp
         "array": lambda: arena.array(1, dtype=np.int32),
         "array and storage": lambda: (arena.array(0), arena.storage(0)),
     }
-    # (not in the weak reference callbacks that give references back: see test_storage.py)
-    skip = [pyshm._memory.released, pyshm._memory._lifetime_ended]
     point = 1
-    while interrupted_at(point, actions[call], wrappers, skip):
+    while interrupted_at(point, actions[call], wrappers):
         arena.deallocate()  # nothing of the interrupted call holds a storage any more
         arena.allocate()
         point += 1
