@@ -26,12 +26,15 @@ from . import _checks, _ffi
 from ._ffi import lib
 
 
-def create(nbytes: int, shared: bool, resizable: bool = False) -> _ffi.StorageHandle:
-    """A new C storage of ``nbytes``; the caller owns the returned reference."""
+def create(out: _ffi.StorageHandle, nbytes: int, shared: bool, resizable: bool = False) -> None:
+    """A new C storage of ``nbytes`` into handle `out` (NULL), whose reference the caller owns.
+
+    `out`, not a result: the caller has it, and gives the reference back, before the call
+    returns. A Ctrl-C (KeyboardInterrupt) right after the C call returned lost a returned
+    handle, and the storage (a memfd, for a shared one) with it."""
     nbytes = check_nbytes(nbytes)
     shared = _checks.flag(shared, "shared")
     resizable = _checks.flag(resizable, "resizable")
-    out = _ffi.StorageHandle()
     if shared:
         if resizable:
             raise ValueError("a shared storage cannot be resizable")
@@ -39,7 +42,6 @@ def create(nbytes: int, shared: bool, resizable: bool = False) -> _ffi.StorageHa
     else:
         flags = _ffi.STORAGE_RESIZABLE if resizable else 0
         lib.lshm_storage_create(nbytes, None, flags, ctypes.byref(out))
-    return out
 
 
 def share_in_place(handle: _ffi.StorageHandle, what: str, error: Optional[type] = None,

@@ -53,11 +53,12 @@ def empty(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) ->
     dtype = array_dtype(dtype)
     shape = normalize_shape(shape)
     nbytes = nbytes_of(shape, dtype)
-    handle = create(nbytes, shared)  # no Storage object: the array's owner holds it
+    handle = _ffi.StorageHandle()  # no Storage object: the array's owner holds it
     try:
+        create(handle, nbytes, shared)
         return wrap(handle, shape, dtype)
     finally:
-        lib.lshm_storage_release(handle)
+        lib.lshm_storage_release(handle)  # (NULL, if none was made: nothing)
 
 
 def zeros(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) -> np.ndarray:

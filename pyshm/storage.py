@@ -63,7 +63,12 @@ class Storage(HandleLifetime):
     __slots__ = ("_handle", "_key", "_keep", "_pins", "_pin_epoch", "_resizing")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
-        self._adopt(create(nbytes, shared, resizable))
+        # The release is recorded first (of NULL until the storage is made: nothing), so that
+        # a Ctrl-C right after the C call returns never loses the storage (see _memory.create)
+        handle = _ffi.StorageHandle()
+        self._adopt(handle)
+        create(handle, nbytes, shared, resizable)
+        self._key = _ffi.address(handle)
 
     def _adopt(self, handle: _ffi.StorageHandle, keep: Any = None, take: Any = None) -> None:
         self._handle = handle
@@ -120,8 +125,11 @@ class Storage(HandleLifetime):
         offset = _checks.uint64(offset, "offset")
         out = _ffi.StorageHandle()
         flags = _ffi.STORAGE_READONLY if readonly else 0
+        self = cls.__new__(cls)
+        self._adopt(out)  # (first: see __init__)
         lib.lshm_storage_attach(fd, offset, nbytes, flags, ctypes.byref(out))
-        return cls.from_handle(out)
+        self._key = _ffi.address(out)
+        return self
 
     # ---- lifetime ---------------------------------------------------------------------------
 

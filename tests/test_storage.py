@@ -15,7 +15,7 @@ import pytest
 
 import pyshm
 from pyshm import _ffi
-from conftest import interrupted_at, memfd_held
+from conftest import after_c_calls, interrupted_at, memfd_held
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -993,3 +993,43 @@ def test_a_ctrl_c_in_a_release_callback_is_made_up_for_at_the_next_release(kind)
         assert memfd_held(inode) == [], (kind, point)
         point += 1
     assert point > 1
+
+
+def _memfds_held() -> int:
+    """How many memfd fds and mappings this process has."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass  # (listdir's own fd, closed since)
+    with open("/proc/self/maps") as maps:
+        return fds + sum("/memfd:" in line for line in maps)
+
+
+_MAKING = {
+    "pyshm.empty": lambda fd: pyshm.empty(2 << 20, np.uint8, shared=True),
+    "Storage": lambda fd: pyshm.Storage(2 << 20, shared=True),
+    "Storage.attach": lambda fd: pyshm.Storage.attach(fd, 2 << 20),
+}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("kind", sorted(_MAKING))
+def test_a_ctrl_c_anywhere_in_making_a_storage_leaks_nothing(monkeypatch, kind):
+    # A KeyboardInterrupt at each point of pyshm.empty / Storage() / Storage.attach: right
+    # after lshm_storage_create_shared (or _attach) returned, the new storage's handle was
+    # lost, with its memfd fd and mapping, until the process exited
+    source = pyshm.Storage(2 << 20, shared=True)
+    fd = source.fd
+    wrappers = after_c_calls(monkeypatch, _ffi.lib, "lshm_storage_create_shared",
+                             "lshm_storage_attach")
+    held = _memfds_held()
+    point = 1
+    while interrupted_at(point, lambda: _MAKING[kind](fd), wrappers):
+        pyshm.Storage(PAGE).close()  # (a release: one cut off in a callback is made there)
+        assert _memfds_held() == held, (kind, point)
+        point += 1
+    assert point > 3
+    assert _memfds_held() == held
+    source.close()
