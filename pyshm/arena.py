@@ -82,6 +82,10 @@ def _locked(method):
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
+        if self._handle is None:
+            # (closed: no C arena left to guard, and a fork no longer renews the lock of an
+            # arena that has left _ARENAS; every method then raises ValueError or returns)
+            return method(self, *args, **kwargs)
         with self._lock:
             return method(self, *args, **kwargs)
 
@@ -146,8 +150,8 @@ class _ArenaKeep(HandleLifetime):
         self.arena = arena
         self.buffer = buffer
         if buffer is not None:
-            lib.lshm_arena_buffer_retain(buffer)
-            self._release_with(lib.lshm_arena_buffer_release, buffer)
+            self._release_with(lib.lshm_arena_buffer_release, buffer,
+                               take=lib.lshm_arena_buffer_retain)
         else:
             self._lifetime = None
 
@@ -295,15 +299,25 @@ class Arena(HandleLifetime):
     def closed(self) -> bool:
         return self._handle is None
 
-    @_locked
     def close(self) -> None:
         """Free the storages, the slab and the buffer (idempotent).
 
         Raises :class:`BufferError`, changing nothing, while arrays made by the arena live.
         """
+        self._close()
+        # A closed arena leaves _ARENAS at once (it stayed until collected, and every fork took
+        # its lock): under _FORK_TURN, as it joined, so that no fork is going through the set
+        # then; not under the arena's lock (a fork holds _FORK_TURN while it takes that one).
+        with _FORK_TURN:
+            _ARENAS.discard(self)
+
+    @_locked
+    def _close(self) -> None:
         if self._handle is None:
             return
-        alive = len(self._owners)
+        # (the owners alive, not len(): a Ctrl-C in the WeakSet's callback left a dead one
+        # counted there, and close() refused for good)
+        alive = len(list(self._owners))
         if alive:
             raise _ffi.ShmBufferError(
                 errno.EBUSY, f"pyshm.Arena.close: {alive} array(s) made by the arena are alive"
@@ -369,7 +383,7 @@ class Arena(HandleLifetime):
         arena alive, as its arrays do."""
         out = _ffi.StorageHandle()
         lib.lshm_arena_storage(self._as_parameter_, _index(i), ctypes.byref(out))
-        return Storage.from_handle(lib.lshm_storage_retain(out), keep=self._keep_for(out))
+        return Storage._retaining(out, keep=self._keep_for(out))
 
     # ---- recording arenas -----------------------------------------------------------------
 

@@ -53,11 +53,12 @@ def empty(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) ->
     dtype = array_dtype(dtype)
     shape = normalize_shape(shape)
     nbytes = nbytes_of(shape, dtype)
-    handle = create(nbytes, shared)  # no Storage object: the array's owner holds it
+    handle = _ffi.StorageHandle()  # no Storage object: the array's owner holds it
     try:
+        create(handle, nbytes, shared)
         return wrap(handle, shape, dtype)
     finally:
-        lib.lshm_storage_release(handle)
+        lib.lshm_storage_release(handle)  # (NULL, if none was made: nothing)
 
 
 def zeros(shape: ShapeLike, dtype: Any = np.float64, *, shared: bool = False) -> np.ndarray:
@@ -116,7 +117,7 @@ def _pyshm_owner(array: Any) -> Optional[ArrayOwner]:
 
 def _owner_storage(owner: ArrayOwner) -> Storage:
     """A new :class:`Storage` handle (its own reference) on the owner's C storage."""
-    return Storage.from_handle(lib.lshm_storage_retain(owner.handle), keep=owner.keep)
+    return Storage._retaining(owner.handle, keep=owner.keep)
 
 
 ArrayOwner.storage = _owner_storage  # (kept: the method it always had)

@@ -764,6 +764,7 @@ class _ReceivedOwner(ArrayOwner):
                     offset, nbytes, readonly = self._view
                     handle = _new_view(self.keep.segment, offset, nbytes, readonly)
                     ref = weakref.ref(self, released)
+                    _memory.MARKS[weakref.ref(self, _memory._died)] = ref  # (see DIED)
                     REFERENCES[ref] = handle
                     if _memory.tracking:
                         _memory.note_new_owner(ref)
@@ -1119,7 +1120,7 @@ def _reduce_storage(storage: Storage):
         if lib.lshm_storage_nbytes(handle) == 0:
             return reduce_storage_by_value(storage, 4)
         mapping = storage.keep if isinstance(storage.keep, _Mapping) else None
-        holder = Storage.from_handle(lib.lshm_storage_retain(handle), keep=storage.keep)
+        holder = Storage._retaining(handle, keep=storage.keep)
     finally:
         storage._pins.discard(pin)  # (see Storage._pin)
         storage._unpinned()

@@ -18,10 +18,6 @@ from ._memory import HandleLifetime, array_from_storage, check_nbytes, create, s
 __all__ = ["Storage", "trim_pool"]
 
 
-def _release(handle: _ffi.StorageHandle) -> None:
-    lib.lshm_storage_release(handle)
-
-
 # Guards every Storage's count of calls in flight (_pins) against close() on another thread
 # (held for a few bytecodes only, never across a C call).
 _PIN_LOCK = threading.Lock()
@@ -67,16 +63,23 @@ class Storage(HandleLifetime):
     __slots__ = ("_handle", "_key", "_keep", "_pins", "_pin_epoch", "_resizing")
 
     def __init__(self, nbytes: int, *, shared: bool = False, resizable: bool = False) -> None:
-        self._adopt(create(nbytes, shared, resizable))
+        # The release is recorded first (of NULL until the storage is made: nothing), so that
+        # a Ctrl-C right after the C call returns never loses the storage (see _memory.create)
+        handle = _ffi.StorageHandle()
+        self._adopt(handle)
+        create(handle, nbytes, shared, resizable)
+        self._key = _ffi.address(handle)
 
-    def _adopt(self, handle: _ffi.StorageHandle) -> None:
+    def _adopt(self, handle: _ffi.StorageHandle, keep: Any = None, take: Any = None) -> None:
         self._handle = handle
-        self._keep = None
+        self._keep = keep
         self._pins = set()
         self._pin_epoch = _PIN_EPOCH
         self._resizing = None
         self._key = _ffi.address(handle)  # the identity, kept after close for a stable hash
-        self._release_with(_release, handle)
+        # (the C function itself: a Python function between the callback and it was one more
+        # point where a Ctrl-C lost the release, see _memory.released)
+        self._release_with(lib.lshm_storage_release, handle, take=take)
 
     @classmethod
     def from_handle(cls, handle: _ffi.StorageHandle, keep: Any = None) -> "Storage":
@@ -91,8 +94,15 @@ class Storage(HandleLifetime):
         if not handle:
             raise ValueError("from_handle: a NULL storage handle")
         self = cls.__new__(cls)
-        self._adopt(handle)
-        self._keep = keep
+        self._adopt(handle, keep)
+        return self
+
+    @classmethod
+    def _retaining(cls, handle: _ffi.StorageHandle, keep: Any = None) -> "Storage":
+        """A Storage with a reference of its own to the C storage `handle` (which the caller
+        keeps), taken in the same step that records it (see HandleLifetime._release_with)."""
+        self = cls.__new__(cls)
+        self._adopt(handle, keep, take=lib.lshm_storage_retain)
         return self
 
     @property
@@ -115,8 +125,11 @@ class Storage(HandleLifetime):
         offset = _checks.uint64(offset, "offset")
         out = _ffi.StorageHandle()
         flags = _ffi.STORAGE_READONLY if readonly else 0
+        self = cls.__new__(cls)
+        self._adopt(out)  # (first: see __init__)
         lib.lshm_storage_attach(fd, offset, nbytes, flags, ctypes.byref(out))
-        return cls.from_handle(out)
+        self._key = _ffi.address(out)
+        return self
 
     # ---- lifetime ---------------------------------------------------------------------------
 

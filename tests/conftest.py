@@ -46,3 +46,64 @@ def no_fd_leak():
     assert not leaked, f"leaked fds: {sorted(leaked)}: " + ", ".join(
         os.readlink(f"/proc/self/fd/{fd}") for fd in sorted(leaked)
     )
+
+
+def memfd_held(inode: int) -> list:
+    """This process's fds and mappings of the memfd of that inode."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.stat(f"/proc/self/fd/{fd}").st_ino == inode:
+                held.append(f"fd {fd}")
+        except OSError:
+            pass  # (listdir's own fd, closed since)
+    with open("/proc/self/maps") as maps:
+        held += [line for line in maps if len(line.split()) > 5 and line.split()[4] == str(inode)]
+    return held
+
+
+def interrupted_at(point: int, action, wrappers=()) -> bool:
+    """Run ``action()`` with a KeyboardInterrupt at its `point`-th interrupt point (1, 2...):
+    True if it had that many (the interrupt came; the action may have swallowed it, as a
+    weak reference callback does), False if it ended first (no interrupt).
+
+    A signal handler that raises (Ctrl-C) runs where CPython checks for signals: at the entry
+    of a Python function and right after a call returns. A profile function stands for it
+    there: it raises at a "call" event (the function fails before its first line), at a
+    "return" or "c_return" event (the caller gets the exception instead of the result).
+    ``wrappers``: Python functions standing for C functions (ctypes calls, which have no
+    events of their own): only their return is an interrupt point, not their entry."""
+    codes = {wrapper.__code__ for wrapper in wrappers}
+    seen = 0
+
+    def profile(frame, event, arg):
+        nonlocal seen
+        if event == "c_call" or event == "c_exception" or (
+                event == "call" and frame.f_code in codes):
+            return
+        seen += 1
+        if seen == point:
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    sys.setprofile(profile)
+    try:
+        action()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+    return seen >= point
+
+
+def after_c_calls(monkeypatch, lib, *names) -> list:
+    """Wrap `lib`'s ctypes functions `names` in Python functions (see interrupted_at), so
+    that an interrupt can come right after each returns; returns the wrappers."""
+    wrappers = []
+    for name in names:
+        def wrapper(*args, _c_function=getattr(lib, name)):
+            return _c_function(*args)
+
+        monkeypatch.setattr(lib, name, wrapper)
+        wrappers.append(wrapper)
+    return wrappers

@@ -2,6 +2,7 @@
 live), shared arenas seen from another process, record-then-replay, stats, bad input."""
 
 import gc
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import pyshm
 from pyshm.arena import ArenaStats
 
-from conftest import open_fds
+from conftest import after_c_calls, interrupted_at, memfd_held, open_fds
 
 # A chain with a skip connection: tensor i lives on [firsts[i], lasts[i]).
 SIZES = [4096, 10000, 3000, 10000, 64, 0]
@@ -385,6 +386,53 @@ def test_a_storage_of_a_tensor_keeps_the_arena_and_frees_it_after(shared, no_fd_
         gc.collect()
         assert ref() is None
     assert memfd_mappings() <= before + 1  # (a slab of small arrays may come meanwhile)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("call", ["storage", "array", "array and storage"])
+def test_a_ctrl_c_anywhere_in_storage_or_array_leaves_the_arena_closable(monkeypatch, call):
+    # A KeyboardInterrupt at each point of Arena.storage(i) / Arena.array(i) where a signal
+    # handler can raise one: right after lshm_storage_retain returned (or the buffer's
+    # retain), before the Storage / _ArenaKeep recorded the reference, it was lost, and
+    # deallocate() and close() refused with EBUSY for good ("still has 1 references")
+    from pyshm import _ffi
+
+    arena = pyshm.Arena([4096, 8192], [0, 0], [1, 1], shared=True).allocate()
+    inode = os.fstat(arena.fd).st_ino
+    wrappers = after_c_calls(monkeypatch, _ffi.lib, "lshm_storage_retain",
+                             "lshm_arena_buffer_retain", "lshm_arena_storage")
+    actions = {
+        "storage": lambda: arena.storage(1),
+        "array": lambda: arena.array(1, dtype=np.int32),
+        "array and storage": lambda: (arena.array(0), arena.storage(0)),
+    }
+    point = 1
+    while interrupted_at(point, actions[call], wrappers):
+        arena.deallocate()  # nothing of the interrupted call holds a storage any more
+        arena.allocate()
+        point += 1
+    assert point > 10  # (the points were there)
+    monkeypatch.undo()
+    arena.close()
+    assert memfd_held(inode) == []
+
+
+def test_a_closed_arena_leaves_the_fork_list():
+    # a closed arena stayed in _ARENAS until collected, and every fork took its lock
+    from pyshm import arena as arena_module
+
+    arena = pyshm.Arena.recording()
+    assert arena in arena_module._ARENAS
+    arena.close()
+    assert arena not in arena_module._ARENAS
+    assert arena.closed and repr(arena) == "<pyshm.Arena closed>"
+    arena.close()  # (idempotent)
+    with pytest.raises(ValueError, match="closed"):
+        arena.empty(3)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if arena.closed else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def test_plan_refuses_a_non_bool_inclusive():

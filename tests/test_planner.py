@@ -291,6 +291,14 @@ def test_bad_input():
         pyshm.plan([1 << 64], [0], [1])
     with pytest.raises(ValueError):  # EOVERFLOW: the arena would not fit in 64 bits
         pyshm.plan([1 << 63, 1 << 63], [0, 0], [1, 1])
+    # 2^64 - 1 at alignment 1 aligns to itself: what is refused is an arena ending at 2^64 - 1
+    # (the message said "overflows when aligned", which it does not)
+    for alignment in (1, 64):
+        with pytest.raises(ValueError) as refused:
+            pyshm.plan([2**64 - 1], [0], [1], alignment=alignment)
+        assert "overflows when aligned" not in str(refused.value)
+        assert f"at most {2**64 - 1 - alignment}" in str(refused.value)
+        assert pyshm.plan([2**64 - 1 - alignment], [0], [1], alignment=alignment).arena_size > 0
     with pytest.raises(ValueError):
         pyshm.plan([10], [0], [1], time_limit=-1)
     with pytest.raises(ValueError):
@@ -468,7 +476,7 @@ def test_in_range_extremes_still_plan():
         ([(0, 0, 2, 16), (1, 1, 3, "1.5")], 3, ["size", "1.5"]),
         ([(0, 0, 2, 16), None, (1, 3, 1, 8)], 4, ["lower 3 > upper 1"]),  # after a blank line
         # the library names a tensor by index: the CLI names the file's line instead
-        ([(0, 0, 2, 16), None, (7, 1, 3, 2**64 - 1)], 4, ["id 7", "overflows"]),
+        ([(0, 0, 2, 16), None, (7, 1, 3, 2**64 - 1)], 4, ["id 7", "too large"]),
     ],
 )
 def test_cli_plan_bad_numbers_name_the_line(tmp_path, rows, line, words):

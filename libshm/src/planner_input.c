@@ -118,9 +118,14 @@ static int check_tensors(plan_input *in, const caller_input *c) {
             return LSHM_FAIL(-EINVAL, "tensor %zu: first %lld > last %lld", i,
                              (long long)c->firsts[i], (long long)c->lasts[i]);
         if (planning) {
+            /* (not an overflow of the alignment itself, which is fine up to UINT64_MAX -
+             * alignment + 1: an arena must end below UINT64_MAX, which means "no plan") */
             if (size > UINT64_MAX - alignment)
-                return LSHM_FAIL(-EOVERFLOW, "tensor %zu: size %llu overflows when aligned", i,
-                                 (unsigned long long)size);
+                return LSHM_FAIL(-EOVERFLOW,
+                                 "tensor %zu: size %llu is too large: at alignment %llu a size "
+                                 "is at most %llu (the arena must end below 2^64 - 1)", i,
+                                 (unsigned long long)size, (unsigned long long)alignment,
+                                 (unsigned long long)(UINT64_MAX - alignment));
             uint64_t padded = align_up(size, alignment);
             if (total > UINT64_MAX - padded)
                 saturated = 1;
