@@ -41,7 +41,9 @@ from pyshm import _ffi, _memory, engines
 
 
 def storage() -> _ffi.StorageHandle:
-    return _memory.create(4096, False)
+    handle = _ffi.StorageHandle()
+    _memory.create(handle, 4096, False)
+    return handle
 
 
 def case_gil():
