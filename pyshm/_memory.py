@@ -345,6 +345,15 @@ class ArrayOwner(HandleLifetime):
         raise TypeError("an ArrayOwner gives back its storage reference only")
 
 
+def adopted(handle: _ffi.StorageHandle) -> bool:
+    """Whether an ArrayOwner recorded this very handle object (``adopt=True`` took the
+    caller's reference): for a caller whose ``ArrayOwner(...)`` raised, which must then not
+    release it too. A KeyboardInterrupt can come after the record (at a Python function's
+    entry in ``__init__``, or as the constructor returns, before the caller holds the owner).
+    A scan of every owner's record: for error paths only."""
+    return any(recorded is handle for recorded in list(REFERENCES.values()))
+
+
 def handle_of(holder: Any) -> Optional[_ffi.StorageHandle]:
     """The C storage of a holder of memory: an ArrayOwner's (None once given back) or a
     Storage's (ValueError once closed)."""

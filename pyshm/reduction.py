@@ -853,8 +853,9 @@ def _own_part_back(fields: tuple, shape, dtype, strides, start, writeable
     except (TypeError, ValueError):  # (a dtype the interface cannot describe: the general
         lib.lshm_storage_release(handle)  # path makes it through a flat view)
         return None
-    except BaseException:
-        lib.lshm_storage_release(handle)
+    except BaseException:  # (a KeyboardInterrupt: the owner may have adopted it by then)
+        if not _memory.adopted(handle):
+            lib.lshm_storage_release(handle)
         raise
     try:
         array = _exact_dtype(np.asarray(owner), dtype)
@@ -986,6 +987,7 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
     if array is not None:
         return array
     mapping, handle, facts = _resolve(batch, fields)
+    adopting = False
     try:
         if facts is None:
             facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
@@ -998,13 +1000,16 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
                 f"pyshm: an array of shape {shape!r} and strides {strides!r} at byte "
                 f"{start!r} does not fit its {nbytes} bytes of shared memory")
         owner = None
-        # the array itself over the storage, in one step (the owner adopts our reference)
+        # the array itself over the storage, in one step (the owner adopts our reference;
+        # adopting: a KeyboardInterrupt from here to `handle = None` may come after it did)
+        adopting = True
         try:
             owner = ArrayOwner(handle, shape, dtype, start,
                                bool(flags & _ffi.STORAGE_READONLY), keep=mapping,
                                strides=strides, adopt=True, data=data)
         except (TypeError, ValueError):
-            pass  # a dtype the interface cannot describe (dtype.descr refuses it): below
+            # a dtype the interface cannot describe (dtype.descr refuses it): below
+            adopting = False
         if owner is not None:
             handle = None
             if mapping is not None:
@@ -1029,7 +1034,7 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         if mapping is None:
             _keep_range_holder(flat.base, fields)  # (the owner the array is made over)
     finally:
-        if handle is not None:
+        if handle is not None and not (adopting and _memory.adopted(handle)):
             lib.lshm_storage_release(handle)
     try:
         array = np.ndarray(shape, dtype, buffer=flat, offset=start, strides=strides)

@@ -142,3 +142,42 @@ def test_a_part_coming_back_while_its_last_array_is_dropped(pool, kind):
         outcomes.add("same" if back.ctypes.data == address else "fetched")
         del back
     assert outcomes <= {"same", "fetched", "DeliveryError", "UnpicklingError"}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_anywhere_in_unpickling_our_own_memory_releases_it_once(monkeypatch):
+    # A read-only view of ours unpickled here is made over a retained reference to our
+    # storage, which the new array's owner adopts (_build_ndarray). A KeyboardInterrupt right
+    # after the owner had recorded it, before the caller knew (as the constructor returned),
+    # made the caller release it too: one reference too few, so the storage could be
+    # destroyed under live arrays. (One too many, a leak, is still possible: an interrupt as
+    # the retained reference goes up from _own_storage to _build_ndarray, six points.)
+    from conftest import after_c_calls, interrupted_at
+
+    from pyshm import _ffi, _memory
+
+    array = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    array[10:20] = 7
+    view = array[10:20]
+    view.flags.writeable = False
+    data = bytes(ForkingPickler.dumps(view))
+    handle = _memory.handle_of(_memory.owner_of(array))
+    gc.collect()
+    refs, leaked = _ffi.lib.lshm_storage_refcount(handle), 0
+    wrappers = after_c_calls(monkeypatch, _ffi.lib, "lshm_storage_retain",
+                             "lshm_storage_release", "lshm_storage_flags",
+                             "lshm_storage_data", "lshm_storage_nbytes")
+    point = 1
+    while interrupted_at(point, lambda: ForkingPickler.loads(data), wrappers):
+        gc.collect()
+        pyshm.Storage(4096).close()  # (a release: one cut off in a callback is made there)
+        now = _ffi.lib.lshm_storage_refcount(handle)
+        assert now >= refs, point  # (never released twice)
+        leaked, refs = leaked + now - refs, now
+        point += 1
+    assert point > 50 and leaked <= 6
+    back = ForkingPickler.loads(data)
+    assert int(back[0]) == 7 and not back.flags.writeable
+    del back
+    gc.collect()
+    assert _ffi.lib.lshm_storage_refcount(handle) == refs
