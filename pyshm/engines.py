@@ -813,7 +813,23 @@ def _recipient_here(context: Any) -> bool:
     """Whether a distributed message goes straight to a process of this user on this machine
     (not through a scheduler, see _schedulers): only then is a reference of any use (a
     process of another user would be refused the memory, and a worker that cannot unpickle a
-    message stops). No recipient (spilling to disk, a cache) means no."""
+    message stops). No recipient (spilling to disk, a cache) means no.
+
+    Decided once per message: a comm makes a new context dict for each message it writes
+    (Comm.write, distributed/comm/tcp.py and ws.py: its "sender" and "recipient" facts, the
+    latter the comm's own dict, kept for the connection) and passes that one dict to the
+    serializer of each object in it, so the answer is kept in that dict (_DECIDED), and the
+    next message asks the kernel again (a port may be another user's a moment later)."""
+    if isinstance(context, dict) and "sender" in context:
+        decided = context.get(_DECIDED)
+        if decided is None:
+            decided = context[_DECIDED] = _decide_recipient_here(context)
+        return decided
+    return _decide_recipient_here(context)
+
+
+def _decide_recipient_here(context: Any) -> bool:
+    """_recipient_here, asked now."""
     recipient = context.get("recipient") if isinstance(context, dict) else None
     # (our end of that connection, where distributed gives it: the comm's local address)
     sender = context.get("sender") if isinstance(context, dict) else None
@@ -865,6 +881,9 @@ def _host_and_port(address: Any) -> Optional[tuple]:
 # format of those it loads (the "pyshm" key of a reference's header too)
 _ANNOUNCED = "pyshm"
 _REFERENCE_FORMAT = 1
+# ... and the key of a message's context (never sent) under which _recipient_here keeps its
+# answer for that message
+_DECIDED = "pyshm-recipient-here"
 # ... and the key of a message's context (never sent) under which a tensor's numpy view goes by
 # reference only over memory its receivers may write (_install_distributed_tensors)
 _WRITABLE_ONLY = "pyshm-writable-only"
