@@ -689,12 +689,6 @@ def _peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
     return uids
 
 
-def _read_peer_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
-    """_peer_uids, not remembered."""
-    uids = _diag_uids(host, port, via)
-    return uids if uids is not None else _table_uids(host, port, via)
-
-
 def _table_uids(host: str, port: int, via: Optional[tuple] = None) -> set:
     """_diag_uids from /proc/net/tcp{,6}: the uids of the sockets connected at (host, port) to
     `via` (any peer without it), else of those listening there."""
@@ -752,7 +746,7 @@ def _diag_queries(host: str, via: Optional[tuple]) -> list:
 
 
 def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[set]:
-    """_read_peer_uids through the kernel's own socket lookup (sock_diag, as ``ss`` asks it;
+    """_peer_uids through the kernel's own socket lookup (sock_diag, as ``ss`` asks it;
     no privilege needed): the uid of the socket at (host, port) whose peer is `via` (our
     end of a connection to it), or without `via` of the listener a new connection there
     reaches (bound to that address or to every address); an empty set if the socket found is

@@ -1754,11 +1754,7 @@ def test_dask_the_owner_of_a_peers_socket_is_asked_of_the_kernel_not_read_from_p
     # with the answers those tables gave, which stay for where netlink is refused
     import socket
 
-    def proc_tables(host, port, via=None):
-        with monkeypatch.context() as patched:
-            patched.setattr(engines, "_diag_uids", lambda *args: None)
-            return engines._read_peer_uids(host, port, via)
-
+    monkeypatch.setattr(engines, "_peers", {})  # (no answer of the tables remembered before)
     sockets = []
 
     def listener(family, host, v6only=False):
@@ -1804,11 +1800,11 @@ def test_dask_the_owner_of_a_peers_socket_is_asked_of_the_kernel_not_read_from_p
                       ("127.0.0.1", other_port, towards_other.getsockname()[:2], {65534}),
                       ("127.0.0.1", other_client, ("127.0.0.1", ours), {65534})]
         for host, port, via, uids in cases:
-            assert engines._read_peer_uids(host, port, via) == uids, (host, port, via)
+            assert engines._peer_uids(host, port, via) == uids, (host, port, via)
             if host[0].isdigit() or host[0] in ":[":
                 # (None: none found; then the tables are read, see below)
                 assert engines._diag_uids(host, port, via) == (uids or None), (host, port, via)
-            assert proc_tables(host, port, via) == uids, (host, port, via)
+            assert engines._table_uids(host, port, via) == uids, (host, port, via)
         # where netlink is refused (a seccomp filter, an old sandbox): the tables, as before
         real_socket = socket.socket
 
@@ -1818,8 +1814,9 @@ def test_dask_the_owner_of_a_peers_socket_is_asked_of_the_kernel_not_read_from_p
             return real_socket(family, *args, **kwargs)
 
         monkeypatch.setattr(socket, "socket", no_netlink)
+        monkeypatch.setattr(engines, "_peers", {})  # (nor any of the lookups above)
         assert engines._diag_uids("127.0.0.1", ours) is None
-        assert engines._read_peer_uids("127.0.0.1", ours, client_end) == me
+        assert engines._peer_uids("127.0.0.1", ours, client_end) == me
         monkeypatch.undo()  # (and no_fd_leak: no netlink socket left open)
     finally:
         for sock in sockets:

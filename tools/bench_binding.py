@@ -17,7 +17,7 @@ min and median microseconds per call over `--repeat` rounds of `--number` calls:
   address   an array's data pointer read at its offset and through __array_interface__:
             _memory.py, data_address
   peers     a peer's uids: one sock_diag lookup, one read of /proc/net/tcp and tcp6:
-            pyshm/engines.py, _peer_uids
+            pyshm/engines.py, _peer_uids (_diag_uids, _table_uids)
 
     PYTHONPATH=. python3 tools/bench_binding.py                 # every case
     PYTHONPATH=. python3 tools/bench_binding.py gil typed --repeat 9
@@ -142,11 +142,7 @@ def case_peers():
         engines._diag_uids("127.0.0.1", 1)
 
     def read():
-        saved, engines._diag_uids = engines._diag_uids, lambda *args: None
-        try:
-            engines._read_peer_uids("127.0.0.1", 1)
-        finally:
-            engines._diag_uids = saved
+        engines._table_uids("127.0.0.1", 1)
 
     return {"sock_diag lookup": lookup, "/proc/net/tcp{,6} read": read}
 
