@@ -825,9 +825,12 @@ def _recipient_here(context: Any) -> bool:
 def _decide_recipient_here(context: Any) -> bool:
     """_recipient_here, asked now."""
     recipient = context.get("recipient") if isinstance(context, dict) else None
-    # (our end of that connection, where distributed gives it: the comm's local address)
+    # (both ends of that connection as its socket names them, where our handshake noted them
+    # (_socket_ends); else our end where distributed gives it: the comm's local address)
     sender = context.get("sender") if isinstance(context, dict) else None
-    via = _host_and_port(sender.get("address")) if isinstance(sender, dict) else None
+    ends = _noted_ends(sender) if isinstance(recipient, dict) else None
+    via = ends[0] if ends is not None else \
+        _host_and_port(sender.get("address")) if isinstance(sender, dict) else None
     if isinstance(recipient, dict):  # (distributed gives the comm's peer info)
         # The peer's handshake names the pickle protocol it takes. A reference is a pickle of
         # protocol 5 (its secrets are out-of-band buffers), and a scheduler asks for 4 on
@@ -850,11 +853,58 @@ def _decide_recipient_here(context: Any) -> bool:
                 recipient.get(_MACHINE_KEY) != _machine(_channel.own_netns()):
             return False
         recipient = recipient.get("address")
-    peer = _host_and_port(recipient)
+    peer = ends[1] if ends is not None else _host_and_port(recipient)
     if peer is None or not _local_host(peer[0]) or recipient in _schedulers():
         return False  # (inproc: the same process, distributed passes objects as they are)
     # (the socket's owner: a worker of another user on this machine gets the bytes)
     return _peer_uids(*peer, via) == {os.geteuid()}
+
+
+def _socket_ends(comm: Any) -> Optional[list]:
+    """[[host, port] of our end, [host, port] of the peer's] of the TCP connection under a
+    distributed comm, as its socket names them (tcp and tls: the comm's stream; ws and wss:
+    the websocket's, client or server side); None for another comm (inproc, ucx) or a socket
+    that cannot say. distributed's own addresses do not tell a websocket's ends: the server
+    side's are the Host header the client sent and the client's IP with port 0, without a
+    scheme (so results and transfers between workers over ws:// went by value), and the
+    client side's own address is the server's."""
+    for path in (("stream",), ("sock", "protocol", "stream"),
+                 ("handler", "ws_connection", "stream")):
+        found = comm
+        for name in path:
+            found = getattr(found, name, None)
+        sock = getattr(found, "socket", None)
+        if isinstance(sock, socket.socket):
+            break
+    else:
+        return None
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        return [[_plain_host(end[0]), end[1]] for end in (sock.getsockname(),
+                                                            sock.getpeername())]
+    except (OSError, ValueError):
+        return None
+
+
+def _plain_host(host: str) -> str:
+    """An IP address as the kernel's socket lookup and _local_host take it: without an IPv6
+    scope, an IPv4-mapped IPv6 address as IPv4 (an IPv4 peer of a dual-stack socket)."""
+    import ipaddress
+
+    address = ipaddress.ip_address(host.partition("%")[0])
+    return str(getattr(address, "ipv4_mapped", None) or address)
+
+
+def _noted_ends(sender: Any) -> Optional[tuple]:
+    """((host, port) of our end, (host, port) of the peer's) that our handshake noted
+    (_socket_ends) in a comm's own facts (a message's "sender"), else None."""
+    ends = sender.get(_ENDS_KEY) if isinstance(sender, dict) else None
+    if not isinstance(ends, (list, tuple)) or len(ends) != 2 or not all(
+            isinstance(end, (list, tuple)) and len(end) == 2 and isinstance(end[0], str)
+            and type(end[1]) is int for end in ends):
+        return None
+    return tuple(map(tuple, ends))
 
 
 def _host_and_port(address: Any) -> Optional[tuple]:
@@ -884,6 +934,9 @@ _WRITABLE_ONLY = "pyshm-writable-only"
 # ... and the key by which it says where it runs: this boot of this machine, this network
 # namespace (whose abstract sockets the channel uses)
 _MACHINE_KEY = "pyshm-machine"
+# ... and the key by which it notes the two ends of the connection, as its socket names them
+# (_socket_ends: read back only from our own facts, a message's "sender", never the peer's)
+_ENDS_KEY = "pyshm-ends"
 _BOOT: list = []
 
 
@@ -904,12 +957,13 @@ def _machine(netns: int = 0) -> Optional[str]:
 def _announce_references() -> None:
     """Add to the handshake that every comm of this process sends its peer (the information a
     peer's serializers get as ``context["recipient"]``) that this process loads references,
-    and on which machine it runs (_machine). pyshm is imported in every Dask process of an
-    environment that has it (its "dask.sizeof" entry point, pyshm/_pyshm_dask.py), so a
-    process without it says nothing and gets the bytes. The saying is the handshake's, once
-    per connection: a connection made before this (pyshm imported late, where the entry point
-    is not installed) carries none, and Dask keeps connections, so its peer gets copies over
-    it."""
+    and on which machine it runs (_machine); and the connection's two ends, which this
+    process's serializers read back from its own facts (_socket_ends). pyshm is imported in
+    every Dask process of an environment that has it (its "dask.sizeof" entry point,
+    pyshm/_pyshm_dask.py), so a process without it says nothing and gets the bytes. The
+    saying is the handshake's, once per connection: a connection made before this (pyshm
+    imported late, where the entry point is not installed) carries none, and Dask keeps
+    connections, so its peer gets copies over it."""
     from distributed.comm.core import Comm
 
     info = Comm.handshake_info
@@ -921,6 +975,9 @@ def _announce_references() -> None:
         machine = _machine()
         if machine is not None:
             facts.update({_ANNOUNCED: _REFERENCE_FORMAT, _MACHINE_KEY: machine})
+        ends = _socket_ends(self)
+        if ends is not None:
+            facts[_ENDS_KEY] = ends
         return facts
 
     handshake_info._pyshm_wraps = info

@@ -1087,6 +1087,37 @@ def test_dask_scatter_submit_and_results_are_the_same_memory():
         assert (plain == 0).all() and (copied == 3).all()  # other arrays: dask's own way
 
 
+def fill_and_keep(array, value):
+    array[:] = value
+    return array
+
+
+def test_dask_results_and_transfers_between_workers_over_websockets_are_the_same_memory():
+    # Over ws://, the accepting side of a connection (a worker answering a client's request
+    # for a result, or another worker's for its data) knew its peer only as "<ip>:0" (no
+    # scheme; the client's IP, port 0) and sent the bytes; the connecting side's own address
+    # was the server's. Both ends are now read from the connection's socket at its handshake
+    distributed = engine_or_skip("distributed")
+    from distributed.comm import registry
+
+    try:
+        registry.get_backend("ws")
+    except ValueError:
+        pytest.skip("distributed has no websocket comm here")
+    array = pyshm.zeros(1 << 12, np.float64, shared=True)
+    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1,
+                                  protocol="ws://", dashboard_address=None) as cluster, \
+            distributed.Client(cluster, direct_to_workers=True) as client:
+        first, second = sorted(client.scheduler_info()["workers"])
+        assert first.startswith("ws://")
+        future = client.scatter(array, workers=[first], direct=True, hash=False)
+        # (the second worker fetches it from the first, writes it, and returns it)
+        back = client.submit(fill_and_keep, future, 2.0, workers=[second],
+                             allow_other_workers=False, pure=False).result()
+        assert (array == 2).all()  # (before: each hop a copy; our array stayed 0)
+        assert back.ctypes.data == array.ctypes.data
+
+
 def fill_tensor_with(tensor, value):
     tensor.detach().numpy()[...] = value  # (numpy's write: see fill_tensor)
     return tensor
@@ -1714,6 +1745,8 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
     def to(address: str, **handshake) -> dict:
         return {"recipient": {"address": address, **handshake}}
 
+    ends = [["127.0.0.1", 1], ["127.0.0.1", ours.getsockname()[1]]]  # (ours, the peer's)
+
     here = to(peer, **facts)
     cases = [(here, True),
              (to("tcp://127.0.0.1:1", **facts), False),  # (nobody there)
@@ -1731,6 +1764,10 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
              # an address no port of which int() reads: no error out of the serializer
              (to("tcp://127.0.0.1:\u00b2", **facts), False),
              ({**here, "sender": {"address": "tcp://127.0.0.1:\u00b2"}}, True),
+             # a websocket's accepting side: distributed names its peer "<ip>:0"; the ends
+             # its socket named at the handshake are read from our own facts, never the peer's
+             ({**to("127.0.0.1:0", **facts), "sender": {"pyshm-ends": ends}}, True),
+             (to("127.0.0.1:0", **facts, **{"pyshm-ends": ends}), False),
              (None, False)]  # (spilling to disk: no recipient)
     other = None
     if os.geteuid() == 0:  # a worker of another user here: it would be refused the memory
