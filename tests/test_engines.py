@@ -1745,7 +1745,11 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
     def to(address: str, **handshake) -> dict:
         return {"recipient": {"address": address, **handshake}}
 
-    ends = [["127.0.0.1", 1], ["127.0.0.1", ours.getsockname()[1]]]  # (ours, the peer's)
+    # (a connection to it: our end the accepted one, the peer's the client's, which listens
+    # nowhere)
+    client = socket.create_connection(ours.getsockname())
+    accepted = ours.accept()[0]
+    ends = [list(accepted.getsockname()), list(client.getsockname())]
 
     here = to(peer, **facts)
     cases = [(here, True),
@@ -1776,7 +1780,8 @@ def test_dask_sends_by_value_where_the_recipient_is_not_on_this_machine():
     try:
         check_dask_serialize(array, here, cases)
     finally:
-        ours.close()
+        for sock in (ours, client, accepted):
+            sock.close()
         if other is not None:
             os.kill(other[1], 9)
             os.waitpid(other[1], 0)
