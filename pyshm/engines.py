@@ -749,7 +749,9 @@ def _diag_uids(host: str, port: int, via: Optional[tuple] = None) -> Optional[se
     """_peer_uids through the kernel's own socket lookup (sock_diag, as ``ss`` asks it;
     no privilege needed): the uid of the socket at (host, port) whose peer is `via` (our
     end of a connection to it), or without `via` of the listener a new connection there
-    reaches (bound to that address or to every address); an empty set if the socket found is
+    reaches (bound to that address or to every address); with a `via` that names no
+    connection there, the kernel answers with that listener too, as _table_uids does (the
+    owner of what answers at that address); an empty set if the socket found is
     held by no process (a connection its peer closed: the kernel names no owner but root);
     None if netlink finds none or cannot say (refused here: the caller reads /proc/net/tcp
     instead, which a socket the lookup cannot find may be in, and remembers it)."""
