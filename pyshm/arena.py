@@ -101,12 +101,35 @@ def _locked(method):
 # release each other's, so one held an arena's lock for good and the other waited for it
 # forever. The locks a fork took are the forking thread's own (_HELD_FOR_FORK.locks): only it
 # releases them. An arena made meanwhile waits for the fork to end before it joins _ARENAS
-# (it was missed: a call on it went on during the fork). The child then makes every lock anew
-# (the forking thread holds them; a lock held there by a vanished thread would never be
-# released).
+# (it was missed: a call on it went on during the fork). The child then makes every lock it
+# took anew (the forking thread holds them; a lock held there by a vanished thread would never
+# be released).
+# The wait for each arena's lock is bounded: a thread inside an arena call runs Python (an
+# index's __index__, a finalizer the garbage collector runs there) that may wait for a lock
+# the forking thread holds, and the fork waited for the arena's lock for ever: both hung. It
+# waits _FORK_WAIT_SECONDS, longer while the call plans in C (_planning: that waits for
+# nothing of ours, and a plan with a time_limit takes that long). An arena whose lock it did
+# not get is unusable in the child (_BusyAtFork): its C arena may be halfway there.
 _ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()
 _FORK_TURN = threading.Lock()
 _HELD_FOR_FORK = threading.local()
+_FORK_WAIT_SECONDS = 0.25
+
+
+class _BusyAtFork:
+    """The lock of a forked child's arena whose lock the fork could not take: entering it (as
+    every method does, see _locked) raises OSError(EBUSY)."""
+
+    def __enter__(self) -> None:
+        raise OSError(errno.EBUSY, "pyshm.Arena: this arena was busy in another thread when "
+                      "the process forked (here it may be halfway through that call); make a "
+                      "new one")
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
+_BUSY_AT_FORK = _BusyAtFork()
 
 
 def _lock_arenas_before_fork() -> None:
@@ -114,9 +137,15 @@ def _lock_arenas_before_fork() -> None:
     _FORK_TURN.acquire()
     held.append(_FORK_TURN)
     for arena in list(_ARENAS):
-        lock = arena._lock
-        lock.acquire()
-        held.append(lock)
+        # (given up once its holder kept it _FORK_WAIT_SECONDS, counted again while it
+        # planned in C and once more after that: the rest of its call)
+        lock, planned = arena._lock, False
+        while not lock.acquire(timeout=_FORK_WAIT_SECONDS):
+            if not (arena._planning or planned):
+                break
+            planned = arena._planning
+        else:
+            held.append(lock)
 
 
 def _unlock_arenas_in_parent() -> None:
@@ -127,10 +156,17 @@ def _unlock_arenas_in_parent() -> None:
 
 def _new_locks_in_child() -> None:
     global _FORK_TURN
+    taken = {id(lock) for lock in getattr(_HELD_FOR_FORK, "locks", [])}
     _FORK_TURN = threading.Lock()
     _HELD_FOR_FORK.locks = []
     for arena in list(_ARENAS):
-        arena._lock = threading.RLock()
+        if id(arena._lock) in taken:
+            arena._lock = threading.RLock()
+        else:
+            # (its C arena may be halfway: never called again here, not even by its finalizer;
+            # what it holds is the child's copy, gone with the process)
+            arena._lock = _BUSY_AT_FORK
+            arena._release_never()
 
 
 os.register_at_fork(before=_lock_arenas_before_fork, after_in_parent=_unlock_arenas_in_parent,
@@ -216,7 +252,11 @@ class Arena(HandleLifetime):
       one at a time. ``os.fork()`` waits for the arena calls in flight in other threads (a
       plan with a ``time_limit`` may take that long), and for the forking thread's own plan
       on a helper thread (a fork from a signal handler), so the child never sees one halfway;
-      an arena made meanwhile waits for the fork to end.
+      an arena made meanwhile waits for the fork to end. A call that keeps the arena 0.25 s
+      outside a plan (it runs Python that may wait for the forking thread: a finalizer the
+      garbage collector runs there) is not waited for further: in the child, that arena's
+      methods raise :class:`OSError` (``EBUSY``) and :meth:`close` frees nothing; the parent
+      is untouched.
       A recording arena's iteration is still one sequence of events: allocs of threads
       interleaving differently each iteration fall back and re-plan more. Its arrays are
       ordinary arrays and may be used from any thread.
@@ -279,6 +319,7 @@ class Arena(HandleLifetime):
         # allocations of this iteration: end_iteration waits apart for a big one's plan
         self._allocs = 0
         self._time_limit = 0.0  # (a recording arena's: its plans may take that long)
+        self._planning = False  # (in a C plan, under the lock: a fork waits for it longer)
         # the owners of the arrays handed out (each keeps the arena alive: its keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
         # buffer address (None: ordinary memory) -> the _ArenaKeep its arrays share
@@ -303,8 +344,13 @@ class Arena(HandleLifetime):
         """Free the storages, the slab and the buffer (idempotent).
 
         Raises :class:`BufferError`, changing nothing, while arrays made by the arena live.
+        In a forked child, an arena that was busy in another thread at the fork (unusable
+        there) is closed without freeing anything: its arrays keep working.
         """
-        self._close()
+        if self._lock is _BUSY_AT_FORK:
+            self._handle = None  # (its C arena may be halfway: see _new_locks_in_child)
+        else:
+            self._close()
         # A closed arena leaves _ARENAS at once (it stayed until collected, and every fork took
         # its lock): under _FORK_TURN, as it joined, so that no fork is going through the set
         # then; not under the arena's lock (a fork holds _FORK_TURN while it takes that one).
@@ -340,8 +386,13 @@ class Arena(HandleLifetime):
     def __len__(self) -> int:
         return lib.lshm_arena_count(self._as_parameter_)
 
-    @_locked
     def __repr__(self) -> str:
+        if self._lock is _BUSY_AT_FORK and self._handle is not None:
+            return "<pyshm.Arena unusable: busy in another thread at the fork>"
+        return self._repr()
+
+    @_locked
+    def _repr(self) -> str:
         if self._handle is None:
             return "<pyshm.Arena closed>"
         kind = "recording" if self._recording else "planned"
@@ -445,8 +496,12 @@ class Arena(HandleLifetime):
         # (apart whether it plans or not: a helper thread costs about 0.1 ms, an iteration of
         # that many allocations, or a plan that may take that budget, far more)
         apart, self._allocs = big_plan(self._allocs, self._time_limit), 0
-        interruptibly(functools.partial(lib.lshm_arena_end_iteration, handle),
-                      functools.partial(lib.lshm_arena_interrupt, handle), apart)
+        self._planning = True
+        try:
+            interruptibly(functools.partial(lib.lshm_arena_end_iteration, handle),
+                          functools.partial(lib.lshm_arena_interrupt, handle), apart)
+        finally:
+            self._planning = False
 
     def _free_dropped(self, handle: _ffi.ArenaHandle) -> None:
         """Free the storages of this iteration whose arrays are all gone: only the reference

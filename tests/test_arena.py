@@ -843,9 +843,9 @@ def in_function(thread, name):  # (the Python function the thread is in now)
     return frame is not None and frame.f_code.co_name == name
 def hold(arena):  # a thread as if inside one of the arena's methods, until release.set()
     held, release = threading.Event(), threading.Event()
-    def inside():
+    def inside():  # (planning: a fork waits for it however long it takes)
         with arena._lock:
-            held.set(); release.wait()
+            arena._planning = True; held.set(); release.wait(); arena._planning = False
     threading.Thread(target=inside).start(); held.wait()
     return release
 """
@@ -975,6 +975,62 @@ def test_fork_from_a_signal_handler_during_a_plan_on_a_helper_thread():
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(done.stdout.split("\n")[:2]) == ["child 1 True", "parent 1 True"], done.stdout
     assert done.stdout.split()[-1] == "7", done.stdout + done.stderr[-2000:]
+
+
+FORK_WHILE_A_FINALIZER_WAITS = """
+import errno, gc, os, threading, numpy as np, pyshm
+a = pyshm.Arena([64, 64], [0, 0], [1, 1], shared=True).allocate()
+x = a.array(0); x[:] = 5
+user_lock = threading.Lock()  # (a lock of the program's: a pool's, a logger's, a cache's)
+finalizing = threading.Event()
+class Garbage:  # collected inside the arena call below; its finalizer takes user_lock
+    def __del__(self):
+        finalizing.set()
+        with user_lock:
+            pass
+class Index:  # a tensor index whose __index__ lets the garbage collector run there
+    def __index__(self):
+        g = Garbage(); g.cycle = g; del g
+        gc.collect()
+        return 1
+user_lock.acquire()
+inside = threading.Thread(target=lambda: a.array(Index())); inside.start()
+finalizing.wait()  # that thread holds the arena's lock and waits for user_lock
+pid = os.fork()  # with user_lock held (it waited for the arena's lock for ever: both hung)
+if pid == 0:
+    calls = [lambda: a.array(0), lambda: a.size, lambda: len(a), lambda: a.stats,
+             lambda: a.fd, a.allocate, a.deallocate, a.trim, lambda: a.storage(0)]
+    for call in calls:
+        try:
+            call()
+            print("worked")
+        except OSError as exc:
+            print(errno.errorcode[exc.errno], "busy in another thread" in str(exc))
+    print(repr(a))
+    fds = sorted(os.listdir("/proc/self/fd"))
+    a.close()  # (frees nothing: the C arena may be halfway)
+    print(a.closed, fds == sorted(os.listdir("/proc/self/fd")), int(x.sum()), flush=True)
+    del x; gc.collect()
+    os._exit(0)
+user_lock.release(); inside.join()
+_, status = os.waitpid(pid, 0)
+print("parent", int(x.sum()), a.array(1).size, os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_fork_while_an_arena_call_runs_a_finalizer_that_waits_for_the_forking_thread():
+    # A thread inside an arena call ran a finalizer (the garbage collector runs them wherever
+    # it collects) that waited for a lock the forking thread held, and the fork waited for the
+    # arena's lock for ever: both hung. Now the fork waits 0.25 s; the child's copy of that
+    # arena (halfway, perhaps) refuses every call with EBUSY and its close() frees nothing,
+    # and the parent goes on untouched.
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_A_FINALIZER_WAITS],
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[:9] == ["EBUSY True"] * 9, done.stdout
+    assert lines[9:] == ["<pyshm.Arena unusable: busy in another thread at the fork>",
+                         "True True 320", "parent 320 64 0"], done.stdout
 
 
 @pytest.mark.parametrize("make", [
