@@ -7,6 +7,7 @@ import errno
 import functools
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -78,39 +79,55 @@ def _unless_no_data(func, *args) -> bool:
 def _locked(method):
     """``method`` under the arena's lock: the C arena is not thread-safe, and two threads in
     it at once (an alloc beside a free, a re-plan beside an offset read) corrupted its records
-    or read freed memory."""
+    or read freed memory. The outermost call of a thread enters the arena in _IN_CALL, which
+    a fork waits for (see _lock_arenas_before_fork)."""
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         if self._handle is None:
-            # (closed: no C arena left to guard, and a fork no longer renews the lock of an
-            # arena that has left _ARENAS; every method then raises ValueError or returns)
+            # (closed: no C arena left to guard; every method then raises ValueError or returns)
             return method(self, *args, **kwargs)
+        if self._generation != _GENERATION:
+            _renew_lock(self)  # (the first call in a forked child)
         with self._lock:
-            return method(self, *args, **kwargs)
+            key = id(self)
+            if key in _IN_CALL:  # (a call of this thread's in the arena: it holds the lock)
+                return method(self, *args, **kwargs)
+            try:
+                _IN_CALL[key] = self
+                if _FORKER is not None:
+                    _wait_for_fork(self, key)
+                return method(self, *args, **kwargs)
+            finally:
+                _IN_CALL.pop(key, None)
 
     return locked
 
 
-# A fork waits until no other thread is inside an arena call: it takes every arena's lock
-# first. Before, the child got the C arena as the call had left it halfway (a re-plan started
-# and not installed, a storage allocated and not yet in _live, so end_iteration refused in the
-# child forever), with a fresh lock over it. No arena method takes another arena's lock, and
-# forks take the arena locks one fork at a time (_FORK_TURN): two threads forking at once
-# used to take them in two orders (an arena made in between changes the WeakSet's order) and
-# release each other's, so one held an arena's lock for good and the other waited for it
-# forever. The locks a fork took are the forking thread's own (_HELD_FOR_FORK.locks): only it
-# releases them. An arena made meanwhile waits for the fork to end before it joins _ARENAS
-# (it was missed: a call on it went on during the fork). The child then makes every lock it
-# took anew (the forking thread holds them; a lock held there by a vanished thread would never
-# be released).
-# The wait for each arena's lock is bounded: a thread inside an arena call runs Python (an
-# index's __index__, a finalizer the garbage collector runs there) that may wait for a lock
-# the forking thread holds, and the fork waited for the arena's lock for ever: both hung. It
-# waits _FORK_WAIT_SECONDS, longer while the call plans in C (_planning: that waits for
+# A fork waits until no other thread is inside an arena call, so that the child never gets a
+# C arena as a call left it halfway (a re-plan started and not installed, a storage allocated
+# and not yet in _live, so end_iteration refused in the child forever). It took every arena's
+# lock, which made a fork with 10,000 arenas alive take 20-30 ms instead of 1-2; now it takes
+# the locks of the arenas in a call only. _IN_CALL holds them (id -> arena): a thread's
+# outermost call enters it under the arena's lock, then checks _FORKER, the thread forking
+# now, if any; the fork sets _FORKER, then reads _IN_CALL. So a call begun before the fork
+# is waited for; one begun after leaves _IN_CALL again and waits for the fork to end, and
+# the fork does not wait for it (its arena is unchanged). The lock of an arena the fork did
+# not take may be held in the child by a thread that is not there: each arena's lock belongs
+# to a generation (_GENERATION, one per process), and the child's first call on it makes a
+# new one (_renew_lock). The locks a fork took are the forking thread's own (_HELD_FOR_FORK),
+# released by it in parent and child. Forks take turns (_FORK_TURN): two at once took locks
+# in two orders and released each other's.
+# The wait for each arena is bounded: a thread inside an arena call runs Python (an index's
+# __index__, a finalizer the garbage collector runs there) that may wait for a lock the
+# forking thread holds, and a fork that waited for the arena's lock for ever hung with it.
+# It waits _FORK_WAIT_SECONDS, longer while the call plans in C (_planning: that waits for
 # nothing of ours, and a plan with a time_limit takes that long). An arena whose lock it did
 # not get is unusable in the child (_BusyAtFork): its C arena may be halfway there.
-_ARENAS: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+_IN_CALL: dict = {}
+_FORKER: Optional[int] = None
+_GENERATION = 0
+_RENEWING = threading.Lock()
 _FORK_TURN = threading.Lock()
 _HELD_FOR_FORK = threading.local()
 _FORK_WAIT_SECONDS = 0.25
@@ -132,41 +149,85 @@ class _BusyAtFork:
 _BUSY_AT_FORK = _BusyAtFork()
 
 
+def _wait_for_fork(arena: "Arena", key: int) -> None:
+    """A call entered in _IN_CALL while a thread forks: unless it is the forking thread, leave
+    _IN_CALL and wait for the fork's end (the arena's lock held: the fork no longer waits for
+    it), then enter again."""
+    me = threading.get_ident()
+    while _FORKER is not None and _FORKER != me:
+        del _IN_CALL[key]
+        with _FORK_TURN:  # (held by the fork until its end)
+            pass
+        _IN_CALL[key] = arena
+
+
+def _renew_lock(arena: "Arena") -> None:
+    with _RENEWING:
+        if arena._generation != _GENERATION:
+            arena._lock = threading.RLock()
+            arena._generation = _GENERATION
+
+
 def _lock_arenas_before_fork() -> None:
+    global _FORKER
     held = _HELD_FOR_FORK.locks = []
+    busy = _HELD_FOR_FORK.busy = []
     _FORK_TURN.acquire()
-    held.append(_FORK_TURN)
-    for arena in list(_ARENAS):
-        # (given up once its holder kept it _FORK_WAIT_SECONDS, counted again while it
-        # planned in C and once more after that: the rest of its call)
-        lock, planned = arena._lock, False
-        while not lock.acquire(timeout=_FORK_WAIT_SECONDS):
-            if not (arena._planning or planned):
+    _HELD_FOR_FORK.turn = True
+    _FORKER = threading.get_ident()
+    for key, arena in list(_IN_CALL.items()):
+        lock = arena._lock
+        give_up = time.monotonic() + _FORK_WAIT_SECONDS
+        while not lock.acquire(timeout=0.005):
+            if _IN_CALL.get(key) is not arena:
+                break  # (its call ended, or waits for this fork: nothing halfway)
+            if arena._planning:
+                give_up = time.monotonic() + _FORK_WAIT_SECONDS
+            elif time.monotonic() > give_up:
+                busy.append(arena)
                 break
-            planned = arena._planning
         else:
-            held.append(lock)
+            held.append((arena, lock))
+
+
+def _release_for_fork() -> tuple:
+    """Release what _lock_arenas_before_fork took: (the arenas whose locks it took, those it
+    found busy)."""
+    global _FORKER
+    held = getattr(_HELD_FOR_FORK, "locks", [])
+    busy = getattr(_HELD_FOR_FORK, "busy", [])
+    _HELD_FOR_FORK.locks, _HELD_FOR_FORK.busy = [], []
+    _FORKER = None
+    for _, lock in reversed(held):
+        lock.release()
+    if getattr(_HELD_FOR_FORK, "turn", False):
+        _HELD_FOR_FORK.turn = False
+        _FORK_TURN.release()
+    return [arena for arena, _ in held], busy
 
 
 def _unlock_arenas_in_parent() -> None:
-    held = getattr(_HELD_FOR_FORK, "locks", [])
-    while held:
-        held.pop().release()
+    _release_for_fork()
 
 
 def _new_locks_in_child() -> None:
-    global _FORK_TURN
-    taken = {id(lock) for lock in getattr(_HELD_FOR_FORK, "locks", [])}
-    _FORK_TURN = threading.Lock()
-    _HELD_FOR_FORK.locks = []
-    for arena in list(_ARENAS):
-        if id(arena._lock) in taken:
-            arena._lock = threading.RLock()
-        else:
-            # (its C arena may be halfway: never called again here, not even by its finalizer;
-            # what it holds is the child's copy, gone with the process)
-            arena._lock = _BUSY_AT_FORK
-            arena._release_never()
+    global _RENEWING, _GENERATION
+    _RENEWING = threading.Lock()  # (perhaps held by a thread that is not here)
+    _GENERATION += 1  # (every other arena's lock is made anew at its first call)
+    taken, busy = _release_for_fork()
+    for arena in taken:
+        arena._generation = _GENERATION
+    for arena in busy:
+        # (its C arena may be halfway: never called again here, not even by its finalizer;
+        # what it holds is the child's copy, gone with the process)
+        arena._lock, arena._generation = _BUSY_AT_FORK, _GENERATION
+        arena._release_never()
+    # (the calls in flight here are this thread's: the fork took their locks; the others
+    # were another thread's, gone)
+    mine = {id(arena) for arena in taken}
+    for key in list(_IN_CALL):
+        if key not in mine:
+            del _IN_CALL[key]
 
 
 os.register_at_fork(before=_lock_arenas_before_fork, after_in_parent=_unlock_arenas_in_parent,
@@ -252,7 +313,7 @@ class Arena(HandleLifetime):
       one at a time. ``os.fork()`` waits for the arena calls in flight in other threads (a
       plan with a ``time_limit`` may take that long), and for the forking thread's own plan
       on a helper thread (a fork from a signal handler), so the child never sees one halfway;
-      an arena made meanwhile waits for the fork to end. A call that keeps the arena 0.25 s
+      a call begun meanwhile waits for the fork to end. A call that keeps the arena 0.25 s
       outside a plan (it runs Python that may wait for the forking thread: a finalizer the
       garbage collector runs there) is not waited for further: in the child, that arena's
       methods raise :class:`OSError` (``EBUSY``) and :meth:`close` frees nothing; the parent
@@ -306,8 +367,7 @@ class Arena(HandleLifetime):
     def _setup(self, handle: _ffi.ArenaHandle, *, recording: bool, shared: bool, alignment: int,
                inclusive: bool) -> None:
         self._lock = threading.RLock()  # (held by every method: see _locked)
-        with _FORK_TURN:  # (not while a fork takes the arena locks: it would miss this one)
-            _ARENAS.add(self)
+        self._generation = _GENERATION  # (of its lock: a forked child makes a new one)
         self._handle = handle
         self._recording = recording
         self._shared = shared
@@ -351,11 +411,6 @@ class Arena(HandleLifetime):
             self._handle = None  # (its C arena may be halfway: see _new_locks_in_child)
         else:
             self._close()
-        # A closed arena leaves _ARENAS at once (it stayed until collected, and every fork took
-        # its lock): under _FORK_TURN, as it joined, so that no fork is going through the set
-        # then; not under the arena's lock (a fork holds _FORK_TURN while it takes that one).
-        with _FORK_TURN:
-            _ARENAS.discard(self)
 
     @_locked
     def _close(self) -> None:
