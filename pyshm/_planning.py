@@ -5,8 +5,11 @@ library's result. Imports only the binding (``_ffi``)."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -113,22 +116,65 @@ def big_plan(n: int, time_limit: float) -> bool:
     return n >= WAIT_APART_FROM or time_limit >= WAIT_APART_SECONDS
 
 
-# The `finished` events of the calls running on a helper thread (at most one: only the main
-# thread hands its call to one). A fork on the main thread, which waits for that call (the
-# fork then comes from a signal handler, as a server's that forks a worker at SIGCHLD), waits
-# for it to finish: it went ahead mid-call, and the child, which has no helper thread, waited
-# for it forever. (A fork on another thread leaves no waiting thread in the child; it waits
-# for an arena's call at the arena's lock, see pyshm.arena.)
-_HELPERS_RUNNING: set = set()
+# The calls running on a helper thread (at most one: only the main thread hands its call to
+# one): their `finished` event -> their outcome list. A fork on the main thread, which waits
+# for that call (the fork then comes from a signal handler, as a server's that forks a worker
+# at SIGCHLD), waits for it to finish: it went ahead mid-call, and the child, which has no
+# helper thread, waited for it forever. (A fork on another thread leaves no waiting thread in
+# the child; it waits for an arena's call at the arena's lock, see pyshm.arena.) It waits as
+# long as the helper is in its C call, then _FORK_WAIT_SECONDS at most: the helper runs
+# Python after it (ctypes' error check, a finalizer the garbage collector runs there) that
+# may wait for a lock the forking thread holds, and a fork that waited for ever hung with it.
+# In the child, such a call (in CUT_OFF_AT_FORK: pyshm.arena makes its arena unusable there)
+# raises OSError(EBUSY).
+_HELPERS_RUNNING: dict = {}
+_FORK_WAIT_SECONDS = 0.25
+CUT_OFF_AT_FORK: list = []  # (the last fork's: (finished, outcome) of the calls it cut off)
+# The plans under way: a key -> (the thread that makes the C call, the code of the Python
+# function that makes it). The thread is in C while that function's frame is its top one.
+_PLANNING: dict = {}
+
+
+def _in_c(key: Any) -> bool:
+    entry = _PLANNING.get(key)
+    frame = None if entry is None else sys._current_frames().get(entry[0])
+    return frame is not None and frame.f_code is entry[1]
+
+
+def plans_in_c() -> bool:
+    """Whether a plan runs in C now, in any thread (it waits for nothing of Python's)."""
+    return any(_in_c(key) for key in list(_PLANNING))
 
 
 def _wait_for_helpers_before_fork() -> None:
-    if threading.current_thread() is threading.main_thread():
-        for finished in list(_HELPERS_RUNNING):
-            finished.wait()
+    CUT_OFF_AT_FORK.clear()
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for finished, outcome in list(_HELPERS_RUNNING.items()):
+        give_up = time.monotonic() + _FORK_WAIT_SECONDS
+        while not finished.wait(0.005):
+            if _in_c(finished):
+                give_up = time.monotonic() + _FORK_WAIT_SECONDS
+            elif time.monotonic() > give_up:
+                CUT_OFF_AT_FORK.append((finished, outcome))
+                break
 
 
-os.register_at_fork(before=_wait_for_helpers_before_fork)
+def _cut_off_in_child() -> None:
+    for finished, outcome in CUT_OFF_AT_FORK:
+        outcome.insert(0, OSError(
+            errno.EBUSY, "pyshm: the plan was on a helper thread when the process forked "
+            "(here it may be halfway)"))
+        finished._at_fork_reinit()  # (its lock may be held by the helper, not here)
+        finished.set()
+    _HELPERS_RUNNING.clear()
+    me = threading.get_ident()
+    for key, (thread, _) in list(_PLANNING.items()):
+        if thread != me:  # (a thread that is not here)
+            del _PLANNING[key]
+
+
+os.register_at_fork(before=_wait_for_helpers_before_fork, after_in_child=_cut_off_in_child)
 
 
 def interruptibly(call: Callable[[], Any], interrupt: Callable[[], Any], apart: bool) -> None:
@@ -137,26 +183,33 @@ def interruptibly(call: Callable[[], Any], interrupt: Callable[[], Any], apart: 
     (lshm_plan_interrupt) stops the call, which gives nothing back, and the exception goes
     on. Off the main thread, which gets no signals, the call runs right here."""
     if not apart or threading.current_thread() is not threading.main_thread():
-        call()
+        key = object()
+        _PLANNING[key] = (threading.get_ident(), interruptibly.__code__)
+        try:
+            call()
+        finally:
+            _PLANNING.pop(key, None)
         return
     outcome: list = []
     finished = threading.Event()  # (waited for, not the thread: an interrupted join in
     # CPython 3.11 can mark a running thread stopped, bpo-45274's fix)
 
     def run() -> None:
+        _PLANNING[finished] = (threading.get_ident(), run.__code__)
         try:
             call()
         except BaseException as exc:  # noqa: BLE001 - raised again by the waiting thread
             outcome.append(exc)
         finally:
+            _PLANNING.pop(finished, None)
             finished.set()
 
     worker = threading.Thread(target=run, name="pyshm-plan", daemon=True)
-    _HELPERS_RUNNING.add(finished)
+    _HELPERS_RUNNING[finished] = outcome
     try:
         worker.start()
     except BaseException:
-        _HELPERS_RUNNING.discard(finished)
+        _HELPERS_RUNNING.pop(finished, None)
         raise
     try:
         while not finished.wait(0.1):
@@ -168,7 +221,7 @@ def interruptibly(call: Callable[[], Any], interrupt: Callable[[], Any], apart: 
         worker.join()
         raise
     finally:
-        _HELPERS_RUNNING.discard(finished)
+        _HELPERS_RUNNING.pop(finished, None)
     worker.join()
     if outcome:
         raise outcome[0]

@@ -27,7 +27,9 @@ from ._memory import (
     owner_of,
 )
 from ._planning import (
+    CUT_OFF_AT_FORK,
     Plan,
+    plans_in_c,
     big_plan,
     inputs,
     interruptibly,
@@ -121,9 +123,10 @@ def _locked(method):
 # The wait for each arena is bounded: a thread inside an arena call runs Python (an index's
 # __index__, a finalizer the garbage collector runs there) that may wait for a lock the
 # forking thread holds, and a fork that waited for the arena's lock for ever hung with it.
-# It waits _FORK_WAIT_SECONDS, longer while the call plans in C (_planning: that waits for
-# nothing of ours, and a plan with a time_limit takes that long). An arena whose lock it did
-# not get is unusable in the child (_BusyAtFork): its C arena may be halfway there.
+# It waits _FORK_WAIT_SECONDS, longer while the call plans in C (_planning, and a plan in C:
+# that waits for nothing of ours, and a plan with a time_limit takes that long). An arena
+# whose lock it did not get is unusable in the child (_BusyAtFork): its C arena may be
+# halfway there.
 _IN_CALL: dict = {}
 _FORKER: Optional[int] = None
 _GENERATION = 0
@@ -181,7 +184,7 @@ def _lock_arenas_before_fork() -> None:
         while not lock.acquire(timeout=0.005):
             if _IN_CALL.get(key) is not arena:
                 break  # (its call ended, or waits for this fork: nothing halfway)
-            if arena._planning:
+            if arena._planning and plans_in_c():
                 give_up = time.monotonic() + _FORK_WAIT_SECONDS
             elif time.monotonic() > give_up:
                 busy.append(arena)
@@ -217,6 +220,8 @@ def _new_locks_in_child() -> None:
     taken, busy = _release_for_fork()
     for arena in taken:
         arena._generation = _GENERATION
+        if arena._planning and CUT_OFF_AT_FORK:  # (its plan, on a helper thread: cut off)
+            busy.append(arena)
     for arena in busy:
         # (its C arena may be halfway: never called again here, not even by its finalizer;
         # what it holds is the child's copy, gone with the process)
@@ -315,9 +320,9 @@ class Arena(HandleLifetime):
       on a helper thread (a fork from a signal handler), so the child never sees one halfway;
       a call begun meanwhile waits for the fork to end. A call that keeps the arena 0.25 s
       outside a plan (it runs Python that may wait for the forking thread: a finalizer the
-      garbage collector runs there) is not waited for further: in the child, that arena's
-      methods raise :class:`OSError` (``EBUSY``) and :meth:`close` frees nothing; the parent
-      is untouched.
+      garbage collector runs there), or a helper thread that runs Python 0.25 s after its
+      plan, is not waited for further: in the child, that arena's methods raise
+      :class:`OSError` (``EBUSY``) and :meth:`close` frees nothing; the parent is untouched.
       A recording arena's iteration is still one sequence of events: allocs of threads
       interleaving differently each iteration fall back and re-plan more. Its arrays are
       ordinary arrays and may be used from any thread.

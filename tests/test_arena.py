@@ -848,7 +848,7 @@ def test_fork_while_another_thread_is_in_the_arena():
 # (in a script: helpers of the tests that fork while a thread is inside an arena call)
 FORK_HELPERS = """
 import os, sys, threading, time, numpy as np, pyshm
-from pyshm import arena as arena_module
+from pyshm import _planning, arena as arena_module
 def taken(arena):  # (its lock held by another thread)
     if arena._lock.acquire(blocking=False):
         arena._lock.release(); return False
@@ -856,12 +856,16 @@ def taken(arena):  # (its lock held by another thread)
 def in_function(thread, name):  # (the Python function the thread is in now)
     frame = sys._current_frames().get(thread.ident)
     return frame is not None and frame.f_code.co_name == name
-def hold(arena):  # a thread inside one of the arena's methods, until release.set()
-    held, release = threading.Event(), threading.Event()
-    def inside(arena):  # (planning: a fork waits for it however long it takes)
-        arena._planning = True; held.set(); release.wait(); arena._planning = False
+def hold(arena):  # a thread inside one of the arena's methods, until release()
+    held, planned = threading.Event(), threading.Lock()
+    planned.acquire()
+    def inside(arena):  # (as a plan in C: a fork waits for it however long it takes)
+        _planning._PLANNING[held] = (threading.get_ident(), inside.__code__)
+        arena._planning = True; held.set()
+        planned.acquire()  # (in C: this frame stays the thread's top one)
+        arena._planning = False; del _planning._PLANNING[held]
     threading.Thread(target=arena_module._locked(inside), args=(arena,)).start(); held.wait()
-    return release
+    return planned.release
 """
 
 TWO_FORKS_AT_ONCE = FORK_HELPERS + """
@@ -884,7 +888,7 @@ while not in_function(two, "_lock_arenas_before_fork"):  # (waits for its turn)
 user = threading.Thread(target=use, args=(free,)); user.start()
 while not in_function(user, "_wait_for_fork"):
     time.sleep(0.001)
-release.set(); one.join(); two.join(10); user.join(10)
+release(); one.join(); two.join(10); user.join(10)
 print("forked", len(children), "held", sum(map(taken, [free, busy])), "in calls",
       len(arena_module._IN_CALL), arena_module._FORKER, flush=True)
 for pid in children:
@@ -936,7 +940,7 @@ while time.monotonic() < deadline and not in_function(maker, "_wait_for_fork"):
             counters.iterations:
         break
     time.sleep(0.001)
-release.set(); forker.join(); maker.join()
+release(); forker.join(); maker.join()
 print(os.waitstatus_to_exitcode(os.waitpid(pids[0], 0)[1]))
 """
 
@@ -954,28 +958,37 @@ def test_arena_made_while_a_fork_waits_for_the_arena_locks():
     assert done.stdout.split()[-1] == "0", done.stdout + done.stderr[-2000:]
 
 
-FORK_FROM_A_SIGNAL_HANDLER = """
-import os, signal, time, numpy as np, pyshm
+# (in a script: a recording arena `a` whose plan runs on a helper thread, and a fork from a
+# signal handler, under the program's `user_lock`, while this thread waits for that plan)
+FORK_AT_A_SIGNAL = """
+import os, signal, threading, time, numpy as np, pyshm
 a = pyshm.Arena.recording(time_limit=0.5)  # (its plan runs on a helper thread: 0.5 s)
 """ + ITERATION_TO_PLAN + """
+user_lock = threading.Lock()  # (a lock of the program's, taken by its signal handler)
 child = []
 def on_alarm(signum, frame):  # (as a server that forks a worker at a signal)
-    pid = os.fork()
+    with user_lock:
+        pid = os.fork()
     if pid == 0:
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         signal.alarm(10)  # (it hung: killed by SIGALRM)
     else:
         child.append(pid)
 signal.signal(signal.SIGALRM, on_alarm)
+"""
+CHILD_STATUS = """
+_, status = os.waitpid(child[0], 0)
+print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+"""
+
+FORK_FROM_A_SIGNAL_HANDLER = FORK_AT_A_SIGNAL + """
 signal.setitimer(signal.ITIMER_REAL, 0.1)  # while this thread waits for the plan
 a.end_iteration()
 who = "child" if not child else "parent"  # (one write each: the two share the pipe)
 os.write(1, f"{who} {a.stats.iterations} {a.plan is not None}\\n".encode())
 if not child:
     y = a.empty(4, np.uint8); a.free(y); a.end_iteration(); os._exit(7)
-_, status = os.waitpid(child[0], 0)
-print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
-"""
+""" + CHILD_STATUS
 
 
 def test_fork_from_a_signal_handler_during_a_plan_on_a_helper_thread():
@@ -1043,6 +1056,99 @@ def test_fork_while_an_arena_call_runs_a_finalizer_that_waits_for_the_forking_th
     assert lines[:9] == ["EBUSY True"] * 9, done.stdout
     assert lines[9:] == ["<pyshm.Arena unusable: busy in another thread at the fork>",
                          "True True 320", "parent 320 64 0"], done.stdout
+
+
+# (in a script, after `user_lock = threading.Lock()`: the arena's end_iteration, whose C call
+# runs Python once the plan is made, in its thread, that waits for user_lock, as a finalizer
+# the garbage collector runs there; outcome(call): "done" or the errno's name)
+LATE_END_ITERATION = """
+import ctypes, errno
+from pyshm import _ffi, arena as arena_module
+real = _ffi.lib.lshm_arena_end_iteration
+late = ctypes.CDLL(_ffi.LIBRARY_PATH, use_errno=True).lshm_arena_end_iteration
+late.argtypes, late.restype = real.argtypes, real.restype
+def check(result, func, args):  # (ctypes runs it in the planning thread, after the plan)
+    with user_lock:
+        pass
+    return real.errcheck(result, func, args) if real.errcheck else result
+late.errcheck = check
+class Lib:  # the library, with that end_iteration
+    lshm_arena_end_iteration = late
+    def __getattr__(self, name):
+        return getattr(_ffi.lib, name)
+arena_module.lib = Lib()
+def outcome(call):
+    try:
+        call()
+        return "done"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+"""
+
+FORK_WHILE_THE_PLAN_HELPER_RUNS_A_FINALIZER = FORK_AT_A_SIGNAL + LATE_END_ITERATION + """
+signal.setitimer(signal.ITIMER_REAL, 0.1)  # (the fork waited for the helper for ever)
+result = outcome(a.end_iteration)
+after = outcome(lambda: a.stats)
+who = "child" if not child else "parent"
+os.write(1, f"{who} {result} {after} {a.stats.iterations if child else ''}\\n".encode())
+if not child:
+    a.close(); os._exit(7)
+""" + CHILD_STATUS
+
+
+def test_fork_from_a_signal_handler_while_the_plan_helper_runs_a_finalizer():
+    # A fork from a signal handler on the thread waiting for its plan's helper thread waited
+    # for the helper for ever; the helper, its plan done, ran Python (ctypes' error check, a
+    # finalizer the garbage collector runs there) that waited for a lock the handler held:
+    # both hung. Now the fork waits while the helper is in C, then 0.25 s at most: the child
+    # gets EBUSY from end_iteration and the arena is unusable there; the parent's plan is done.
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_THE_PLAN_HELPER_RUNS_A_FINALIZER],
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.split("\n")
+    assert sorted(line.strip() for line in lines[:2]) == ["child EBUSY EBUSY",
+                                                          "parent done done 1"], done.stdout
+    assert lines[2] == "7", done.stdout + done.stderr[-2000:]
+
+
+
+FORK_WHILE_A_PLAN_ENDS_IN_A_FINALIZER = """
+import os, threading, time, numpy as np, pyshm
+from pyshm._ffi import ArenaCounters, lib
+a = pyshm.Arena.recording(time_limit=0.3)  # (a plan above the lower bound: it takes 0.3 s)
+""" + ITERATION_TO_PLAN + """
+user_lock = threading.Lock()
+""" + LATE_END_ITERATION + """
+ended = []
+planner = threading.Thread(target=lambda: ended.append(outcome(a.end_iteration)))
+counters = ArenaCounters()
+with user_lock:
+    planner.start()
+    while lib.lshm_arena_stats(a._handle, ctypes.byref(counters)) == 0 and \\
+            not counters.iterations:  # (read without the lock: counted first, then planned)
+        time.sleep(0.001)
+    pid = os.fork()  # (it waited for the arena for ever: the plan's thread waits for us)
+    if pid == 0:
+        os.write(1, f"child {outcome(lambda: a.stats)}\\n".encode())  # (one write)
+        os._exit(0)
+planner.join()
+_, status = os.waitpid(pid, 0)
+print("parent", ended, a.stats.iterations, a.plan is not None,
+      os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_fork_while_a_plan_in_another_thread_ends_in_a_finalizer_that_waits():
+    # A fork waited for an arena's call as long as the call planned (a plan with a time_limit
+    # takes that long), and then for the rest of it: Python (ctypes' error check, a finalizer
+    # the garbage collector runs there) that here waits for a lock the forking thread holds.
+    # Both hung. Now the fork waits while the plan is in C, then 0.25 s: the child gets that
+    # arena unusable (EBUSY), the parent's plan is done.
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_A_PLAN_ENDS_IN_A_FINALIZER],
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == ["child EBUSY", "parent ['done'] 1 True 0", ""], (
+        done.stdout + done.stderr[-2000:])
 
 
 @pytest.mark.parametrize("make", [
