@@ -92,16 +92,15 @@ def _locked(method):
         if self._generation != _GENERATION:
             _renew_lock(self)  # (the first call in a forked child)
         with self._lock:
-            key = id(self)
-            if key in _IN_CALL:  # (a call of this thread's in the arena: it holds the lock)
+            if self in _IN_CALL:  # (a call of this thread's in the arena: it holds the lock)
                 return method(self, *args, **kwargs)
             try:
-                _IN_CALL[key] = self
+                _IN_CALL.add(self)
                 if _FORKER is not None:
-                    _wait_for_fork(self, key)
+                    _wait_for_fork(self)
                 return method(self, *args, **kwargs)
             finally:
-                _IN_CALL.pop(key, None)
+                _IN_CALL.discard(self)
 
     return locked
 
@@ -110,7 +109,7 @@ def _locked(method):
 # C arena as a call left it halfway (a re-plan started and not installed, a storage allocated
 # and not yet in _live, so end_iteration refused in the child forever). It took every arena's
 # lock, which made a fork with 10,000 arenas alive take 20-30 ms instead of 1-2; now it takes
-# the locks of the arenas in a call only. _IN_CALL holds them (id -> arena): a thread's
+# the locks of the arenas in a call only. _IN_CALL holds them (a set): a thread's
 # outermost call enters it under the arena's lock, then checks _FORKER, the thread forking
 # now, if any; the fork sets _FORKER, then reads _IN_CALL. So a call begun before the fork
 # is waited for; one begun after leaves _IN_CALL again and waits for the fork to end, and
@@ -127,7 +126,7 @@ def _locked(method):
 # that waits for nothing of ours, and a plan with a time_limit takes that long). An arena
 # whose lock it did not get is unusable in the child (_BusyAtFork): its C arena may be
 # halfway there.
-_IN_CALL: dict = {}
+_IN_CALL: set = set()
 _FORKER: Optional[int] = None
 _GENERATION = 0
 _RENEWING = threading.Lock()
@@ -152,16 +151,16 @@ class _BusyAtFork:
 _BUSY_AT_FORK = _BusyAtFork()
 
 
-def _wait_for_fork(arena: "Arena", key: int) -> None:
+def _wait_for_fork(arena: "Arena") -> None:
     """A call entered in _IN_CALL while a thread forks: unless it is the forking thread, leave
     _IN_CALL and wait for the fork's end (the arena's lock held: the fork no longer waits for
     it), then enter again."""
     me = threading.get_ident()
     while _FORKER is not None and _FORKER != me:
-        del _IN_CALL[key]
+        _IN_CALL.discard(arena)
         with _FORK_TURN:  # (held by the fork until its end)
             pass
-        _IN_CALL[key] = arena
+        _IN_CALL.add(arena)
 
 
 def _renew_lock(arena: "Arena") -> None:
@@ -178,11 +177,11 @@ def _lock_arenas_before_fork() -> None:
     _FORK_TURN.acquire()
     _HELD_FOR_FORK.turn = True
     _FORKER = threading.get_ident()
-    for key, arena in list(_IN_CALL.items()):
+    for arena in list(_IN_CALL):
         lock = arena._lock
         give_up = time.monotonic() + _FORK_WAIT_SECONDS
         while not lock.acquire(timeout=0.005):
-            if _IN_CALL.get(key) is not arena:
+            if arena not in _IN_CALL:
                 break  # (its call ended, or waits for this fork: nothing halfway)
             if arena._planning and plans_in_c():
                 give_up = time.monotonic() + _FORK_WAIT_SECONDS
@@ -229,10 +228,7 @@ def _new_locks_in_child() -> None:
         arena._release_never()
     # (the calls in flight here are this thread's: the fork took their locks; the others
     # were another thread's, gone)
-    mine = {id(arena) for arena in taken}
-    for key in list(_IN_CALL):
-        if key not in mine:
-            del _IN_CALL[key]
+    _IN_CALL.intersection_update(taken)
 
 
 os.register_at_fork(before=_lock_arenas_before_fork, after_in_parent=_unlock_arenas_in_parent,
