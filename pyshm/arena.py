@@ -118,7 +118,8 @@ def _locked(method):
 # to a generation (_GENERATION, one per process), and the child's first call on it makes a
 # new one (_renew_lock). The locks a fork took are the forking thread's own (_HELD_FOR_FORK),
 # released by it in parent and child. Forks take turns (_FORK_TURN): two at once took locks
-# in two orders and released each other's.
+# in two orders and released each other's. (Reentrant: a fork from a signal handler that
+# ran while its thread held it, in _wait_for_fork or, before, in Arena(), waited for itself.)
 # The wait for each arena is bounded: a thread inside an arena call runs Python (an index's
 # __index__, a finalizer the garbage collector runs there) that may wait for a lock the
 # forking thread holds, and a fork that waited for the arena's lock for ever hung with it.
@@ -130,7 +131,7 @@ _IN_CALL: set = set()
 _FORKER: Optional[int] = None
 _GENERATION = 0
 _RENEWING = threading.Lock()
-_FORK_TURN = threading.Lock()
+_FORK_TURN = threading.RLock()  # (a signal handler may fork inside _wait_for_fork's)
 _HELD_FOR_FORK = threading.local()
 _FORK_WAIT_SECONDS = 0.25
 

@@ -1151,6 +1151,29 @@ def test_fork_while_a_plan_in_another_thread_ends_in_a_finalizer_that_waits():
         done.stdout + done.stderr[-2000:])
 
 
+
+FORK_WHILE_HOLDING_THE_FORK_TURN = """
+import os, pyshm
+from pyshm import arena as arena_module
+a = pyshm.Arena.recording()
+with arena_module._FORK_TURN:  # (as a signal handler that runs there: see _wait_for_fork)
+    pid = os.fork()
+    if pid == 0:
+        y = a.empty(4); a.free(y); a.end_iteration(); os._exit(5)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), a.empty(2).size)
+"""
+
+
+def test_fork_from_a_signal_handler_while_its_thread_holds_the_fork_turn():
+    # A thread holds _FORK_TURN for a moment after another thread's fork (a call that began
+    # during it waits for its end there; Arena() and close() took it too). A signal handler
+    # that forked in that moment waited for the lock its own thread held: for ever. It is
+    # reentrant now: the fork goes ahead, and parent and child use the arena.
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_HOLDING_THE_FORK_TURN],
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["5", "2"], done.stdout
+
 @pytest.mark.parametrize("make", [
     lambda shared: pyshm.Arena([64], [0], [1], shared=shared),
     lambda shared: pyshm.Arena.recording(shared=shared),
