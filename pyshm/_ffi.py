@@ -48,6 +48,7 @@ from ctypes import (
     c_uint64,
     c_void_p,
 )
+from typing import Optional
 
 __all__ = [
     "lib",
@@ -530,10 +531,13 @@ _byref = ctypes.byref
 assert ctypes.sizeof(c_void_p) == ctypes.sizeof(c_uint64) == ctypes.sizeof(c_size_t)
 
 
-def create_view(segment: SegmentHandle, offset: int, nbytes: int, flags: int) -> StorageHandle:
+def create_view(segment: SegmentHandle, offset: int, nbytes: int, flags: int,
+                out: Optional[StorageHandle] = None) -> StorageHandle:
     """lshm_storage_create_view for ints in [0, 2**63) (checked by the caller): the new view;
-    raises as the errcheck would."""
-    view = StorageHandle()
+    raises as the errcheck would. `out`: the (NULL) handle the view goes into, in place, so
+    that a caller that holds it before the call loses no view to a KeyboardInterrupt as the
+    call returns; a new one if None."""
+    view = StorageHandle() if out is None else out
     rc = _create_view(segment, offset, nbytes, flags, _byref(view))
     if rc < 0:
         raise_for(rc, "lshm_storage_create_view")

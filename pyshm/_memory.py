@@ -306,10 +306,12 @@ class ArrayOwner(HandleLifetime):
 
     def __init__(self, handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int,
                  readonly: bool, keep: Any = None, strides: Optional[tuple] = None,
-                 adopt: bool = False, data: Optional[int] = None):
-        # The owner takes its own reference (adopt: the caller hands over one of its own
-        # instead), last: if anything here raises, the caller still has its reference and
-        # nothing is released twice. data: the storage's data pointer, when the caller knows it.
+                 data: Optional[int] = None):
+        # The owner takes its own reference, last, in the step that records it: if anything
+        # here raises, nothing was taken. (Adopting a reference of the caller's instead could
+        # not tell the caller, at a KeyboardInterrupt as the constructor returned, whether it
+        # had been taken: pyshm.reduction.) data: the storage's data pointer, when the caller
+        # knows it.
         self.handle = self._lifetime = None
         self.keep = keep
         self.token = None  # the last token it was sent with (pyshm.reduction)
@@ -322,11 +324,10 @@ class ArrayOwner(HandleLifetime):
         ref = weakref.ref(self, released)
         MARKS[weakref.ref(self, _died)] = ref  # (see DIED)
         REFERENCES[ref] = handle
-        if not adopt:
-            # right after the record, with no point between where a signal handler runs (see
-            # HandleLifetime._release_with): retained first, a KeyboardInterrupt when the
-            # call returned lost the reference
-            lib.lshm_storage_retain(handle)
+        # right after the record, with no point between where a signal handler runs (see
+        # HandleLifetime._release_with): retained first, a KeyboardInterrupt when the call
+        # returned lost the reference
+        lib.lshm_storage_retain(handle)
         if tracking:
             note_new_owner(ref)
         self._lifetime = ref
@@ -343,15 +344,6 @@ class ArrayOwner(HandleLifetime):
 
     def _release_with(self, release: Any, *args: Any) -> None:
         raise TypeError("an ArrayOwner gives back its storage reference only")
-
-
-def adopted(handle: _ffi.StorageHandle) -> bool:
-    """Whether an ArrayOwner recorded this very handle object (``adopt=True`` took the
-    caller's reference): for a caller whose ``ArrayOwner(...)`` raised, which must then not
-    release it too. A KeyboardInterrupt can come after the record (at a Python function's
-    entry in ``__init__``, or as the constructor returns, before the caller holds the owner).
-    A scan of every owner's record: for error paths only."""
-    return any(recorded is handle for recorded in list(REFERENCES.values()))
 
 
 def handle_of(holder: Any) -> Optional[_ffi.StorageHandle]:

@@ -267,9 +267,10 @@ def segment_count() -> int:
 
 
 def _new_view(segment: _ffi.SegmentHandle, offset: int, nbytes: int,
-              readonly: bool) -> _ffi.StorageHandle:
-    # (offset and nbytes come from a checked token: ints in [0, 2**63))
-    return _ffi.create_view(segment, offset, nbytes, _ffi.STORAGE_READONLY if readonly else 0)
+              readonly: bool, out: Optional[_ffi.StorageHandle] = None) -> _ffi.StorageHandle:
+    # (offset and nbytes come from a checked token: ints in [0, 2**63); out: see create_view)
+    return _ffi.create_view(segment, offset, nbytes, _ffi.STORAGE_READONLY if readonly else 0,
+                            out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,57 +535,70 @@ def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple, nbyt
 
 
 def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
-                 mapping: Optional[_Mapping]) -> tuple:
-    """_own_memory's find: the storage itself, or a view of the memfd (read-only if
-    `readonly`)."""
+                 mapping: Optional[_Mapping], out: _ffi.StorageHandle) -> tuple:
+    """_own_memory's find: the storage itself (borrowed from its holder), or a view of the
+    memfd (read-only if `readonly`) or a slab's storage, made or retained into `out`."""
     # (ranges and the channel's holders only know memfds exported from here, which all have
     # secrets: a memfd received from elsewhere skips both)
     exported = key in _state.secrets
     ref = _state.ranges.get((key, size, offset, nbytes)) if exported else None
     holder = ref() if ref is not None else None
-    if holder is not None:
-        handle = lib.lshm_storage_retain(handle_of(holder))  # the very same storage
+    handle = handle_of(holder) if holder is not None else None
+    if handle:
+        # the very same storage, borrowed: the owner or Storage made of it takes its own
+        # reference (see _resolve)
         token = getattr(holder, "token", None)
         if token is not None:
             # its flags, data and size, as its last export read them (none of them changes
             # once it is exported: lshm_storage_seal_readonly then refuses)
             flags, where, _, data, *_ = token
-            return handle, (flags, data, where[3])
-        return handle, None
+            return handle, (flags, data, where[3]), holder
+        return handle, None, holder
     holder = _channel.lookup(key) if exported else None
     if holder is not None:
         # another storage of the same memfd (a tensor of a shared arena, a Storage.attach
         # view): a view of the same pages at the same address
         segment = lib.lshm_storage_segment(handle_of(holder))
         if segment and lib.lshm_segment_size(segment) == size:
-            return _new_view(segment, offset, nbytes, readonly), None
+            return _new_view(segment, offset, nbytes, readonly, out), None, None
     if size == SLAB_SIZE and (mapping is None or mapping.ours):
         # ours, sent back by a forked child that inherited it
-        out = _ffi.StorageHandle()
         if _ffi.slab_find_unchecked(key[0], key[1], offset, nbytes, byref(out)) != 0:
-            return None, None  # not one of our slabs' (or no live storage there)
-        return out, None
-    return None, None
+            return None, None, None  # not one of our slabs' (or no live storage there)
+        return out, None, None
+    return None, None, None
 
 
 def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
-                mapping: Optional[_Mapping]) -> tuple:
-    """(a storage of this process for that byte range of memfd `key` (a new reference the
-    caller releases) or None, its (flags, data, nbytes) if known): memory that left from here
-    coming back (lock held). `mapping`: the cached mapping of `key`, if any. With `readonly`
+                mapping: Optional[_Mapping], out: _ffi.StorageHandle) -> tuple:
+    """(a storage of this process for that byte range of memfd `key` or None, its (flags,
+    data, nbytes) if known, the object that keeps it alive or None): memory that left from
+    here coming back (lock held). The storage is borrowed from that keeper, or else it is
+    `out` with a reference of the caller's (see _resolve). `mapping`: the cached mapping of
+    `key`, if any. With `readonly`
     the facts say read-only whatever the storage is (a read-only secret opens no more here
     than in another process; memory of ours with a read-only secret is sealed, so sending
     such an array on gives read-only tokens too)."""
-    handle, facts = _own_storage(key, size, offset, nbytes, readonly, mapping)
+    handle, facts, keeper = _own_storage(key, size, offset, nbytes, readonly, mapping, out)
     if handle is not None and readonly:
         flags, *rest = facts if facts is not None else _handle_facts(handle)
         facts = (flags | _ffi.STORAGE_READONLY, *rest)
-    return handle, facts
+    return handle, facts, keeper
 
 
-def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
-    """(mapping or None, a storage handle with a reference the caller must release, its
-    (flags, data, nbytes) or None) for the checked fields of a token (_check_token).
+def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
+             out: _ffi.StorageHandle) -> tuple:
+    """(mapping or None, a storage handle, its (flags, data, nbytes) or None, the object that
+    keeps it alive or None) for the checked fields of a token (_check_token).
+
+    The handle is borrowed from that keeper (a holder of memory of ours), or else it is `out`,
+    a NULL handle of the caller's, into which libshm has put a new reference (a view, a slab's
+    storage found) in place. Nothing between libshm and the caller holds a reference of its
+    own: the caller makes its owner or Storage with a reference of its own (taken in the step
+    that records it), then releases `out` if it is not NULL, in a ``finally``. A Ctrl-C
+    (KeyboardInterrupt) anywhere then neither leaks nor releases twice: a reference retained
+    here and handed up leaked at about six points on its way, and one adopted by the owner
+    could not tell the caller, as the constructor returned, that it had taken it.
 
     A token stands for memory this process has (its own, or a memfd mapped here) without a
     fetch only if its secret says it may (_channel.vouched); any other token must have its
@@ -604,11 +618,12 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
         if trusted == _channel.READ_ONLY:
             readonly = True  # (whatever the token says: its secret opens no more)
         if trusted:
-            handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+            handle, facts, keeper = _own_memory(key, size, offset, nbytes, readonly, mapping,
+                                                out)
             if handle is not None:
                 if solo is not None:
                     _channel.queue_ack(address, solo)
-                return None, handle, facts
+                return None, handle, facts, keeper
         if mapping is None or not trusted:
             entry = _state.prefetched.get(key)
             if entry is not None and proof is not None and entry[3] == message and (
@@ -623,9 +638,10 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                         mapping.sealed if seals is None else bool(seals & _WRITE_SEALS))
                     _channel.vouch(key, secret, readonly)
                     trusted = True
-                    handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+                    handle, facts, keeper = _own_memory(key, size, offset, nbytes, readonly,
+                                                        mapping, out)
                     if handle is not None:
-                        return None, handle, facts
+                        return None, handle, facts, keeper
                     if mapping is None:
                         mapping = _attach(fd, key, seals, readonly, (address, secret), nbytes)
                 finally:
@@ -663,9 +679,10 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
                 # see vouched)
                 _channel.vouch(key, secret, readonly)
                 mapping = _cache.mappings.get(key)  # another thread may have won the race
-                handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping)
+                handle, facts, keeper = _own_memory(key, size, offset, nbytes, readonly,
+                                                    mapping, out)
                 if handle is not None:
-                    return None, handle, facts
+                    return None, handle, facts, keeper
                 if mapping is None:
                     mapping = _attach(fd, key, seals, readonly, (address, secret), nbytes,
                                       free)
@@ -678,8 +695,8 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple) -> tuple:
         raise pickle.UnpicklingError(
             f"pyshm: memfd is {mapping.size} bytes, the sender said {size}"
         )
-    return (mapping, _new_view(mapping.segment, offset, nbytes, readonly),
-            mapping.view_facts(offset, nbytes, readonly))
+    return (mapping, _new_view(mapping.segment, offset, nbytes, readonly, out),
+            mapping.view_facts(offset, nbytes, readonly), None)
 
 
 def _keep_extras(extras: list, message: tuple) -> None:
@@ -839,7 +856,9 @@ def _own_part_back(fields: tuple, shape, dtype, strides, start, writeable
             except ValueError:  # (a closed Storage)
                 found = None
             if found:
-                handle = lib.lshm_storage_retain(found)
+                # (borrowed: `holder` keeps it alive, and the owner takes a reference of its
+                # own in the step that records it, so a Ctrl-C anywhere leaks nothing)
+                handle = found
                 delta = offset - o
                 break
         if handle is None:
@@ -849,14 +868,9 @@ def _own_part_back(fields: tuple, shape, dtype, strides, start, writeable
         readonly = (readonly or level == _channel.READ_ONLY
                     or bool(flags & _ffi.STORAGE_READONLY))
         owner = ArrayOwner(handle, shape, dtype, delta + start, readonly, strides=strides,
-                           adopt=True, data=data)
+                           data=data)
     except (TypeError, ValueError):  # (a dtype the interface cannot describe: the general
-        lib.lshm_storage_release(handle)  # path makes it through a flat view)
-        return None
-    except BaseException:  # (a KeyboardInterrupt: the owner may have adopted it by then)
-        if not _memory.adopted(handle):
-            lib.lshm_storage_release(handle)
-        raise
+        return None  # path makes it through a flat view)
     try:
         array = _exact_dtype(np.asarray(owner), dtype)
     except (TypeError, ValueError, OverflowError):
@@ -986,12 +1000,12 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         array = _own_part_back(fields, shape, dtype, strides, start, writeable)
     if array is not None:
         return array
-    mapping, handle, facts = _resolve(batch, fields)
-    adopting = False
+    out = _ffi.StorageHandle()  # (see _resolve: released below, the owner has its own)
     try:
+        # (keeper: alive in this frame until the owner has its own reference)
+        mapping, handle, facts, keeper = _resolve(batch, fields, out)
         if facts is None:
-            facts = (lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0,
-                     lib.lshm_storage_nbytes(handle))
+            facts = _handle_facts(handle)
         flags, data, nbytes = facts
         if not _fits(nbytes, shape, dtype, strides, start):
             # (never numpy's check instead: np.ndarray(buffer=, strides=) takes any layout
@@ -999,19 +1013,14 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
             raise pickle.UnpicklingError(
                 f"pyshm: an array of shape {shape!r} and strides {strides!r} at byte "
                 f"{start!r} does not fit its {nbytes} bytes of shared memory")
-        owner = None
-        # the array itself over the storage, in one step (the owner adopts our reference;
-        # adopting: a KeyboardInterrupt from here to `handle = None` may come after it did)
-        adopting = True
+        readonly = bool(flags & _ffi.STORAGE_READONLY)
+        # the array itself over the storage, in one step
         try:
-            owner = ArrayOwner(handle, shape, dtype, start,
-                               bool(flags & _ffi.STORAGE_READONLY), keep=mapping,
-                               strides=strides, adopt=True, data=data)
+            owner = ArrayOwner(handle, shape, dtype, start, readonly, keep=mapping,
+                               strides=strides, data=data)
         except (TypeError, ValueError):
-            # a dtype the interface cannot describe (dtype.descr refuses it): below
-            adopting = False
+            owner = None  # a dtype the interface cannot describe (dtype.descr refuses it)
         if owner is not None:
-            handle = None
             if mapping is not None:
                 owner.facts = facts  # (for sending it on: see _export)
             else:
@@ -1025,17 +1034,13 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
                 if not writeable and exact.flags.writeable:
                     exact.flags.writeable = False
                 return exact
-            # a dtype the interface could not say exactly: through a flat view, as below
-            flat = wrap(owner.handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping,
-                        readonly=bool(flags & _ffi.STORAGE_READONLY))
-        else:
-            flat = wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping,
-                        readonly=bool(flags & _ffi.STORAGE_READONLY))
+        # a dtype the interface could not say (exactly): through a flat view
+        flat = wrap(handle, (nbytes,), np.dtype(np.uint8), 0, keep=mapping, readonly=readonly)
         if mapping is None:
             _keep_range_holder(flat.base, fields)  # (the owner the array is made over)
     finally:
-        if handle is not None and not (adopting and _memory.adopted(handle)):
-            lib.lshm_storage_release(handle)
+        if out:  # (then a C call: nothing between where a signal handler runs)
+            lib.lshm_storage_release(out)
     try:
         array = np.ndarray(shape, dtype, buffer=flat, offset=start, strides=strides)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -1046,25 +1051,29 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
 
 
 def _rebuild_storage(batch, token) -> Storage:
+    out = _ffi.StorageHandle()  # (as in _build_ndarray)
     try:
         _check_reachable(token)
         fields = _check_token(token)
-        mapping, handle, facts = _resolve(batch, fields)
+        mapping, handle, facts, keeper = _resolve(batch, fields, out)
         if facts is not None and facts[0] & _ffi.STORAGE_READONLY and not (
                 lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY):
             # (memory of ours, writable here, named read-only: a Storage of it would be
             # writable, which the pickle's read-only secret does not open)
-            lib.lshm_storage_release(handle)
             raise pickle.UnpicklingError(
                 "pyshm: this pickle names memory of this process read-only, which is writable "
                 "here: it cannot be a Storage (that would be writable); unpickle an array of "
                 "it instead, which is read-only")
+        # (a reference of its own, taken in the step that records it)
+        storage = Storage._retaining(handle, keep=mapping)
     except Exception as exc:
         stand_in = _channel.stand_in(exc)
         if stand_in is None:
             raise
         return stand_in
-    storage = Storage.from_handle(handle, keep=mapping)
+    finally:
+        if out:  # (then a C call: nothing between where a signal handler runs)
+            lib.lshm_storage_release(out)
     if mapping is None:
         _keep_range_holder(storage, fields)
     return storage
