@@ -97,7 +97,8 @@ class HandleLifetime:
 
     __slots__ = ("_lifetime", "__weakref__")
 
-    def _release_with(self, release: Any, *args: Any, take: Any = None) -> None:
+    def _release_with(self, release: Any, *args: Any, take: Any = None,
+                      hand: Optional[list] = None) -> None:
         """Run ``release(*args)`` once, when this object is collected or _release_now().
 
         `take`: a C function (``lib.lshm_storage_retain``) that takes the reference, called
@@ -105,13 +106,16 @@ class HandleLifetime:
         and that call is a point where a signal handler runs (CPython runs them at a
         function's entry and after a call returns): a KeyboardInterrupt comes before both or
         after both. Retaining first and recording in a second call lost the reference when
-        one came between (an arena tensor's storage then made deallocate refuse for good)."""
+        one came between (an arena tensor's storage then made deallocate refuse for good).
+        `hand`: a hand (see HANDS) holding args[0], whose reference is taken over instead."""
         ref = weakref.ref(self, _lifetime_ended)
         mark = weakref.ref(self, _lifetime_died)  # (see DIED)
         LIFETIME_MARKS[id(mark)] = (mark, ref)  # (by id: hashing it would hash a Storage)
         LIFETIMES[id(ref)] = (ref, release, args)  # (by id: a Storage compares by its address)
         self._lifetime = ref
-        if take is not None:
+        if hand is not None and hand[0] is args[0]:
+            hand[0] = None  # (taken over: see HANDS)
+        elif take is not None:
             take(args[0])
 
     def _release_now(self) -> None:
@@ -306,12 +310,10 @@ class ArrayOwner(HandleLifetime):
 
     def __init__(self, handle: _ffi.StorageHandle, shape: tuple, dtype: np.dtype, offset: int,
                  readonly: bool, keep: Any = None, strides: Optional[tuple] = None,
-                 data: Optional[int] = None):
-        # The owner takes its own reference, last, in the step that records it: if anything
-        # here raises, nothing was taken. (Adopting a reference of the caller's instead could
-        # not tell the caller, at a KeyboardInterrupt as the constructor returned, whether it
-        # had been taken: pyshm.reduction.) data: the storage's data pointer, when the caller
-        # knows it.
+                 data: Optional[int] = None, hand: Optional[list] = None):
+        # The owner takes its own reference, last, in the step that records it (or takes the
+        # caller's over, when `hand` holds `handle`: see HANDS): if anything here raises,
+        # nothing was taken. data: the storage's data pointer, when the caller knows it.
         self.handle = self._lifetime = None
         self.keep = keep
         self.token = None  # the last token it was sent with (pyshm.reduction)
@@ -327,7 +329,10 @@ class ArrayOwner(HandleLifetime):
         # right after the record, with no point between where a signal handler runs (see
         # HandleLifetime._release_with): retained first, a KeyboardInterrupt when the call
         # returned lost the reference
-        lib.lshm_storage_retain(handle)
+        if hand is not None and hand[0] is handle:
+            hand[0] = None  # (taken over: see HANDS)
+        else:
+            lib.lshm_storage_retain(handle)
         if tracking:
             note_new_owner(ref)
         self._lifetime = ref
@@ -344,6 +349,22 @@ class ArrayOwner(HandleLifetime):
 
     def _release_with(self, release: Any, *args: Any) -> None:
         raise TypeError("an ArrayOwner gives back its storage reference only")
+
+
+# HANDS. A reference of a caller's that a new ArrayOwner (or Storage) adopts is handed over
+# in a hand, a one-item list (``ArrayOwner(hand[0], ..., hand=hand)``): the owner records it
+# and empties the hand with no point between where a signal handler runs, so whether it was
+# taken is in the hand whatever KeyboardInterrupt came, even as the constructor returned (the
+# caller then does not know the owner, and releasing the bare handle it passed released it
+# twice). The caller's ``finally`` gives back what is still in the hand, inline (a Python
+# function's entry would be one more point)::
+#
+#     if hand[0]:  # (then a C call: nothing between where a signal handler runs)
+#         lib.lshm_storage_release(hand[0])
+#
+# The hand is filled in place too (libshm writes the new reference into the NULL handle in
+# it: ``lshm_slab_find(..., byref(hand[0]))``), so that no reference is ever only in a local
+# of a function an interrupt leaves (pyshm.reduction: unpickling our own memory).
 
 
 def handle_of(holder: Any) -> Optional[_ffi.StorageHandle]:

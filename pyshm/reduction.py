@@ -535,9 +535,10 @@ def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple, nbyt
 
 
 def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
-                 mapping: Optional[_Mapping], out: _ffi.StorageHandle) -> tuple:
+                 mapping: Optional[_Mapping], hand: list) -> tuple:
     """_own_memory's find: the storage itself (borrowed from its holder), or a view of the
-    memfd (read-only if `readonly`) or a slab's storage, made or retained into `out`."""
+    memfd (read-only if `readonly`) or a slab's storage, made or retained into a handle in
+    `hand` (see _resolve)."""
     # (ranges and the channel's holders only know memfds exported from here, which all have
     # secrets: a memfd received from elsewhere skips both)
     exported = key in _state.secrets
@@ -560,9 +561,11 @@ def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool
         # view): a view of the same pages at the same address
         segment = lib.lshm_storage_segment(handle_of(holder))
         if segment and lib.lshm_segment_size(segment) == size:
+            out = hand[0] = _ffi.StorageHandle()  # (see _resolve)
             return _new_view(segment, offset, nbytes, readonly, out), None, None
     if size == SLAB_SIZE and (mapping is None or mapping.ours):
         # ours, sent back by a forked child that inherited it
+        out = hand[0] = _ffi.StorageHandle()  # (see _resolve)
         if _ffi.slab_find_unchecked(key[0], key[1], offset, nbytes, byref(out)) != 0:
             return None, None, None  # not one of our slabs' (or no live storage there)
         return out, None, None
@@ -570,16 +573,16 @@ def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool
 
 
 def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
-                mapping: Optional[_Mapping], out: _ffi.StorageHandle) -> tuple:
+                mapping: Optional[_Mapping], hand: list) -> tuple:
     """(a storage of this process for that byte range of memfd `key` or None, its (flags,
     data, nbytes) if known, the object that keeps it alive or None): memory that left from
     here coming back (lock held). The storage is borrowed from that keeper, or else it is
-    `out` with a reference of the caller's (see _resolve). `mapping`: the cached mapping of
+    in `hand` with a reference of the caller's (see _resolve). `mapping`: the cached mapping of
     `key`, if any. With `readonly`
     the facts say read-only whatever the storage is (a read-only secret opens no more here
     than in another process; memory of ours with a read-only secret is sealed, so sending
     such an array on gives read-only tokens too)."""
-    handle, facts, keeper = _own_storage(key, size, offset, nbytes, readonly, mapping, out)
+    handle, facts, keeper = _own_storage(key, size, offset, nbytes, readonly, mapping, hand)
     if handle is not None and readonly:
         flags, *rest = facts if facts is not None else _handle_facts(handle)
         facts = (flags | _ffi.STORAGE_READONLY, *rest)
@@ -587,18 +590,19 @@ def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
 
 
 def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
-             out: _ffi.StorageHandle) -> tuple:
+             hand: list) -> tuple:
     """(mapping or None, a storage handle, its (flags, data, nbytes) or None, the object that
     keeps it alive or None) for the checked fields of a token (_check_token).
 
-    The handle is borrowed from that keeper (a holder of memory of ours), or else it is `out`,
-    a NULL handle of the caller's, into which libshm has put a new reference (a view, a slab's
-    storage found) in place. Nothing between libshm and the caller holds a reference of its
-    own: the caller makes its owner or Storage with a reference of its own (taken in the step
-    that records it), then releases `out` if it is not NULL, in a ``finally``. A Ctrl-C
-    (KeyboardInterrupt) anywhere then neither leaks nor releases twice: a reference retained
-    here and handed up leaked at about six points on its way, and one adopted by the owner
-    could not tell the caller, as the constructor returned, that it had taken it.
+    The handle is borrowed from that keeper (a holder of memory of ours), or else it is in
+    `hand`, the caller's ``[None]``: a NULL handle put there before libshm wrote a new
+    reference into it in place (a view, a slab's storage found). Nothing between libshm and
+    the caller holds a reference of its own, so a Ctrl-C (KeyboardInterrupt) anywhere neither
+    leaks nor releases twice: the caller's owner or Storage takes the hand's reference over,
+    or one of its own for a borrowed handle, in the step that records it, and the caller's
+    ``finally`` releases whatever the hand still holds (see pyshm._memory.HANDS). A reference
+    retained here and handed up leaked at about six points on its way, and one adopted by the
+    owner could not tell the caller, as the constructor returned, that it had taken it.
 
     A token stands for memory this process has (its own, or a memfd mapped here) without a
     fetch only if its secret says it may (_channel.vouched); any other token must have its
@@ -619,7 +623,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
             readonly = True  # (whatever the token says: its secret opens no more)
         if trusted:
             handle, facts, keeper = _own_memory(key, size, offset, nbytes, readonly, mapping,
-                                                out)
+                                                hand)
             if handle is not None:
                 if solo is not None:
                     _channel.queue_ack(address, solo)
@@ -639,7 +643,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
                     _channel.vouch(key, secret, readonly)
                     trusted = True
                     handle, facts, keeper = _own_memory(key, size, offset, nbytes, readonly,
-                                                        mapping, out)
+                                                        mapping, hand)
                     if handle is not None:
                         return None, handle, facts, keeper
                     if mapping is None:
@@ -680,7 +684,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
                 _channel.vouch(key, secret, readonly)
                 mapping = _cache.mappings.get(key)  # another thread may have won the race
                 handle, facts, keeper = _own_memory(key, size, offset, nbytes, readonly,
-                                                    mapping, out)
+                                                    mapping, hand)
                 if handle is not None:
                     return None, handle, facts, keeper
                 if mapping is None:
@@ -695,6 +699,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
         raise pickle.UnpicklingError(
             f"pyshm: memfd is {mapping.size} bytes, the sender said {size}"
         )
+    out = hand[0] = _ffi.StorageHandle()
     return (mapping, _new_view(mapping.segment, offset, nbytes, readonly, out),
             mapping.view_facts(offset, nbytes, readonly), None)
 
@@ -1000,10 +1005,10 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         array = _own_part_back(fields, shape, dtype, strides, start, writeable)
     if array is not None:
         return array
-    out = _ffi.StorageHandle()  # (see _resolve: released below, the owner has its own)
+    hand = [None]  # (see _resolve)
     try:
         # (keeper: alive in this frame until the owner has its own reference)
-        mapping, handle, facts, keeper = _resolve(batch, fields, out)
+        mapping, handle, facts, keeper = _resolve(batch, fields, hand)
         if facts is None:
             facts = _handle_facts(handle)
         flags, data, nbytes = facts
@@ -1017,7 +1022,7 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         # the array itself over the storage, in one step
         try:
             owner = ArrayOwner(handle, shape, dtype, start, readonly, keep=mapping,
-                               strides=strides, data=data)
+                               strides=strides, data=data, hand=hand)
         except (TypeError, ValueError):
             owner = None  # a dtype the interface cannot describe (dtype.descr refuses it)
         if owner is not None:
@@ -1039,8 +1044,8 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         if mapping is None:
             _keep_range_holder(flat.base, fields)  # (the owner the array is made over)
     finally:
-        if out:  # (then a C call: nothing between where a signal handler runs)
-            lib.lshm_storage_release(out)
+        if hand[0]:  # (then a C call: nothing between where a signal handler runs)
+            lib.lshm_storage_release(hand[0])
     try:
         array = np.ndarray(shape, dtype, buffer=flat, offset=start, strides=strides)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -1051,11 +1056,11 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
 
 
 def _rebuild_storage(batch, token) -> Storage:
-    out = _ffi.StorageHandle()  # (as in _build_ndarray)
+    hand = [None]  # (see _resolve)
     try:
         _check_reachable(token)
         fields = _check_token(token)
-        mapping, handle, facts, keeper = _resolve(batch, fields, out)
+        mapping, handle, facts, keeper = _resolve(batch, fields, hand)
         if facts is not None and facts[0] & _ffi.STORAGE_READONLY and not (
                 lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY):
             # (memory of ours, writable here, named read-only: a Storage of it would be
@@ -1064,16 +1069,15 @@ def _rebuild_storage(batch, token) -> Storage:
                 "pyshm: this pickle names memory of this process read-only, which is writable "
                 "here: it cannot be a Storage (that would be writable); unpickle an array of "
                 "it instead, which is read-only")
-        # (a reference of its own, taken in the step that records it)
-        storage = Storage._retaining(handle, keep=mapping)
+        storage = Storage._retaining(handle, keep=mapping, hand=hand)
     except Exception as exc:
         stand_in = _channel.stand_in(exc)
         if stand_in is None:
             raise
         return stand_in
     finally:
-        if out:  # (then a C call: nothing between where a signal handler runs)
-            lib.lshm_storage_release(out)
+        if hand[0]:  # (then a C call: nothing between where a signal handler runs)
+            lib.lshm_storage_release(hand[0])
     if mapping is None:
         _keep_range_holder(storage, fields)
     return storage

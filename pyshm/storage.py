@@ -70,7 +70,8 @@ class Storage(HandleLifetime):
         create(handle, nbytes, shared, resizable)
         self._key = _ffi.address(handle)
 
-    def _adopt(self, handle: _ffi.StorageHandle, keep: Any = None, take: Any = None) -> None:
+    def _adopt(self, handle: _ffi.StorageHandle, keep: Any = None, take: Any = None,
+               hand: Optional[list] = None) -> None:
         self._handle = handle
         self._keep = keep
         self._pins = set()
@@ -79,7 +80,7 @@ class Storage(HandleLifetime):
         self._key = _ffi.address(handle)  # the identity, kept after close for a stable hash
         # (the C function itself: a Python function between the callback and it was one more
         # point where a Ctrl-C lost the release, see _memory.released)
-        self._release_with(lib.lshm_storage_release, handle, take=take)
+        self._release_with(lib.lshm_storage_release, handle, take=take, hand=hand)
 
     @classmethod
     def from_handle(cls, handle: _ffi.StorageHandle, keep: Any = None) -> "Storage":
@@ -98,11 +99,13 @@ class Storage(HandleLifetime):
         return self
 
     @classmethod
-    def _retaining(cls, handle: _ffi.StorageHandle, keep: Any = None) -> "Storage":
+    def _retaining(cls, handle: _ffi.StorageHandle, keep: Any = None,
+                   hand: Optional[list] = None) -> "Storage":
         """A Storage with a reference of its own to the C storage `handle` (which the caller
-        keeps), taken in the same step that records it (see HandleLifetime._release_with)."""
+        keeps), taken in the same step that records it (see HandleLifetime._release_with);
+        or, when `hand` holds `handle`, the caller's, taken over (see pyshm._memory.HANDS)."""
         self = cls.__new__(cls)
-        self._adopt(handle, keep, take=lib.lshm_storage_retain)
+        self._adopt(handle, keep, take=lib.lshm_storage_retain, hand=hand)
         return self
 
     @property
