@@ -91,14 +91,15 @@ class HandleLifetime:
     pyshm.reduction reads them there). A second weak reference, the object's mark, records
     its death in C (see DIED), so that a Ctrl-C at the callback's entry loses no release: it
     costs about 0.5 us more per object (CPU time of a create/drop loop: an ArrayOwner 1.89 ->
-    2.36 us, Storage.from_handle + close 2.32 -> 2.89 us).
+    2.36 us, Storage.from_handle + close 2.32 -> 2.89 us). A release that is a Python
+    function is registered keyed (see KEYED), so that one at its own entry loses none either.
     Releases registered with _release_with never run once the interpreter has begun to exit
     (the process's memory goes with the process); an ArrayOwner's storage reference can."""
 
     __slots__ = ("_lifetime", "__weakref__")
 
     def _release_with(self, release: Any, *args: Any, take: Any = None,
-                      hand: Optional[list] = None) -> None:
+                      hand: Optional[list] = None, keyed: bool = False) -> None:
         """Run ``release(*args)`` once, when this object is collected or _release_now().
 
         `take`: a C function (``lib.lshm_storage_retain``) that takes the reference, called
@@ -107,11 +108,14 @@ class HandleLifetime:
         function's entry and after a call returns): a KeyboardInterrupt comes before both or
         after both. Retaining first and recording in a second call lost the reference when
         one came between (an arena tensor's storage then made deallocate refuse for good).
-        `hand`: a hand (see HANDS) holding args[0], whose reference is taken over instead."""
+        `hand`: a hand (see HANDS) holding args[0], whose reference is taken over instead.
+        `keyed`: `release` is a Python function, called as ``release(key, *args)`` (see
+        KEYED)."""
         ref = weakref.ref(self, _lifetime_ended)
         mark = weakref.ref(self, _lifetime_died)  # (see DIED)
         LIFETIME_MARKS[id(mark)] = (mark, ref)  # (by id: hashing it would hash a Storage)
-        LIFETIMES[id(ref)] = (ref, release, args)  # (by id: a Storage compares by its address)
+        LIFETIMES[id(ref)] = (ref, release, args, keyed)  # (by id: a Storage compares by
+        # its address)
         self._lifetime = ref
         if hand is not None and hand[0] is args[0]:
             hand[0] = None  # (taken over: see HANDS)
@@ -166,6 +170,14 @@ LIFETIMES: dict = {}
 # LIFETIME_MARKS, id of the mark -> (mark, weak reference), and LIFETIMES_DIED.) The marks are
 # made after the callbacks' weak references, and CPython calls the newest first: a death is
 # recorded before its release callback runs, which then settles it at once.
+# KEYED. A release that is a Python function (an arena's _destroy, a received mapping's
+# _drop_segment) had a point of its own, its entry, where a Ctrl-C dropped it after its
+# LIFETIMES entry was taken out: the arena or the mapping (and its fd) stayed until exit. Such
+# a release is registered keyed: it is called as ``release(key, *args)`` with its entry (and
+# its death's mark) still recorded, and takes the entry out itself (``if key in LIFETIMES:
+# del LIFETIMES[key]``) right before its C call, with no point between; cut off at its
+# entry, it is made again at the next settle, which takes the mark out only once the entry
+# is gone.
 MARKS: dict = {}
 LIFETIME_MARKS: dict = {}
 DIED: list = []
@@ -242,6 +254,9 @@ def _settle(_died: list = DIED, _marks: dict = MARKS, _lifetimes_died: list = LI
         if not _lifetimes_died or _lifetimes_died[-1] is not mark:
             continue  # (another thread settled it meanwhile: a thread may switch at a call)
         entry = _lifetimes[key] if key in _lifetimes else None
+        if entry is not None and entry[3] and _exiting is False:
+            entry[1](key, *entry[2])  # (takes its entry out: see KEYED)
+            continue  # (then the mark, once this is seen again with no entry)
         if ref is not None:
             del _lifetime_marks[mark_key]
         if entry is not None:
@@ -268,7 +283,9 @@ def _lifetime_ended(ref: Optional[weakref.ref], _lifetimes: dict = LIFETIMES,
                     _settle: Any = _settle) -> None:
     key = id(ref)
     entry = _lifetimes[key] if key in _lifetimes else None
-    if entry is not None:
+    if entry is not None and entry[3] and _exiting is False:
+        entry[1](key, *entry[2])  # (takes its entry out: see KEYED)
+    elif entry is not None:
         del _lifetimes[key]
         if _exiting is False:  # (None too once the module is being wiped)
             entry[1](*entry[2])

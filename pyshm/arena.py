@@ -17,6 +17,7 @@ import numpy as np
 from . import _checks, _ffi
 from ._ffi import lib
 from ._memory import (
+    LIFETIMES,
     ArrayOwner,
     HandleLifetime,
     ShapeLike,
@@ -255,19 +256,27 @@ class _ArenaKeep(HandleLifetime):
             self._lifetime = None
 
 
-def _destroy(handle: _ffi.ArenaHandle, live: dict) -> None:
+def _destroy(key: int, handle: _ffi.ArenaHandle, live: dict,
+             _lifetimes: dict = LIFETIMES) -> None:
     # Finalizer: no arrays are alive (each one keeps the Arena object alive), so only the
-    # references the Arena itself holds remain; give them back, then the arena.
-    for storage in list(live.values()):
+    # references the Arena itself holds remain; give them back, then the arena. A keyed
+    # release (see pyshm._memory KEYED): cut off by a Ctrl-C anywhere, it goes on from there at
+    # the next settle; each step takes its record out and makes its C call with no point
+    # between where a signal handler runs.
+    while live:
+        slot = next(iter(live))
+        storage = live[slot]
+        del live[slot]
         try:
             lib.lshm_arena_free(handle, storage)
         except OSError:
             pass
-    live.clear()
-    try:
-        lib.lshm_arena_destroy(handle)
-    except OSError:
-        pass  # something still holds a storage: leaking beats freeing memory in use
+    if key in _lifetimes:
+        del _lifetimes[key]
+        try:
+            lib.lshm_arena_destroy(handle)
+        except OSError:
+            pass  # something still holds a storage: leaking beats freeing memory in use
 
 
 class Arena(HandleLifetime):
@@ -388,7 +397,7 @@ class Arena(HandleLifetime):
         self._keeps: "weakref.WeakValueDictionary[Optional[int], _ArenaKeep]" = (
             weakref.WeakValueDictionary()
         )
-        self._release_with(_destroy, handle, self._live)
+        self._release_with(_destroy, handle, self._live, keyed=True)
 
     # ---- lifetime -------------------------------------------------------------------------
 

@@ -174,7 +174,7 @@ class _Mapping(HandleLifetime):
         # one of our own slab memfds, come back without its storage being found: only then can
         # a later token naming it be a storage of ours (lshm_slab_knows says why that holds)
         self.ours = self.size == SLAB_SIZE and bool(lib.lshm_slab_knows(key[0], key[1]))
-        self._release_with(_drop_segment, segment, fd_kept)
+        self._release_with(_drop_segment, segment, fd_kept, keyed=True)
 
     def view_facts(self, offset: int, nbytes: int, readonly: bool) -> tuple:
         """(flags, data, nbytes) of a view of [offset, offset + nbytes) of this mapping, as
@@ -206,10 +206,15 @@ def _mapped_here(key: tuple) -> bool:
 _channel.mapped_here = _mapped_here  # (what the vouched secrets are pruned by)
 
 
-def _drop_segment(segment: _ffi.SegmentHandle, fd_kept: bool) -> None:
-    if fd_kept:
-        _cache.kept_fds -= 1
-    lib.lshm_segment_release(segment)
+def _drop_segment(key: int, segment: _ffi.SegmentHandle, fd_kept: bool,
+                  _lifetimes: dict = _memory.LIFETIMES) -> None:
+    # (a keyed release: its entry out, the count and the release with no point between where
+    # a signal handler runs; a Ctrl-C at its entry leaves it to the next settle, see KEYED)
+    if key in _lifetimes:
+        del _lifetimes[key]
+        if fd_kept:
+            _cache.kept_fds -= 1
+        lib.lshm_segment_release(segment)
 
 
 _COUNT_FDS_BELOW = 4096  # under this RLIMIT_NOFILE, the fds open are counted (_free_fds)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import pyshm
+from conftest import after_c_calls, interrupted_at, memfd_held
 
 ROWS = 100
 
@@ -162,6 +163,15 @@ def storage_pickled():
     return bytes(ForkingPickler.dumps(storage))
 
 
+def big_array_pickled():
+    """In a worker: the pickle of a shared array of its own, too big for a slab (whose
+    mappings a receiver keeps a while: _cache.recent). (A pickle, not the array: a Pool's
+    result thread may still hold what it unpickled as apply() returns.)"""
+    array = pyshm.zeros(1 << 20, np.uint8, shared=True)
+    array[:] = 5
+    return bytes(ForkingPickler.dumps(array))
+
+
 INHERITED: list = []
 HELD_VIEWS = 2  # (the references the test takes to every view made: see unpickling_cases)
 
@@ -235,8 +245,6 @@ def test_a_ctrl_c_anywhere_in_unpickling_our_own_memory_releases_it_exactly_once
     # release it too, one reference too few (the storage freed under live arrays). Now every
     # point of the unpickling leaves the count exactly as it was: each storage (or each view
     # made of a memfd mapped here) has as many references after it as before.
-    from conftest import after_c_calls, interrupted_at
-
     from pyshm import _ffi
 
     views = []
@@ -283,3 +291,30 @@ def test_a_ctrl_c_anywhere_in_unpickling_our_own_memory_releases_it_exactly_once
         for view in views:
             for _ in range(HELD_VIEWS):
                 _ffi.lib.lshm_storage_release(view)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_anywhere_in_a_received_mappings_death_is_made_up_for_at_the_next_release(
+        pool):
+    # A KeyboardInterrupt at each point of the death of the last array of a memfd received:
+    # at the entry of its finalizer (_drop_segment, a Python function called by the release
+    # callback once that had taken its record out) the mapping and the fd kept stayed until
+    # the process exited, and the count of fds kept stayed one too high. Now they go by the
+    # next release at the latest.
+    from pyshm import reduction
+
+    kept = reduction._cache.kept_fds
+    point = 1
+    while True:
+        held = [ForkingPickler.loads(pool.apply(big_array_pickled))]
+        assert int(held[0][-1]) == 5
+        inode = held[0].base.keep.key[1]
+        assert memfd_held(inode) and reduction._cache.kept_fds == kept + 1
+        if not interrupted_at(point, held.clear):
+            break
+        assert held == []
+        pyshm.Storage(4096).close()  # (a release)
+        assert memfd_held(inode) == [] and reduction._cache.kept_fds == kept, point
+        point += 1
+    assert point > 3
+    assert memfd_held(inode) == []
