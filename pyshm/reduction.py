@@ -789,13 +789,22 @@ class _ReceivedOwner(ArrayOwner):
                 handle = _HANDLE.__get__(self)
                 if handle is None and self._view is not None:
                     offset, nbytes, readonly = self._view
-                    handle = _new_view(self.keep.segment, offset, nbytes, readonly)
-                    ref = weakref.ref(self, released)
-                    _memory.MARKS[weakref.ref(self, _memory._died)] = ref  # (see DIED)
-                    REFERENCES[ref] = handle
-                    if _memory.tracking:
-                        _memory.note_new_owner(ref)
-                    _LIFETIME.__set__(self, ref)
+                    # The view is recorded NULL, then made in place: a Ctrl-C as libshm
+                    # returned lost a view made first (and the mapping with it, until the
+                    # process exited). A call cut off after the record left it: the same one
+                    # (another weak reference to this owner equals it, so a second record
+                    # replaced the first, a view made already with it).
+                    ref = _LIFETIME.__get__(self)
+                    if ref is None:
+                        ref = weakref.ref(self, released)
+                        _memory.MARKS[weakref.ref(self, _memory._died)] = ref  # (see DIED)
+                        REFERENCES[ref] = _ffi.StorageHandle()
+                        _LIFETIME.__set__(self, ref)
+                    handle = REFERENCES[ref]
+                    if not handle:
+                        _new_view(self.keep.segment, offset, nbytes, readonly, handle)
+                        if _memory.tracking:
+                            _memory.note_new_owner(ref)
                     _HANDLE.__set__(self, handle)
         return handle
 

@@ -163,13 +163,14 @@ def storage_pickled():
     return bytes(ForkingPickler.dumps(storage))
 
 
-def big_array_pickled():
+def big_array_pickled(twice=False):
     """In a worker: the pickle of a shared array of its own, too big for a slab (whose
-    mappings a receiver keeps a while: _cache.recent). (A pickle, not the array: a Pool's
-    result thread may still hold what it unpickled as apply() returns.)"""
+    mappings a receiver keeps a while: _cache.recent), or `twice` of (it, a view of it).
+    (A pickle, not the array: a Pool's result thread may still hold what it unpickled as
+    apply() returns.)"""
     array = pyshm.zeros(1 << 20, np.uint8, shared=True)
     array[:] = 5
-    return bytes(ForkingPickler.dumps(array))
+    return bytes(ForkingPickler.dumps((array, array[1:]) if twice else array))
 
 
 INHERITED: list = []
@@ -318,3 +319,28 @@ def test_a_ctrl_c_anywhere_in_a_received_mappings_death_is_made_up_for_at_the_ne
         point += 1
     assert point > 3
     assert memfd_held(inode) == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_anywhere_in_making_a_received_arrays_storage_leaks_no_view(monkeypatch, pool):
+    # An array of a memfd received has no C storage until something asks its owner for one
+    # (_ReceivedOwner.handle: pyshm.storage_of, a send on that needs libshm). A
+    # KeyboardInterrupt as libshm returned the new view, before the owner recorded it, leaked
+    # the view, and with it the mapping and the fd, until the process exited.
+    from pyshm import _ffi
+
+    wrappers = after_c_calls(monkeypatch, _ffi, "_create_view")
+    point = 1
+    while True:
+        # (the second array is made over the mapping the first made: a _ReceivedOwner's)
+        held = list(ForkingPickler.loads(pool.apply(big_array_pickled, (True,))))
+        inode = held[1].base.keep.key[1]
+        interrupted = interrupted_at(point, lambda: held[1].base.handle, wrappers)
+        assert int(held[1][-1]) == 5 and pyshm.storage_of(held[1]).nbytes == 1 << 20
+        held.clear()
+        pyshm.Storage(4096).close()  # (a release)
+        assert memfd_held(inode) == [], point
+        if not interrupted:
+            break
+        point += 1
+    assert point > 3
