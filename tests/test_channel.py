@@ -758,8 +758,9 @@ def test_a_forged_token_never_stands_for_memory_we_received():
         (batch, first), (_, second) = captured
         fields = [reduction._check_token(t) for t in (first, second)]
         # one fetch: the first memfd, and the second as an extra (waiting, unmapped)
-        mapping, handle, _ = reduction._resolve(batch, fields[0])
-        reduction.lib.lshm_storage_release(handle)
+        hand = [None]  # (where _resolve puts the view of the memfd it maps: ours to release)
+        mapping, _, _, _ = reduction._resolve(batch, fields[0], hand)
+        reduction.lib.lshm_storage_release(hand[0])
         assert fields[1][0] in _channel.state.prefetched
         # a stranger's token for the extra, or for the memfd mapped here: refused
         for forged in (_forged(fields[1]), _forged(fields[0])):
