@@ -279,6 +279,21 @@ def _destroy(key: int, handle: _ffi.ArenaHandle, live: dict,
             pass  # something still holds a storage: leaking beats freeing memory in use
 
 
+def _free_live(handle: _ffi.ArenaHandle, live: dict, key: Any) -> None:
+    """lshm_arena_free of the storage that ``live`` (an arena's _live) holds at `key`: taken
+    out of `live` first, with no point between where a signal handler runs, and put back if
+    libshm refuses. Freed first, a KeyboardInterrupt as the C call returned left it in
+    `live`, and every later end_iteration() and close() freed it again, refused (EINVAL:
+    "freed already"), for good."""
+    storage = live[key]
+    del live[key]
+    try:
+        lib.lshm_arena_free(handle, storage)
+    except OSError:
+        live[key] = storage
+        raise
+
+
 class Arena(HandleLifetime):
     """Tensors with planned offsets in one buffer, as numpy arrays.
 
@@ -434,12 +449,25 @@ class Arena(HandleLifetime):
             raise _ffi.ShmBufferError(
                 errno.EBUSY, f"pyshm.Arena.close: {alive} array(s) made by the arena are alive"
             )
-        for key, storage in list(self._live.items()):
-            lib.lshm_arena_free(self._handle, storage)
-            del self._live[key]
-        lib.lshm_arena_destroy(self._handle)
-        self._release_never()
+        handle = self._handle
+        while self._live:
+            _free_live(handle, self._live, next(iter(self._live)))
+        # The finalizer's record, the handle and the arena go in one step (no point between
+        # where a signal handler runs; all three back if libshm refuses): destroyed first, a
+        # KeyboardInterrupt as the C call returned left the arena open and recorded, and the
+        # next close() or the finalizer destroyed it again (glibc: double free, an abort).
+        key = id(self._lifetime)
+        entry = LIFETIMES[key] if key in LIFETIMES else None
+        if entry is not None:
+            del LIFETIMES[key]
         self._handle = None
+        try:
+            lib.lshm_arena_destroy(handle)
+        except OSError:
+            self._handle = handle
+            if entry is not None:
+                LIFETIMES[key] = entry
+            raise
 
     def __enter__(self) -> "Arena":
         self._as_parameter_
@@ -542,8 +570,7 @@ class Arena(HandleLifetime):
             # The slice goes to later allocs: the owner gives up its reference (the bytes stay
             # mapped: the owner keeps a reference to the buffer) and forgets the storage.
             owner._release_now()
-        lib.lshm_arena_free(self._as_parameter_, self._live[key])
-        del self._live[key]
+        _free_live(self._as_parameter_, self._live, key)
 
     @_locked
     def end_iteration(self) -> None:
@@ -574,8 +601,7 @@ class Arena(HandleLifetime):
         in ``_live`` is left (an array's owner or a Storage handle holds one more)."""
         for key, storage in list(self._live.items()):
             if lib.lshm_storage_refcount(storage) == 1:
-                lib.lshm_arena_free(handle, storage)
-                del self._live[key]
+                _free_live(handle, self._live, key)
 
     # ---- information ----------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 live), shared arenas seen from another process, record-then-replay, stats, bad input."""
 
 import gc
+import itertools
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import pyshm
 from pyshm.arena import ArenaStats
 
-from conftest import after_c_calls, interrupted_at, memfd_held, open_fds
+from conftest import after_c_calls, held_after_a_release, interrupted_at, memfd_held, open_fds
 
 # A chain with a skip connection: tensor i lives on [firsts[i], lasts[i]).
 SIZES = [4096, 10000, 3000, 10000, 64, 0]
@@ -431,11 +432,43 @@ def test_a_ctrl_c_anywhere_in_an_arenas_death_is_made_up_for_at_the_next_release
         if not interrupted_at(point, held.clear):
             break
         assert held == []
-        pyshm.Storage(4096).close()  # (a release)
-        assert memfd_held(inode) == [], point
+        assert held_after_a_release(inode) == [], point
         point += 1
     assert point > 3
     assert memfd_held(inode) == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("call", ["free", "close"])
+def test_a_ctrl_c_anywhere_in_free_or_close_leaves_the_arena_whole(monkeypatch, call):
+    # A KeyboardInterrupt at each point of free() / close() of a recording arena: right after
+    # lshm_arena_free returned, the storage stayed in _live, and every later end_iteration()
+    # and close() freed it again and refused for good (EINVAL, "freed already"); right after
+    # lshm_arena_destroy returned, the arena looked open, and the next close() (or its
+    # finalizer) destroyed it again (glibc: "double free detected", the process aborted).
+    from pyshm import _ffi
+
+    wrappers = after_c_calls(monkeypatch, _ffi.lib, "lshm_arena_free", "lshm_arena_destroy")
+    for point in itertools.count(1):
+        arena = pyshm.Arena.recording(shared=True)
+        x = arena.empty(1000)
+        arena.free(x)
+        arena.end_iteration()  # (planned: the next ones are slices of its memfd)
+        inode = os.fstat(arena.fd).st_ino
+        x, y = arena.empty(1000), arena.empty(10)
+        if call == "free":
+            interrupted = interrupted_at(point, lambda: arena.free(x), wrappers)
+            del x, y
+            arena.end_iteration()  # (frees the dropped ones)
+        else:
+            del x, y
+            interrupted = interrupted_at(point, arena.close, wrappers)
+            assert arena.closed or memfd_held(inode), point  # (never destroyed while open)
+        arena.close()
+        assert held_after_a_release(inode) == [], point
+        if not interrupted:
+            break
+    assert point > 10
 
 
 def test_only_an_arena_in_a_call_is_in_the_fork_list():

@@ -8,6 +8,7 @@ again: a Storage is a whole storage's bytes), never a crash."""
 from __future__ import annotations
 
 import gc
+import itertools
 import multiprocessing as mp
 import pickle
 import threading
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import pyshm
-from conftest import after_c_calls, interrupted_at, memfd_held
+from conftest import after_c_calls, held_after_a_release, interrupted_at, memfd_held
 
 ROWS = 100
 
@@ -314,8 +315,7 @@ def test_a_ctrl_c_anywhere_in_a_received_mappings_death_is_made_up_for_at_the_ne
         if not interrupted_at(point, held.clear):
             break
         assert held == []
-        pyshm.Storage(4096).close()  # (a release)
-        assert memfd_held(inode) == [] and reduction._cache.kept_fds == kept, point
+        assert held_after_a_release(inode) == [] and reduction._cache.kept_fds == kept, point
         point += 1
     assert point > 3
     assert memfd_held(inode) == []
@@ -330,17 +330,14 @@ def test_a_ctrl_c_anywhere_in_making_a_received_arrays_storage_leaks_no_view(mon
     from pyshm import _ffi
 
     wrappers = after_c_calls(monkeypatch, _ffi, "_create_view")
-    point = 1
-    while True:
+    for point in itertools.count(1):
         # (the second array is made over the mapping the first made: a _ReceivedOwner's)
         held = list(ForkingPickler.loads(pool.apply(big_array_pickled, (True,))))
         inode = held[1].base.keep.key[1]
         interrupted = interrupted_at(point, lambda: held[1].base.handle, wrappers)
         assert int(held[1][-1]) == 5 and pyshm.storage_of(held[1]).nbytes == 1 << 20
         held.clear()
-        pyshm.Storage(4096).close()  # (a release)
-        assert memfd_held(inode) == [], point
+        assert held_after_a_release(inode) == [], point
         if not interrupted:
             break
-        point += 1
     assert point > 3
