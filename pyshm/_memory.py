@@ -379,9 +379,10 @@ class ArrayOwner(HandleLifetime):
 #     if hand[0]:  # (then a C call: nothing between where a signal handler runs)
 #         lib.lshm_storage_release(hand[0])
 #
-# The hand is filled in place too (libshm writes the new reference into the NULL handle in
-# it: ``lshm_slab_find(..., byref(hand[0]))``), so that no reference is ever only in a local
-# of a function an interrupt leaves (pyshm.reduction: unpickling our own memory).
+# The hand is filled so too: a NULL handle put in it, then libshm writes the new reference
+# into it in place (``lshm_slab_find(..., byref(hand[0]))``), or a storage put in it right
+# before it is retained, so that no reference is ever only in a local of a function an
+# interrupt leaves (pyshm.reduction: unpickling our own memory).
 
 
 def handle_of(holder: Any) -> Optional[_ffi.StorageHandle]:

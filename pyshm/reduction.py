@@ -541,9 +541,8 @@ def _attach(fd: int, key: tuple, seals: int, readonly: bool, origin: tuple, nbyt
 
 def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
                  mapping: Optional[_Mapping], hand: list) -> tuple:
-    """_own_memory's find: the storage itself (borrowed from its holder), or a view of the
-    memfd (read-only if `readonly`) or a slab's storage, made or retained into a handle in
-    `hand` (see _resolve)."""
+    """_own_memory's find: the storage itself, a view of the memfd (read-only if `readonly`)
+    or a slab's storage, with a new reference in `hand` (see _resolve)."""
     # (ranges and the channel's holders only know memfds exported from here, which all have
     # secrets: a memfd received from elsewhere skips both)
     exported = key in _state.secrets
@@ -551,15 +550,17 @@ def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool
     holder = ref() if ref is not None else None
     handle = handle_of(holder) if holder is not None else None
     if handle:
-        # the very same storage, borrowed: the owner or Storage made of it takes its own
-        # reference (see _resolve)
+        # the very same storage, retained right after it is in the hand (no point between
+        # where a signal handler runs: see _resolve)
+        hand[0] = handle
+        lib.lshm_storage_retain(handle)
         token = getattr(holder, "token", None)
         if token is not None:
             # its flags, data and size, as its last export read them (none of them changes
             # once it is exported: lshm_storage_seal_readonly then refuses)
             flags, where, _, data, *_ = token
-            return handle, (flags, data, where[3]), holder
-        return handle, None, holder
+            return handle, (flags, data, where[3])
+        return handle, None
     holder = _channel.lookup(key) if exported else None
     if holder is not None:
         # another storage of the same memfd (a tensor of a shared arena, a Storage.attach
@@ -567,47 +568,47 @@ def _own_storage(key: tuple, size: int, offset: int, nbytes: int, readonly: bool
         segment = lib.lshm_storage_segment(handle_of(holder))
         if segment and lib.lshm_segment_size(segment) == size:
             out = hand[0] = _ffi.StorageHandle()  # (see _resolve)
-            return _new_view(segment, offset, nbytes, readonly, out), None, None
+            return _new_view(segment, offset, nbytes, readonly, out), None
     if size == SLAB_SIZE and (mapping is None or mapping.ours):
         # ours, sent back by a forked child that inherited it
         out = hand[0] = _ffi.StorageHandle()  # (see _resolve)
         if _ffi.slab_find_unchecked(key[0], key[1], offset, nbytes, byref(out)) != 0:
-            return None, None, None  # not one of our slabs' (or no live storage there)
-        return out, None, None
-    return None, None, None
+            return None, None  # not one of our slabs' (or no live storage there)
+        return out, None
+    return None, None
 
 
 def _own_memory(key: tuple, size: int, offset: int, nbytes: int, readonly: bool,
                 mapping: Optional[_Mapping], hand: list) -> tuple:
-    """(a storage of this process for that byte range of memfd `key` or None, its (flags,
-    data, nbytes) if known, the object that keeps it alive or None): memory that left from
-    here coming back (lock held). The storage is borrowed from that keeper, or else it is
-    in `hand` with a reference of the caller's (see _resolve). `mapping`: the cached mapping of
-    `key`, if any. With `readonly`
+    """(a storage of this process for that byte range of memfd `key` (its new reference in
+    `hand`, the caller's: see _resolve) or None, its (flags, data, nbytes) if known): memory
+    that left from here coming back (lock held). `mapping`: the cached mapping of `key`, if
+    any. With `readonly`
     the facts say read-only whatever the storage is (a read-only secret opens no more here
     than in another process; memory of ours with a read-only secret is sealed, so sending
     such an array on gives read-only tokens too)."""
-    handle, facts, keeper = _own_storage(key, size, offset, nbytes, readonly, mapping, hand)
+    handle, facts = _own_storage(key, size, offset, nbytes, readonly, mapping, hand)
     if handle is not None and readonly:
         flags, *rest = facts if facts is not None else _handle_facts(handle)
         facts = (flags | _ffi.STORAGE_READONLY, *rest)
-    return handle, facts, keeper
+    return handle, facts
 
 
 def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
              hand: list) -> tuple:
-    """(mapping or None, a storage handle, its (flags, data, nbytes) or None, the object that
-    keeps it alive or None) for the checked fields of a token (_check_token).
+    """(mapping or None, a storage handle, its (flags, data, nbytes) or None) for the checked
+    fields of a token (_check_token). The handle is in `hand`, the caller's ``[None]``, with
+    a new reference, the caller's.
 
-    The handle is borrowed from that keeper (a holder of memory of ours), or else it is in
-    `hand`, the caller's ``[None]``: a NULL handle put there before libshm wrote a new
-    reference into it in place (a view, a slab's storage found). Nothing between libshm and
-    the caller holds a reference of its own, so a Ctrl-C (KeyboardInterrupt) anywhere neither
-    leaks nor releases twice: the caller's owner or Storage takes the hand's reference over,
-    or one of its own for a borrowed handle, in the step that records it, and the caller's
-    ``finally`` releases whatever the hand still holds (see pyshm._memory.HANDS). A reference
-    retained here and handed up leaked at about six points on its way, and one adopted by the
-    owner could not tell the caller, as the constructor returned, that it had taken it.
+    The reference is in the hand from the step that takes it on: a storage of ours is put in
+    the hand right before it is retained, and a NULL handle right before libshm writes a new
+    one into it in place (a view, a slab's storage found), with no point between where a
+    signal handler runs. The caller's owner or Storage takes it over from the hand in the
+    step that records it, and the caller's ``finally`` releases whatever the hand still holds
+    (see pyshm._memory.HANDS): a Ctrl-C (KeyboardInterrupt) anywhere neither leaks nor
+    releases twice. A reference retained here and handed up as a result leaked at about six
+    points on its way, and one adopted by the owner could not tell the caller, as the
+    constructor returned, that it had taken it.
 
     A token stands for memory this process has (its own, or a memfd mapped here) without a
     fetch only if its secret says it may (_channel.vouched); any other token must have its
@@ -627,12 +628,11 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
         if trusted == _channel.READ_ONLY:
             readonly = True  # (whatever the token says: its secret opens no more)
         if trusted:
-            handle, facts, keeper = _own_memory(key, size, offset, nbytes, readonly, mapping,
-                                                hand)
+            handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping, hand)
             if handle is not None:
                 if solo is not None:
                     _channel.queue_ack(address, solo)
-                return None, handle, facts, keeper
+                return None, handle, facts
         if mapping is None or not trusted:
             entry = _state.prefetched.get(key)
             if entry is not None and proof is not None and entry[3] == message and (
@@ -647,10 +647,10 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
                         mapping.sealed if seals is None else bool(seals & _WRITE_SEALS))
                     _channel.vouch(key, secret, readonly)
                     trusted = True
-                    handle, facts, keeper = _own_memory(key, size, offset, nbytes, readonly,
-                                                        mapping, hand)
+                    handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping,
+                                                hand)
                     if handle is not None:
-                        return None, handle, facts, keeper
+                        return None, handle, facts
                     if mapping is None:
                         mapping = _attach(fd, key, seals, readonly, (address, secret), nbytes)
                 finally:
@@ -688,10 +688,9 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
                 # see vouched)
                 _channel.vouch(key, secret, readonly)
                 mapping = _cache.mappings.get(key)  # another thread may have won the race
-                handle, facts, keeper = _own_memory(key, size, offset, nbytes, readonly,
-                                                    mapping, hand)
+                handle, facts = _own_memory(key, size, offset, nbytes, readonly, mapping, hand)
                 if handle is not None:
-                    return None, handle, facts, keeper
+                    return None, handle, facts
                 if mapping is None:
                     mapping = _attach(fd, key, seals, readonly, (address, secret), nbytes,
                                       free)
@@ -706,7 +705,7 @@ def _resolve(batch: Optional[_channel.ReceivedBatch], fields: tuple,
         )
     out = hand[0] = _ffi.StorageHandle()
     return (mapping, _new_view(mapping.segment, offset, nbytes, readonly, out),
-            mapping.view_facts(offset, nbytes, readonly), None)
+            mapping.view_facts(offset, nbytes, readonly))
 
 
 def _keep_extras(extras: list, message: tuple) -> None:
@@ -862,34 +861,38 @@ def _own_part_back(fields: tuple, shape, dtype, strides, start, writeable
         return None  # (not ours, or a range of ours: the general path finds its storage)
     if not _fits(nbytes, shape, dtype, strides, start):
         return None
-    with _state.lock:
-        level = _channel.vouched(key, address, secret)
-        if not level:
-            return None
-        handle = None
-        for (k, s, o, n), ref in list(_state.ranges.items()):
-            holder = ref() if k == key and s == size and o <= offset and (
-                offset + nbytes <= o + n) else None
-            try:
-                found = handle_of(holder) if holder is not None else None
-            except ValueError:  # (a closed Storage)
-                found = None
-            if found:
-                # (borrowed: `holder` keeps it alive, and the owner takes a reference of its
-                # own in the step that records it, so a Ctrl-C anywhere leaks nothing)
-                handle = found
-                delta = offset - o
-                break
-        if handle is None:
-            return None
+    hand = [None]  # (see _resolve)
     try:
+        with _state.lock:
+            level = _channel.vouched(key, address, secret)
+            if not level:
+                return None
+            for (k, s, o, n), ref in list(_state.ranges.items()):
+                holder = ref() if k == key and s == size and o <= offset and (
+                    offset + nbytes <= o + n) else None
+                try:
+                    found = handle_of(holder) if holder is not None else None
+                except ValueError:  # (a closed Storage)
+                    found = None
+                if found:
+                    hand[0] = found  # (then retained: no point between, see _resolve)
+                    lib.lshm_storage_retain(found)
+                    delta = offset - o
+                    break
+            else:
+                return None
+        handle = hand[0]
         flags, data = lib.lshm_storage_flags(handle), lib.lshm_storage_data(handle) or 0
         readonly = (readonly or level == _channel.READ_ONLY
                     or bool(flags & _ffi.STORAGE_READONLY))
-        owner = ArrayOwner(handle, shape, dtype, delta + start, readonly, strides=strides,
-                           data=data)
-    except (TypeError, ValueError):  # (a dtype the interface cannot describe: the general
-        return None  # path makes it through a flat view)
+        try:
+            owner = ArrayOwner(handle, shape, dtype, delta + start, readonly, strides=strides,
+                               data=data, hand=hand)
+        except (TypeError, ValueError):  # (a dtype the interface cannot describe: the
+            return None  # general path makes it through a flat view)
+    finally:
+        if hand[0]:  # (then a C call: nothing between where a signal handler runs)
+            lib.lshm_storage_release(hand[0])
     try:
         array = _exact_dtype(np.asarray(owner), dtype)
     except (TypeError, ValueError, OverflowError):
@@ -1021,8 +1024,7 @@ def _build_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.
         return array
     hand = [None]  # (see _resolve)
     try:
-        # (keeper: alive in this frame until the owner has its own reference)
-        mapping, handle, facts, keeper = _resolve(batch, fields, hand)
+        mapping, handle, facts = _resolve(batch, fields, hand)
         if facts is None:
             facts = _handle_facts(handle)
         flags, data, nbytes = facts
@@ -1074,7 +1076,7 @@ def _rebuild_storage(batch, token) -> Storage:
     try:
         _check_reachable(token)
         fields = _check_token(token)
-        mapping, handle, facts, keeper = _resolve(batch, fields, hand)
+        mapping, handle, facts = _resolve(batch, fields, hand)
         if facts is not None and facts[0] & _ffi.STORAGE_READONLY and not (
                 lib.lshm_storage_flags(handle) & _ffi.STORAGE_READONLY):
             # (memory of ours, writable here, named read-only: a Storage of it would be

@@ -759,7 +759,7 @@ def test_a_forged_token_never_stands_for_memory_we_received():
         fields = [reduction._check_token(t) for t in (first, second)]
         # one fetch: the first memfd, and the second as an extra (waiting, unmapped)
         hand = [None]  # (where _resolve puts the view of the memfd it maps: ours to release)
-        mapping, _, _, _ = reduction._resolve(batch, fields[0], hand)
+        mapping, _, _ = reduction._resolve(batch, fields[0], hand)
         reduction.lib.lshm_storage_release(hand[0])
         assert fields[1][0] in _channel.state.prefetched
         # a stranger's token for the extra, or for the memfd mapped here: refused
