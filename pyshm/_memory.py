@@ -293,6 +293,26 @@ def _lifetime_ended(ref: Optional[weakref.ref], _lifetimes: dict = LIFETIMES,
         _settle()
 
 
+def keep_alive_with(obj: Any, kept: Any) -> None:
+    """Keep `kept` alive for as long as `obj` (any object with weak references) lives.
+
+    The reference to `kept` is in a LIFETIMES entry of `obj`'s, let go by a keyed release
+    (see KEYED): a Ctrl-C (KeyboardInterrupt) at any point of `obj`'s death lets `kept` go
+    by the next release at the latest. A weak reference callback of its own that took it out
+    of a dict kept it until the process exited when one came at that callback's entry."""
+    ref = weakref.ref(obj, _lifetime_ended)
+    mark = weakref.ref(obj, _lifetime_died)  # (see DIED)
+    LIFETIME_MARKS[id(mark)] = (mark, ref)
+    LIFETIMES[id(ref)] = (ref, _let_go, (kept,), True)
+
+
+def _let_go(key: int, kept: Any, _lifetimes: dict = LIFETIMES) -> None:
+    # (keep_alive_with's keyed release: taking its entry out lets `kept` go; the caller's
+    # frame holds it until it returns)
+    if key in _lifetimes:
+        del _lifetimes[key]
+
+
 def array_interface(shape: tuple, dtype: np.dtype, address: int, readonly: bool,
                     strides: Optional[tuple]) -> dict:
     """The ``__array_interface__`` of an array of that layout at `address`."""

@@ -950,9 +950,8 @@ def _exact_dtype(array: np.ndarray, dtype: np.dtype) -> Optional[np.ndarray]:
 # token of it is found here (_own_storage), as pyshm.ref promises: the holder alone went with
 # the message, and a pickle unpickled again here (Ray does it at every ray.get in the
 # driver), or in another process, then got DeliveryError while an array of it lived.
-# id of each such owner or Storage -> (a weak reference to it, the holder): by identity, as
-# two Storage handles on one storage compare equal.
-_RANGE_HOLDERS: dict = {}
+# Each such owner or Storage keeps it in an entry of its own in pyshm._memory.LIFETIMES
+# (keep_alive_with: a keyed release lets it go, whatever Ctrl-C comes as the owner dies).
 
 
 def _keep_range_holder(made: Any, fields: tuple) -> None:
@@ -962,15 +961,7 @@ def _keep_range_holder(made: Any, fields: tuple) -> None:
     ref = _state.ranges.get((key, size, offset, nbytes))
     holder = ref() if ref is not None else None
     if holder is not None and holder is not made:
-        made_id = id(made)
-        _RANGE_HOLDERS[made_id] = (
-            weakref.ref(made, lambda ref: _range_holder_released(made_id, ref)), holder)
-
-
-def _range_holder_released(made_id: int, ref: "weakref.ref") -> None:
-    entry = _RANGE_HOLDERS.get(made_id)
-    if entry is not None and entry[0] is ref:  # (not a later object's of the same id)
-        del _RANGE_HOLDERS[made_id]
+        _memory.keep_alive_with(made, holder)
 
 
 def rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np.ndarray:

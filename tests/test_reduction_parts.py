@@ -11,6 +11,7 @@ import gc
 import itertools
 import multiprocessing as mp
 import pickle
+import sys
 import threading
 from multiprocessing.reduction import ForkingPickler
 
@@ -341,3 +342,36 @@ def test_a_ctrl_c_anywhere_in_making_a_received_arrays_storage_leaks_no_view(mon
         if not interrupted:
             break
     assert point > 3
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("kind", ["Storage", "array"])
+def test_a_ctrl_c_anywhere_in_the_death_of_our_memory_unpickled_lets_its_range_holder_go(
+        monkeypatch, kind):
+    # What is unpickled of our own memory keeps the holder its range is registered to (the
+    # Storage the pickle made, an array's owner) alive. A weak reference callback of its own
+    # let the holder go: a KeyboardInterrupt at its entry kept the holder, and the storage's
+    # reference it holds, until the process exited. Now the holder goes by the next release.
+    # (Python's own hook prints what a callback raised and lets it go; pytest's keeps its
+    # traceback, and the frames' locals with it, up to the end of the test)
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+    storage = pyshm.Storage(1 << 16, shared=True)
+    handle = storage._as_parameter_
+    point = 1
+    while True:
+        sent = storage
+        if kind == "array":  # (read-only: a writeable one comes back as a view of itself)
+            sent = storage.asarray()[8:]
+            sent.flags.writeable = False
+        held = [ForkingPickler.loads(ForkingPickler.dumps(sent))]
+        sent = None
+        gc.collect()
+        assert _refcount(handle) == 3  # (ours, the holder's, the unpickled one's)
+        if not interrupted_at(point, held.clear):
+            break
+        assert held == []
+        pyshm.Storage(4096).close()  # (a release: one cut off is made up for there)
+        assert _refcount(handle) == 1, point
+        point += 1
+    assert point > 3
+    assert _refcount(handle) == 1
