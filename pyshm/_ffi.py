@@ -501,6 +501,17 @@ for _name, _restype, _argtypes, _status in _TABLE:
             _func.errcheck = _check_status
         setattr(lib, _name, _func)
 
+def gil_held(name: str):
+    """libshm's function `name` as a ctypes function that keeps the GIL through the call (no
+    other thread runs Python meanwhile, nor forks) and returns its status unchecked."""
+    for table_name, restype, argtypes, _ in _TABLE:
+        if table_name == name:
+            func = _pylib[name]  # (a new function object: the one in lib is untouched)
+            func.restype, func.argtypes = restype, argtypes
+            return func
+    raise KeyError(name)
+
+
 # lshm_storage_share without the errcheck, for callers that check the status themselves (the
 # in-place share of a 4 KiB array takes 8.8 us, the "4 KiB" case of python -m pyshm bench
 # --cases small, and the errcheck's Python frame adds 0.13 us: tools/bench_binding.py errcheck)

@@ -257,26 +257,26 @@ class _ArenaKeep(HandleLifetime):
 
 
 def _destroy(key: int, handle: _ffi.ArenaHandle, live: dict,
-             _lifetimes: dict = LIFETIMES) -> None:
+             _lifetimes: dict = LIFETIMES, _free: Any = _ffi.gil_held("lshm_arena_free"),
+             _destroy_arena: Any = _ffi.gil_held("lshm_arena_destroy")) -> None:
     # Finalizer: no arrays are alive (each one keeps the Arena object alive), so only the
     # references the Arena itself holds remain; give them back, then the arena. A keyed
     # release (see pyshm._memory KEYED): cut off by a Ctrl-C anywhere, it goes on from there at
     # the next settle; each step takes its record out and makes its C call with no point
-    # between where a signal handler runs.
+    # between where a signal handler runs. Two settles at once (two threads releasing, or a
+    # garbage collection at a call here) both run it: a slot is taken only if still there,
+    # and the C calls keep the GIL (no other thread's _destroy may destroy the arena while a
+    # free of its runs, nor a fork see one halfway). A refusal (a status < 0) is ignored:
+    # something still holds a storage, and leaking beats freeing memory in use.
     while live:
-        slot = next(iter(live))
-        storage = live[slot]
-        del live[slot]
-        try:
-            lib.lshm_arena_free(handle, storage)
-        except OSError:
-            pass
+        slot = next(iter(live), None)  # (None: emptied by the other after iter())
+        storage = live[slot] if slot in live else None
+        if storage is not None:
+            del live[slot]
+            _free(handle, storage)
     if key in _lifetimes:
         del _lifetimes[key]
-        try:
-            lib.lshm_arena_destroy(handle)
-        except OSError:
-            pass  # something still holds a storage: leaking beats freeing memory in use
+        _destroy_arena(handle)
 
 
 def _free_live(handle: _ffi.ArenaHandle, live: dict, key: Any) -> None:

@@ -1239,3 +1239,62 @@ def test_arena_refuses_a_non_bool_shared(make):
     assert make(False).shared is False and make(True).shared is True
     # numpy's bools and 0/1 pass the check: .shared says a bool for them too
     assert make(np.True_).shared is True and make(0).shared is False
+
+
+def _destroy_cut_off() -> int:
+    """A shared recording arena with two storages dropped but not freed (in its _live), whose
+    death was cut off at its finalizer's entry (_destroy: left to the next settle); the inode
+    of its memfd, still held."""
+    arena = pyshm.Arena.recording(shared=True)
+    arena.free(arena.empty(1000))
+    arena.end_iteration()  # (planned: the next ones are slices of its memfd)
+    inode = os.fstat(arena.fd).st_ino
+    arena.empty(1000), arena.empty(10)
+    held = [arena]
+    del arena
+    assert interrupted_at(2, held.clear)  # (1: the release callback's entry, 2: _destroy's)
+    assert held == [] and memfd_held(inode)
+    return inode
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("where", ["after next()", "in lshm_arena_free"])
+def test_an_arenas_death_made_up_for_by_two_settles_at_once_is_made_once(monkeypatch, where):
+    # A recording arena whose finalizer (_destroy) was cut off by a Ctrl-C at its entry is
+    # destroyed at the next settle. Two settles at once (two threads releasing; or a garbage
+    # collection in the one) both ran it: the second one, running where the first had read
+    # a slot of _live, freed that slot, and the first then raised KeyError (out of the
+    # Storage.close() that settled); running while the first was in lshm_arena_free (which
+    # let go of the GIL), it destroyed the arena under that call (here: libshm refused,
+    # "storages not freed yet", and the arena leaked). Now each slot is freed and the arena
+    # destroyed once, by whichever settle comes to it, and the memfd is gone.
+    from pyshm import _ffi
+
+    inode = _destroy_cut_off()
+    other = []
+
+    def other_thread_settles():
+        other.append(1)
+        pyshm.Storage(4096).close()  # (its release settles too)
+
+    if where == "after next()":
+        def profile(frame, event, arg):
+            if event == "c_return" and arg is next and not other and (
+                    frame.f_code.co_name == "_destroy"):
+                other_thread_settles()
+
+        sys.setprofile(profile)
+        try:
+            pyshm.Storage(4096).close()
+        finally:
+            sys.setprofile(None)
+        assert other == [1]
+    else:
+        def free(*args, _c_function=_ffi.lib.lshm_arena_free):
+            if not other:
+                other_thread_settles()
+            return _c_function(*args)
+
+        monkeypatch.setattr(_ffi.lib, "lshm_arena_free", free)
+        pyshm.Storage(4096).close()
+    assert memfd_held(inode) == []
