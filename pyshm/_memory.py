@@ -256,6 +256,9 @@ def _settle(_died: list = DIED, _marks: dict = MARKS, _lifetimes_died: list = LI
         entry = _lifetimes[key] if key in _lifetimes else None
         if entry is not None and entry[3] and _exiting is False:
             entry[1](key, *entry[2])  # (takes its entry out: see KEYED)
+            # (dropped here, not by the next step's read: what the entry held may die with
+            # it, and its death may settle too, within that step: keep_alive_with)
+            entry = None
             continue  # (then the mark, once this is seen again with no entry)
         if ref is not None:
             del _lifetime_marks[mark_key]
@@ -264,6 +267,7 @@ def _settle(_died: list = DIED, _marks: dict = MARKS, _lifetimes_died: list = LI
         del _lifetimes_died[-1]
         if entry is not None and _exiting is False:
             entry[1](*entry[2])
+        entry = None  # (as above)
 
 
 def released(ref: "weakref.ref", _references: dict = REFERENCES,
