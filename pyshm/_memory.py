@@ -388,6 +388,14 @@ class ArrayOwner(HandleLifetime):
     def _release_never(self) -> None:
         REFERENCES.pop(self._lifetime, None)
 
+    def _take_back(self, handle: _ffi.StorageHandle) -> None:
+        """Hold `handle` again after _release_now gave it up (pyshm.Arena.free, refused by
+        libshm): recorded, then retained in the next step (no point between, as in
+        __init__)."""
+        REFERENCES[self._lifetime] = handle
+        lib.lshm_storage_retain(handle)
+        self.handle = handle
+
     def _release_with(self, release: Any, *args: Any) -> None:
         raise TypeError("an ArrayOwner gives back its storage reference only")
 

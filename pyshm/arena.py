@@ -570,7 +570,15 @@ class Arena(HandleLifetime):
             # The slice goes to later allocs: the owner gives up its reference (the bytes stay
             # mapped: the owner keeps a reference to the buffer) and forgets the storage.
             owner._release_now()
-        _free_live(self._as_parameter_, self._live, key)
+        try:
+            _free_live(self._as_parameter_, self._live, key)
+        except _ffi.ShmBufferError:
+            # (EBUSY: a reference taken since the check, by another thread unpickling this
+            # very tensor, which holds the channel's lock and not this one: the owner takes
+            # its reference back, and the refusal changes nothing)
+            if in_slot:
+                owner._take_back(handle)
+            raise
 
     @_locked
     def end_iteration(self) -> None:

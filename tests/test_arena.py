@@ -1298,3 +1298,46 @@ def test_an_arenas_death_made_up_for_by_two_settles_at_once_is_made_once(monkeyp
         monkeypatch.setattr(_ffi.lib, "lshm_arena_free", free)
         pyshm.Storage(4096).close()
     assert memfd_held(inode) == []
+
+
+def test_a_free_refused_because_another_thread_unpickled_the_tensor_changes_nothing():
+    # free() checks the storage's references (the arena's and the owner's: no other), then
+    # the owner gives its reference up, then libshm frees the slot. Another thread unpickling
+    # this very tensor (a pickle of it, here) can take a reference between the check and the
+    # owner's release (it holds the channel's lock, not the arena's): libshm then refused
+    # (BufferError, EBUSY), but the owner had given its reference up. The array could never
+    # be freed again (ValueError, "free expects a live array") and its owner held no storage.
+    # Now the owner takes its reference back: the refusal changes nothing.
+    from multiprocessing.reduction import ForkingPickler
+
+    arena = pyshm.Arena.recording(shared=True)
+    arena.free(arena.empty(1000))
+    arena.end_iteration()  # (planned: the next ones are slices of its memfd)
+    x = arena.empty(1000, np.uint8)
+    x[:] = 9
+    view = x[1:]
+    view.flags.writeable = False  # (a writeable one would come back as a view of x itself)
+    data = ForkingPickler.dumps(view)
+    del view
+    handle = x.base.handle
+    other = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "_release_now" and not other:
+            other.append(ForkingPickler.loads(data))  # (another thread, at this point)
+
+    sys.setprofile(profile)
+    try:
+        with pytest.raises(BufferError):
+            arena.free(x)
+    finally:
+        sys.setprofile(None)
+    assert int(other[0][0]) == 9
+    assert x.base.handle is handle
+    other.clear()
+    gc.collect()
+    arena.free(x)  # (as if the refused one had never been)
+    x[:] = 1  # (still mapped: a freed array's bytes are)
+    del x
+    arena.end_iteration()
+    arena.close()
