@@ -264,12 +264,15 @@ def _destroy(key: int, handle: _ffi.ArenaHandle, live: dict,
     # release (see pyshm._memory KEYED): cut off by a Ctrl-C anywhere, it goes on from there at
     # the next settle; each step takes its record out and makes its C call with no point
     # between where a signal handler runs. Two settles at once (two threads releasing, or a
-    # garbage collection at a call here) both run it: a slot is taken only if still there,
+    # garbage collection here) both run it: a slot is read with no call (next(iter()) was
+    # two: another thread could run between them and after) and taken only if still there,
     # and the C calls keep the GIL (no other thread's _destroy may destroy the arena while a
     # free of its runs, nor a fork see one halfway). A refusal (a status < 0) is ignored:
     # something still holds a storage, and leaking beats freeing memory in use.
     while live:
-        slot = next(iter(live), None)  # (None: emptied by the other after iter())
+        slot = None
+        for slot in live:  # (the first one: no call, so no point where another thread runs;
+            break  # a garbage collection as the iterator is made may empty it, though)
         storage = live[slot] if slot in live else None
         if storage is not None:
             del live[slot]
