@@ -501,6 +501,7 @@ for _name, _restype, _argtypes, _status in _TABLE:
             _func.errcheck = _check_status
         setattr(lib, _name, _func)
 
+
 def gil_held(name: str):
     """libshm's function `name` as a ctypes function that keeps the GIL through the call (no
     other thread runs Python meanwhile, nor forks) and returns its status unchecked."""
