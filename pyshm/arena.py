@@ -174,10 +174,14 @@ def _renew_lock(arena: "Arena") -> None:
 
 def _lock_arenas_before_fork() -> None:
     global _FORKER
-    held = _HELD_FOR_FORK.locks = []
-    busy = _HELD_FOR_FORK.busy = []
+    held: list = []
+    busy: list = []
     _FORK_TURN.acquire()
-    _HELD_FOR_FORK.turn = True
+    # (a stack: a signal handler may fork while this thread's fork waits below; that fork's
+    # hooks took the one list and flag of this one, which then released nothing: the arena
+    # locks it took and _FORK_TURN stayed held, and every later fork waited for ever)
+    forks = _HELD_FOR_FORK.__dict__.setdefault("forks", [])
+    forks.append((held, busy))
     _FORKER = threading.get_ident()
     for arena in list(_IN_CALL):
         lock = arena._lock
@@ -195,18 +199,18 @@ def _lock_arenas_before_fork() -> None:
 
 
 def _release_for_fork() -> tuple:
-    """Release what _lock_arenas_before_fork took: (the arenas whose locks it took, those it
-    found busy)."""
+    """Release what the innermost _lock_arenas_before_fork of this thread took: (the arenas
+    whose locks it took, those it found busy)."""
     global _FORKER
-    held = getattr(_HELD_FOR_FORK, "locks", [])
-    busy = getattr(_HELD_FOR_FORK, "busy", [])
-    _HELD_FOR_FORK.locks, _HELD_FOR_FORK.busy = [], []
-    _FORKER = None
+    forks = _HELD_FOR_FORK.__dict__.get("forks")
+    if not forks:
+        return [], []
+    held, busy = forks.pop()
+    if not forks:  # (else a fork of this thread's is still under way: a signal handler's ran)
+        _FORKER = None
     for _, lock in reversed(held):
         lock.release()
-    if getattr(_HELD_FOR_FORK, "turn", False):
-        _HELD_FOR_FORK.turn = False
-        _FORK_TURN.release()
+    _FORK_TURN.release()
     return [arena for arena, _ in held], busy
 
 

@@ -1228,6 +1228,55 @@ def test_fork_from_a_signal_handler_while_its_thread_holds_the_fork_turn():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["5", "2"], done.stdout
 
+
+FORK_FROM_A_SIGNAL_HANDLER_WHILE_A_FORK_WAITS = FORK_HELPERS + """
+import signal
+free, busy = pyshm.Arena.recording(), pyshm.Arena.recording()
+release = hold(busy)
+threading.Timer(0.4, release).start()  # (the holder's call ends: both forks go ahead)
+handler_child = []
+def on_alarm(signum, frame):  # a fork from a signal handler while this thread's fork waits
+    pid = os.fork()
+    handler_child.append(pid)
+signal.signal(signal.SIGALRM, on_alarm)
+signal.setitimer(signal.ITIMER_REAL, 0.1)
+pid = os.fork()  # (waits for `busy`: the alarm comes meanwhile)
+if pid == 0 or handler_child == [0]:  # (a child: its own arenas work)
+    for x in (free, busy):
+        y = x.empty(4); x.free(y); x.end_iteration()
+    if pid:
+        os.waitpid(pid, 0)
+    os._exit(0)
+def use():
+    y = busy.empty(4); busy.free(y)
+def fork():
+    p = os.fork()
+    if p == 0:
+        os._exit(0)
+    os.waitpid(p, 0)
+results = []
+for target in (use, fork):  # (each hung: the lock and the fork turn were held for good)
+    t = threading.Thread(target=target, daemon=True); t.start(); t.join(3)
+    results.append("hung" if t.is_alive() else "ok")
+codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in (pid, handler_child[0])]
+print(*results, *codes, arena_module._FORKER, len(arena_module._IN_CALL), flush=True)
+os._exit(0)
+"""
+
+
+def test_fork_from_a_signal_handler_while_its_threads_fork_waits():
+    # A fork from a signal handler that ran while its thread's own fork waited for an arena
+    # call took that fork's list of locks and its flag: the outer fork then released nothing,
+    # _FORK_TURN stayed held, and every later fork on another thread hung. Each fork of a
+    # thread has its own record now (a stack): all four processes end, and the parent's
+    # threads call the arena and fork again.
+    done = subprocess.run([sys.executable, "-c", FORK_FROM_A_SIGNAL_HANDLER_WHILE_A_FORK_WAITS],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok", "ok", "0", "0", "None", "0"], (
+        done.stdout + done.stderr[-2000:])
+
+
 @pytest.mark.parametrize("make", [
     lambda shared: pyshm.Arena([64], [0], [1], shared=shared),
     lambda shared: pyshm.Arena.recording(shared=shared),
