@@ -6,6 +6,7 @@ import ctypes
 import errno
 import functools
 import os
+import _thread
 import threading
 import time
 import weakref
@@ -93,15 +94,15 @@ def _locked(method):
         if self._generation != _GENERATION:
             _renew_lock(self)  # (the first call in a forked child)
         with self._lock:
-            if self in _IN_CALL:  # (a call of this thread's in the arena: it holds the lock)
+            if self._lock in _IN_CALL:  # (a call of this thread's in the arena: it holds it)
                 return method(self, *args, **kwargs)
             try:
-                _IN_CALL.add(self)
+                _IN_CALL.add(self._lock)
                 if _FORKER is not None:
-                    _wait_for_fork(self)
+                    _wait_for_fork(self._lock)
                 return method(self, *args, **kwargs)
             finally:
-                _IN_CALL.discard(self)
+                _IN_CALL.discard(self._lock)
 
     return locked
 
@@ -110,7 +111,9 @@ def _locked(method):
 # C arena as a call left it halfway (a re-plan started and not installed, a storage allocated
 # and not yet in _live, so end_iteration refused in the child forever). It took every arena's
 # lock, which made a fork with 10,000 arenas alive take 20-30 ms instead of 1-2; now it takes
-# the locks of the arenas in a call only. _IN_CALL holds them (a set): a thread's
+# the locks of the arenas in a call only. _IN_CALL holds them (a set of _ArenaLock: their hash
+# and == are C's, never an Arena subclass's __hash__/__eq__, which made every call raise
+# TypeError, "unhashable", or run that subclass's code inside the fork hook): a thread's
 # outermost call enters it under the arena's lock, then checks _FORKER, the thread forking
 # now, if any; the fork sets _FORKER, then reads _IN_CALL. So a call begun before the fork
 # is waited for; one begun after leaves _IN_CALL again and waits for the fork to end, and
@@ -129,6 +132,20 @@ def _locked(method):
 # whose lock it did not get is unusable in the child (_BusyAtFork): its C arena may be
 # halfway there.
 _IN_CALL: set = set()
+
+
+class _ArenaLock(_thread.RLock):
+    """An arena's lock (a C RLock), with a weak reference to its arena (for a fork)."""
+
+    __slots__ = ("arena",)
+
+
+def _new_lock(arena: "Arena") -> _ArenaLock:
+    lock = _ArenaLock()  # (no argument: some CPythons' RLock refuses them)
+    lock.arena = weakref.ref(arena)
+    return lock
+
+
 _FORKER: Optional[int] = None
 _GENERATION = 0
 _RENEWING = threading.Lock()
@@ -153,22 +170,22 @@ class _BusyAtFork:
 _BUSY_AT_FORK = _BusyAtFork()
 
 
-def _wait_for_fork(arena: "Arena") -> None:
+def _wait_for_fork(lock: _ArenaLock) -> None:
     """A call entered in _IN_CALL while a thread forks: unless it is the forking thread, leave
     _IN_CALL and wait for the fork's end (the arena's lock held: the fork no longer waits for
     it), then enter again."""
     me = threading.get_ident()
     while _FORKER is not None and _FORKER != me:
-        _IN_CALL.discard(arena)
+        _IN_CALL.discard(lock)
         with _FORK_TURN:  # (held by the fork until its end)
             pass
-        _IN_CALL.add(arena)
+        _IN_CALL.add(lock)
 
 
 def _renew_lock(arena: "Arena") -> None:
     with _RENEWING:
         if arena._generation != _GENERATION:
-            arena._lock = threading.RLock()
+            arena._lock = _new_lock(arena)
             arena._generation = _GENERATION
 
 
@@ -183,11 +200,13 @@ def _lock_arenas_before_fork() -> None:
     forks = _HELD_FOR_FORK.__dict__.setdefault("forks", [])
     forks.append((held, busy))
     _FORKER = threading.get_ident()
-    for arena in list(_IN_CALL):
-        lock = arena._lock
+    for lock in list(_IN_CALL):
+        arena = lock.arena()
+        if arena is None:
+            continue
         give_up = time.monotonic() + _FORK_WAIT_SECONDS
         while not lock.acquire(timeout=0.005):
-            if arena not in _IN_CALL:
+            if lock not in _IN_CALL:
                 break  # (its call ended, or waits for this fork: nothing halfway)
             if arena._planning and plans_in_c():
                 give_up = time.monotonic() + _FORK_WAIT_SECONDS
@@ -199,8 +218,8 @@ def _lock_arenas_before_fork() -> None:
 
 
 def _release_for_fork() -> tuple:
-    """Release what the innermost _lock_arenas_before_fork of this thread took: (the arenas
-    whose locks it took, those it found busy)."""
+    """Release what the innermost _lock_arenas_before_fork of this thread took: ((arena, lock)
+    of each lock it took, the arenas it found busy)."""
     global _FORKER
     forks = _HELD_FOR_FORK.__dict__.get("forks")
     if not forks:
@@ -211,7 +230,7 @@ def _release_for_fork() -> tuple:
     for _, lock in reversed(held):
         lock.release()
     _FORK_TURN.release()
-    return [arena for arena, _ in held], busy
+    return held, busy
 
 
 def _unlock_arenas_in_parent() -> None:
@@ -223,7 +242,7 @@ def _new_locks_in_child() -> None:
     _RENEWING = threading.Lock()  # (perhaps held by a thread that is not here)
     _GENERATION += 1  # (every other arena's lock is made anew at its first call)
     taken, busy = _release_for_fork()
-    for arena in taken:
+    for arena, _ in taken:
         arena._generation = _GENERATION
         if arena._planning and CUT_OFF_AT_FORK:  # (its plan, on a helper thread: cut off)
             busy.append(arena)
@@ -233,8 +252,8 @@ def _new_locks_in_child() -> None:
         arena._lock, arena._generation = _BUSY_AT_FORK, _GENERATION
         arena._release_never()
     # (the calls in flight here are this thread's: the fork took their locks; the others
-    # were another thread's, gone)
-    _IN_CALL.intersection_update(taken)
+    # were another thread's, gone; a cut-off plan's arena has no lock left to be in a call)
+    _IN_CALL.intersection_update([lock for arena, lock in taken if arena._lock is lock])
 
 
 os.register_at_fork(before=_lock_arenas_before_fork, after_in_parent=_unlock_arenas_in_parent,
@@ -399,7 +418,7 @@ class Arena(HandleLifetime):
 
     def _setup(self, handle: _ffi.ArenaHandle, *, recording: bool, shared: bool, alignment: int,
                inclusive: bool) -> None:
-        self._lock = threading.RLock()  # (held by every method: see _locked)
+        self._lock = _new_lock(self)  # (held by every method: see _locked)
         self._generation = _GENERATION  # (of its lock: a forked child makes a new one)
         self._handle = handle
         self._recording = recording

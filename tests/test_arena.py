@@ -471,6 +471,38 @@ def test_a_ctrl_c_anywhere_in_free_or_close_leaves_the_arena_whole(monkeypatch, 
     assert point > 10
 
 
+def test_an_arena_subclass_with_its_own_eq_and_hash():
+    # Each call entered its arena in a set (for a fork): an Arena subclass that defined
+    # __eq__ (so __hash__ = None) raised TypeError ("unhashable") from every method, and one
+    # with its own __hash__/__eq__ ran them in every call (and in the fork hook). The set
+    # holds the arena's lock now, whose hash is C's.
+    calls = []
+
+    class ByValue(pyshm.Arena):
+        def __eq__(self, other):
+            calls.append("eq")
+            return NotImplemented
+
+    class Hashed(ByValue):
+        def __hash__(self):
+            calls.append("hash")
+            return 1
+
+    for cls in (ByValue, Hashed):
+        arena = cls([64, 64], [0, 0], [1, 1]).allocate()
+        x = arena.array(1)
+        x[:] = 7
+        assert len(arena) == 2 and arena.array(1).sum() == 7 * 64
+        del x
+        arena.close()
+        recording = cls.recording()
+        y = recording.empty(8, np.uint8)
+        recording.free(y)
+        recording.end_iteration()
+        assert recording.stats.iterations == 1
+    assert calls == []
+
+
 def test_only_an_arena_in_a_call_is_in_the_fork_list():
     # Every fork took the lock of every arena alive (a closed one too, until collected): with
     # 10,000 arenas a fork took 20-30 ms, not 1-2. Now it waits for the arenas in a call only:
@@ -485,7 +517,7 @@ def test_only_an_arena_in_a_call_is_in_the_fork_list():
             self.value = value
 
         def __index__(self):
-            seen.append(list(arena_module._IN_CALL))
+            seen.append([lock.arena() for lock in arena_module._IN_CALL])
             return self.value
 
     assert arena.offset(Index(0)) == 0
