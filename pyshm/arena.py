@@ -148,7 +148,7 @@ def _new_lock(arena: "Arena") -> _ArenaLock:
 
 _FORKER: Optional[int] = None
 _GENERATION = 0
-_RENEWING = threading.Lock()
+_RENEWING = threading.RLock()  # (a signal handler may call an arena inside _renew_lock)
 _FORK_TURN = threading.RLock()  # (a signal handler may fork inside _wait_for_fork's)
 _HELD_FOR_FORK = threading.local()
 _FORK_WAIT_SECONDS = 0.25
@@ -239,7 +239,7 @@ def _unlock_arenas_in_parent() -> None:
 
 def _new_locks_in_child() -> None:
     global _RENEWING, _GENERATION
-    _RENEWING = threading.Lock()  # (perhaps held by a thread that is not here)
+    _RENEWING = threading.RLock()  # (perhaps held by a thread that is not here)
     _GENERATION += 1  # (every other arena's lock is made anew at its first call)
     taken, busy = _release_for_fork()
     for arena, _ in taken:

@@ -1309,6 +1309,45 @@ def test_fork_from_a_signal_handler_while_its_threads_fork_waits():
         done.stdout + done.stderr[-2000:])
 
 
+
+SIGNAL_WHILE_A_CHILD_RENEWS_A_LOCK = """
+import os, signal, pyshm
+from pyshm import arena as arena_module
+a, b = pyshm.Arena.recording(), pyshm.Arena.recording()
+pid = os.fork()
+if pid == 0:  # (a child: each arena's lock is made anew at its first call)
+    signal.alarm(5)  # (it hung: killed by SIGALRM)
+    forked = []
+    def on_usr1(signum, frame):  # a signal handler that forks and uses an arena
+        forked.append(os.fork())
+        y = b.empty(4); b.free(y); b.end_iteration()
+        if forked[-1] == 0:
+            os._exit(3)
+    signal.signal(signal.SIGUSR1, on_usr1)
+    real = arena_module._new_lock
+    def new_lock(arena):  # (the signal comes while this thread renews a's lock)
+        arena_module._new_lock = real
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return real(arena)
+    arena_module._new_lock = new_lock
+    y = a.empty(4); a.free(y); a.end_iteration()
+    code = os.waitstatus_to_exitcode(os.waitpid(forked[0], 0)[1])
+    os._exit(10 + code if b.stats.iterations == 1 == a.stats.iterations else 1)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_a_signal_handler_that_forks_and_uses_an_arena_while_a_child_renews_a_lock():
+    # In a forked child, each arena's first call makes its lock anew under _RENEWING, a plain
+    # Lock: a signal handler that ran there and called another arena (after forking, here)
+    # waited for the lock its own thread held, for ever (the child was killed by its alarm).
+    # It is reentrant now: child and grandchild use both arenas.
+    done = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_A_CHILD_RENEWS_A_LOCK],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["13"], done.stdout + done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("make", [
     lambda shared: pyshm.Arena([64], [0], [1], shared=shared),
     lambda shared: pyshm.Arena.recording(shared=shared),
