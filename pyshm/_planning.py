@@ -131,19 +131,24 @@ _HELPERS_RUNNING: dict = {}
 _FORK_WAIT_SECONDS = 0.25
 CUT_OFF_AT_FORK: list = []  # (the last fork's: (finished, outcome) of the calls it cut off)
 # The plans under way: a key -> (the thread that makes the C call, the code of the Python
-# function that makes it). The thread is in C while that function's frame is its top one.
+# function that makes it, the thread the plan is for: the caller of interruptibly). The
+# thread is in C while that function's frame is its top one.
 _PLANNING: dict = {}
 
 
-def _in_c(key: Any) -> bool:
+def _in_c(key: Any, caller: Optional[int] = None) -> bool:
     entry = _PLANNING.get(key)
-    frame = None if entry is None else sys._current_frames().get(entry[0])
+    if entry is None or (caller is not None and entry[2] != caller):
+        return False
+    frame = sys._current_frames().get(entry[0])
     return frame is not None and frame.f_code is entry[1]
 
 
-def plans_in_c() -> bool:
-    """Whether a plan runs in C now, in any thread (it waits for nothing of Python's)."""
-    return any(_in_c(key) for key in list(_PLANNING))
+def plans_in_c(caller: int) -> bool:
+    """Whether a plan for thread `caller` (made there or on its helper thread) runs in C now:
+    it waits for nothing of Python's. (Any thread's plan waited for: a fork waited as long as
+    another thread planned, one plan after another, for an arena stuck in Python.)"""
+    return any(_in_c(key, caller) for key in list(_PLANNING))
 
 
 def _wait_for_helpers_before_fork() -> None:
@@ -169,7 +174,7 @@ def _cut_off_in_child() -> None:
         finished.set()
     _HELPERS_RUNNING.clear()
     me = threading.get_ident()
-    for key, (thread, _) in list(_PLANNING.items()):
+    for key, (thread, _, _) in list(_PLANNING.items()):
         if thread != me:  # (a thread that is not here)
             del _PLANNING[key]
 
@@ -184,18 +189,20 @@ def interruptibly(call: Callable[[], Any], interrupt: Callable[[], Any], apart: 
     on. Off the main thread, which gets no signals, the call runs right here."""
     if not apart or threading.current_thread() is not threading.main_thread():
         key = object()
-        _PLANNING[key] = (threading.get_ident(), interruptibly.__code__)
+        me = threading.get_ident()
+        _PLANNING[key] = (me, interruptibly.__code__, me)
         try:
             call()
         finally:
             _PLANNING.pop(key, None)
         return
     outcome: list = []
+    caller = threading.get_ident()
     finished = threading.Event()  # (waited for, not the thread: an interrupted join in
     # CPython 3.11 can mark a running thread stopped, bpo-45274's fix)
 
     def run() -> None:
-        _PLANNING[finished] = (threading.get_ident(), run.__code__)
+        _PLANNING[finished] = (threading.get_ident(), run.__code__, caller)
         try:
             call()
         except BaseException as exc:  # noqa: BLE001 - raised again by the waiting thread

@@ -208,7 +208,7 @@ def _lock_arenas_before_fork() -> None:
         while not lock.acquire(timeout=0.005):
             if lock not in _IN_CALL:
                 break  # (its call ended, or waits for this fork: nothing halfway)
-            if arena._planning and plans_in_c():
+            if arena._planning and plans_in_c(arena._planning):
                 give_up = time.monotonic() + _FORK_WAIT_SECONDS
             elif time.monotonic() > give_up:
                 busy.append(arena)
@@ -431,7 +431,9 @@ class Arena(HandleLifetime):
         # allocations of this iteration: end_iteration waits apart for a big one's plan
         self._allocs = 0
         self._time_limit = 0.0  # (a recording arena's: its plans may take that long)
-        self._planning = False  # (in a C plan, under the lock: a fork waits for it longer)
+        # (in a C plan, under the lock: the planning thread's ident, 0 if none; a fork waits
+        # longer for it)
+        self._planning = 0
         # the owners of the arrays handed out (each keeps the arena alive: its keep)
         self._owners: "weakref.WeakSet[ArrayOwner]" = weakref.WeakSet()
         # buffer address (None: ordinary memory) -> the _ArenaKeep its arrays share
@@ -623,12 +625,12 @@ class Arena(HandleLifetime):
         # (apart whether it plans or not: a helper thread costs about 0.1 ms, an iteration of
         # that many allocations, or a plan that may take that budget, far more)
         apart, self._allocs = big_plan(self._allocs, self._time_limit), 0
-        self._planning = True
+        self._planning = threading.get_ident()  # (whose plan a fork waits for)
         try:
             interruptibly(functools.partial(lib.lshm_arena_end_iteration, handle),
                           functools.partial(lib.lshm_arena_interrupt, handle), apart)
         finally:
-            self._planning = False
+            self._planning = 0
 
     def _free_dropped(self, handle: _ffi.ArenaHandle) -> None:
         """Free the storages of this iteration whose arrays are all gone: only the reference

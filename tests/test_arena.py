@@ -946,8 +946,9 @@ def hold(arena):  # a thread inside one of the arena's methods, until release()
     held, planned = threading.Event(), threading.Lock()
     planned.acquire()
     def inside(arena):  # (as a plan in C: a fork waits for it however long it takes)
-        _planning._PLANNING[held] = (threading.get_ident(), inside.__code__)
-        arena._planning = True; held.set()
+        me = threading.get_ident()
+        _planning._PLANNING[held] = (me, inside.__code__, me)
+        arena._planning = me; held.set()
         planned.acquire()  # (in C: this frame stays the thread's top one)
         arena._planning = False; del _planning._PLANNING[held]
     threading.Thread(target=arena_module._locked(inside), args=(arena,)).start(); held.wait()
@@ -1346,6 +1347,64 @@ def test_a_signal_handler_that_forks_and_uses_an_arena_while_a_child_renews_a_lo
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["13"], done.stdout + done.stderr[-2000:]
+
+
+
+FORK_WHILE_ANOTHER_THREAD_PLANS_ON = """
+import os, threading, time, numpy as np, pyshm
+from pyshm._ffi import ArenaCounters, lib
+a = pyshm.Arena.recording(time_limit=0.3)
+""" + ITERATION_TO_PLAN + """
+user_lock = threading.Lock()
+""" + LATE_END_ITERATION + """
+rng = np.random.default_rng(0)
+sizes, firsts, lasts, live, t = [], [], [], [], 0
+for size in rng.integers(1, 100000, 400):  # (as ITERATION_TO_PLAN: a plan of 0.2 s)
+    sizes.append(int(size)); firsts.append(t); lasts.append(0); live.append(len(sizes) - 1)
+    t += 1
+    if len(live) > 7:
+        lasts[live.pop(int(rng.integers(0, len(live))))] = t; t += 1
+for i in live:
+    lasts[i] = t; t += 1
+stop = threading.Event()
+def planner_loop():  # another thread's plans, one after another, with nothing to do with `a`
+    while not stop.is_set():
+        pyshm.plan(sizes, firsts, lasts, time_limit=0.2)
+other = threading.Thread(target=planner_loop); other.start()
+time.sleep(0.05)  # (its first plan under way)
+ended = []
+planner = threading.Thread(target=lambda: ended.append(outcome(a.end_iteration)))
+counters = ArenaCounters()
+with user_lock:
+    planner.start()
+    while lib.lshm_arena_stats(a._handle, ctypes.byref(counters)) == 0 and \\
+            not counters.iterations:
+        time.sleep(0.001)
+    timer = threading.Timer(8, stop.set)  # (the fork waited for the other plans till then)
+    timer.start()
+    began = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os.write(1, f"child {outcome(lambda: a.stats)}\\n".encode())
+        os._exit(0)
+    took = time.monotonic() - began
+stop.set(); timer.cancel(); planner.join(); other.join()
+_, status = os.waitpid(pid, 0)
+print("parent", ended, took < 3, os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_fork_waits_for_an_arena_stuck_in_python_while_another_thread_plans_on():
+    # A fork waited longer for an arena in end_iteration while any thread's plan was in C: with
+    # another thread planning one plan after another (nothing to do with that arena), and the
+    # arena's call stuck in Python after its plan (a finalizer waiting for the forking thread),
+    # the fork waited as long as the other thread planned (8 s here). Now it waits longer only
+    # for a plan made for the thread in that arena's call: 0.25 s, and the child gets EBUSY.
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_ANOTHER_THREAD_PLANS_ON],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == ["child EBUSY", "parent ['done'] True 0", ""], (
+        done.stdout + done.stderr[-2000:])
 
 
 @pytest.mark.parametrize("make", [
