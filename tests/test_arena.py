@@ -1199,13 +1199,15 @@ def test_fork_from_a_signal_handler_while_the_plan_helper_runs_a_finalizer():
 
 
 
-FORK_WHILE_A_PLAN_ENDS_IN_A_FINALIZER = """
+FORK_WHILE_A_PLAN_ENDS_IN_A_FINALIZER_SETUP = """
 import os, threading, time, numpy as np, pyshm
 from pyshm._ffi import ArenaCounters, lib
 a = pyshm.Arena.recording(time_limit=0.3)  # (a plan above the lower bound: it takes 0.3 s)
 """ + ITERATION_TO_PLAN + """
 user_lock = threading.Lock()
-""" + LATE_END_ITERATION + """
+""" + LATE_END_ITERATION
+# (then: `a` planning in another thread, stuck after its plan; a fork meanwhile, `took` long)
+FORK_AS_A_PLAN_ENDS_IN_A_FINALIZER = """
 ended = []
 planner = threading.Thread(target=lambda: ended.append(outcome(a.end_iteration)))
 counters = ArenaCounters()
@@ -1214,15 +1216,21 @@ with user_lock:
     while lib.lshm_arena_stats(a._handle, ctypes.byref(counters)) == 0 and \\
             not counters.iterations:  # (read without the lock: counted first, then planned)
         time.sleep(0.001)
+    began = time.monotonic()
     pid = os.fork()  # (it waited for the arena for ever: the plan's thread waits for us)
     if pid == 0:
         os.write(1, f"child {outcome(lambda: a.stats)}\\n".encode())  # (one write)
         os._exit(0)
+    took = time.monotonic() - began
 planner.join()
 _, status = os.waitpid(pid, 0)
+"""
+
+FORK_WHILE_A_PLAN_ENDS_IN_A_FINALIZER = (
+    FORK_WHILE_A_PLAN_ENDS_IN_A_FINALIZER_SETUP + FORK_AS_A_PLAN_ENDS_IN_A_FINALIZER + """
 print("parent", ended, a.stats.iterations, a.plan is not None,
       os.waitstatus_to_exitcode(status))
-"""
+""")
 
 
 def test_fork_while_a_plan_in_another_thread_ends_in_a_finalizer_that_waits():
@@ -1350,13 +1358,7 @@ def test_a_signal_handler_that_forks_and_uses_an_arena_while_a_child_renews_a_lo
 
 
 
-FORK_WHILE_ANOTHER_THREAD_PLANS_ON = """
-import os, threading, time, numpy as np, pyshm
-from pyshm._ffi import ArenaCounters, lib
-a = pyshm.Arena.recording(time_limit=0.3)
-""" + ITERATION_TO_PLAN + """
-user_lock = threading.Lock()
-""" + LATE_END_ITERATION + """
+FORK_WHILE_ANOTHER_THREAD_PLANS_ON = FORK_WHILE_A_PLAN_ENDS_IN_A_FINALIZER_SETUP + """
 rng = np.random.default_rng(0)
 sizes, firsts, lasts, live, t = [], [], [], [], 0
 for size in rng.integers(1, 100000, 400):  # (as ITERATION_TO_PLAN: a plan of 0.2 s)
@@ -1372,24 +1374,10 @@ def planner_loop():  # another thread's plans, one after another, with nothing t
         pyshm.plan(sizes, firsts, lasts, time_limit=0.2)
 other = threading.Thread(target=planner_loop); other.start()
 time.sleep(0.05)  # (its first plan under way)
-ended = []
-planner = threading.Thread(target=lambda: ended.append(outcome(a.end_iteration)))
-counters = ArenaCounters()
-with user_lock:
-    planner.start()
-    while lib.lshm_arena_stats(a._handle, ctypes.byref(counters)) == 0 and \\
-            not counters.iterations:
-        time.sleep(0.001)
-    timer = threading.Timer(8, stop.set)  # (the fork waited for the other plans till then)
-    timer.start()
-    began = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        os.write(1, f"child {outcome(lambda: a.stats)}\\n".encode())
-        os._exit(0)
-    took = time.monotonic() - began
-stop.set(); timer.cancel(); planner.join(); other.join()
-_, status = os.waitpid(pid, 0)
+timer = threading.Timer(8, stop.set)  # (the fork waited for the other plans till then)
+timer.start()
+""" + FORK_AS_A_PLAN_ENDS_IN_A_FINALIZER + """
+stop.set(); timer.cancel(); other.join()
 print("parent", ended, took < 3, os.waitstatus_to_exitcode(status))
 """
 
