@@ -140,7 +140,10 @@ def _in_c(key: Any, caller: Optional[int] = None) -> bool:
     entry = _PLANNING.get(key)
     if entry is None or (caller is not None and entry[2] != caller):
         return False
-    frame = sys._current_frames().get(entry[0])
+    # (CPython's, 3.9 on; a Python without it: "not in C", so a fork waits 0.25 s at most, as
+    # for Python, rather than raise in the fork hook, which then took no lock)
+    current_frames = getattr(sys, "_current_frames", None)
+    frame = None if current_frames is None else current_frames().get(entry[0])
     return frame is not None and frame.f_code is entry[1]
 
 
@@ -170,7 +173,9 @@ def _cut_off_in_child() -> None:
         outcome.insert(0, OSError(
             errno.EBUSY, "pyshm: the plan was on a helper thread when the process forked "
             "(here it may be halfway)"))
-        finished._at_fork_reinit()  # (its lock may be held by the helper, not here)
+        reinit = getattr(finished, "_at_fork_reinit", None)  # (CPython's, 3.9 on)
+        if reinit is not None:
+            reinit()  # (its lock may be held by the helper, not here)
         finished.set()
     _HELPERS_RUNNING.clear()
     me = threading.get_ident()

@@ -1395,6 +1395,36 @@ def test_fork_waits_for_an_arena_stuck_in_python_while_another_thread_plans_on()
         done.stdout + done.stderr[-2000:])
 
 
+
+FORK_WITHOUT_CURRENT_FRAMES = FORK_HELPERS + """
+import errno
+busy = pyshm.Arena.recording()
+release = hold(busy)  # (its call "plans in C": a fork waits for it while it can tell)
+del sys._current_frames  # (a Python without it: the fork cannot tell, and waits 0.25 s)
+pid = os.fork()
+if pid == 0:
+    try:
+        busy.stats
+        os._exit(1)
+    except OSError as exc:
+        os._exit(2 if exc.errno == errno.EBUSY else 3)
+release()
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), busy.stats.iterations, flush=True)
+"""
+
+
+def test_fork_on_a_python_without_current_frames_still_keeps_a_busy_arena_out():
+    # A fork tells a plan in C by sys._current_frames() (CPython's): without it, the fork hook
+    # raised AttributeError while it waited for a busy arena ("Exception ignored"), went ahead
+    # and the child used that arena (perhaps halfway) as if whole. Now the fork waits 0.25 s,
+    # as for a call in Python, and the arena raises EBUSY in the child.
+    done = subprocess.run([sys.executable, "-c", FORK_WITHOUT_CURRENT_FRAMES],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "0"], done.stdout + done.stderr[-2000:]
+    assert "Exception" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("make", [
     lambda shared: pyshm.Arena([64], [0], [1], shared=shared),
     lambda shared: pyshm.Arena.recording(shared=shared),
