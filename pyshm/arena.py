@@ -185,7 +185,8 @@ def _wait_for_fork(lock: _ArenaLock) -> None:
 def _renew_lock(arena: "Arena") -> None:
     with _RENEWING:
         if arena._generation != _GENERATION:
-            arena._lock = _new_lock(arena)
+            if arena._lock is not _BUSY_AT_FORK:  # (busy at an earlier fork: halfway for good)
+                arena._lock = _new_lock(arena)
             arena._generation = _GENERATION
 
 

@@ -1425,6 +1425,48 @@ def test_fork_on_a_python_without_current_frames_still_keeps_a_busy_arena_out():
     assert "Exception" not in done.stderr, done.stderr
 
 
+
+BUSY_ARENA_IN_A_GRANDCHILD = """
+import errno, os, threading, pyshm
+a = pyshm.Arena([64, 64], [0, 0], [1, 1]).allocate()
+go, inside = threading.Event(), threading.Event()
+class Index:  # (a thread inside a's call, in Python, past the fork's 0.25 s)
+    def __index__(self):
+        inside.set(); go.wait(); return 0
+t = threading.Thread(target=lambda: a.array(Index())); t.start(); inside.wait()
+def outcome(call):
+    try:
+        call(); return "worked"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+pid = os.fork()
+if pid == 0:
+    seen = [outcome(lambda: a.stats)]
+    grandchild = os.fork()
+    if grandchild == 0:  # (the arena is the same halfway copy here: unusable too)
+        os.write(1, f"grandchild {outcome(lambda: a.stats)} {outcome(lambda: len(a))} "
+                    f"{repr(a)[:22]}\\n".encode())
+        os._exit(0)
+    os.waitpid(grandchild, 0)
+    os.write(1, f"child {seen[0]}\\n".encode())
+    os._exit(0)
+go.set(); t.join(); os.waitpid(pid, 0)
+print("parent", outcome(lambda: a.stats))
+"""
+
+
+def test_an_arena_busy_at_a_fork_stays_unusable_in_a_grandchild():
+    # A child's arena that was busy in another thread at the fork (its C arena perhaps
+    # halfway) raised EBUSY in the child, but the child's own fork made its lock anew in the
+    # grandchild, which then used that halfway arena as if whole. It stays unusable there.
+    done = subprocess.run([sys.executable, "-c", BUSY_ARENA_IN_A_GRANDCHILD],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == [
+        "grandchild EBUSY EBUSY <pyshm.Arena unusable:", "child EBUSY", "parent worked", ""], (
+        done.stdout + done.stderr[-2000:])
+
+
 @pytest.mark.parametrize("make", [
     lambda shared: pyshm.Arena([64], [0], [1], shared=shared),
     lambda shared: pyshm.Arena.recording(shared=shared),
