@@ -369,8 +369,9 @@ class Arena(HandleLifetime):
       a call begun meanwhile waits for the fork to end. A call that keeps the arena 0.25 s
       outside a plan (it runs Python that may wait for the forking thread: a finalizer the
       garbage collector runs there), or a helper thread that runs Python 0.25 s after its
-      plan, is not waited for further: in the child, that arena's methods raise
-      :class:`OSError` (``EBUSY``) and :meth:`close` frees nothing; the parent is untouched.
+      plan, is not waited for further: in the child (and its own children), that arena's
+      methods raise :class:`OSError` (``EBUSY``) and :meth:`close` frees nothing; the parent
+      is untouched.
       A recording arena's iteration is still one sequence of events: allocs of threads
       interleaving differently each iteration fall back and re-plan more. Its arrays are
       ordinary arrays and may be used from any thread.
