@@ -158,14 +158,23 @@ def _wait_for_helpers_before_fork() -> None:
     CUT_OFF_AT_FORK.clear()
     if threading.current_thread() is not threading.main_thread():
         return
-    for finished, outcome in list(_HELPERS_RUNNING.items()):
-        give_up = time.monotonic() + _FORK_WAIT_SECONDS
-        while not finished.wait(0.005):
-            if _in_c(finished):
-                give_up = time.monotonic() + _FORK_WAIT_SECONDS
-            elif time.monotonic() > give_up:
+    helpers = list(_HELPERS_RUNNING.items())
+    try:
+        for finished, outcome in helpers:
+            give_up = time.monotonic() + _FORK_WAIT_SECONDS
+            while not finished.wait(0.005):
+                if _in_c(finished):
+                    give_up = time.monotonic() + _FORK_WAIT_SECONDS
+                elif time.monotonic() > give_up:
+                    CUT_OFF_AT_FORK.append((finished, outcome))
+                    break
+    except BaseException:
+        # (a signal handler's exception, KeyboardInterrupt at Ctrl-C: os.fork() ignores it and
+        # goes ahead; a helper not waited for is cut off, or the child waited for it for ever)
+        for finished, outcome in helpers:
+            if not finished.is_set() and all(finished is not f for f, _ in CUT_OFF_AT_FORK):
                 CUT_OFF_AT_FORK.append((finished, outcome))
-                break
+        raise
 
 
 def _cut_off_in_child() -> None:

@@ -194,28 +194,50 @@ def _lock_arenas_before_fork() -> None:
     global _FORKER
     held: list = []
     busy: list = []
-    _FORK_TURN.acquire()
     # (a stack: a signal handler may fork while this thread's fork waits below; that fork's
     # hooks took the one list and flag of this one, which then released nothing: the arena
     # locks it took and _FORK_TURN stayed held, and every later fork waited for ever)
     forks = _HELD_FOR_FORK.__dict__.setdefault("forks", [])
-    forks.append((held, busy))
-    _FORKER = threading.get_ident()
+    record = [held, busy, False]  # (+ whether it has _FORK_TURN)
+    forks.append(record)
+    try:
+        _FORK_TURN.acquire()
+        record[2] = True
+        _FORKER = threading.get_ident()
+        for lock in list(_IN_CALL):
+            arena = lock.arena()
+            if arena is None:
+                continue
+            give_up = time.monotonic() + _FORK_WAIT_SECONDS
+            while not lock.acquire(timeout=0.005):
+                if lock not in _IN_CALL:
+                    break  # (its call ended, or waits for this fork: nothing halfway)
+                if arena._planning and plans_in_c(arena._planning):
+                    give_up = time.monotonic() + _FORK_WAIT_SECONDS
+                elif time.monotonic() > give_up:
+                    busy.append(arena)
+                    break
+            else:
+                held.append((arena, lock))
+    except BaseException:
+        _interrupted_wait(held, busy)
+        raise  # (os.fork() reports it as ignored, and goes ahead)
+
+
+def _interrupted_wait(held: list, busy: list) -> None:
+    """A signal handler's exception (KeyboardInterrupt at Ctrl-C) while a fork waited for its
+    turn or an arena call: os.fork() ignores it and goes ahead, and the child used the arenas
+    it had not waited for as whole (perhaps halfway). Those still in a call are unusable in
+    the child (busy) now."""
+    taken = [lock for _, lock in held]
     for lock in list(_IN_CALL):
         arena = lock.arena()
-        if arena is None:
+        if arena is None or any(lock is other for other in taken):
             continue
-        give_up = time.monotonic() + _FORK_WAIT_SECONDS
-        while not lock.acquire(timeout=0.005):
-            if lock not in _IN_CALL:
-                break  # (its call ended, or waits for this fork: nothing halfway)
-            if arena._planning and plans_in_c(arena._planning):
-                give_up = time.monotonic() + _FORK_WAIT_SECONDS
-            elif time.monotonic() > give_up:
-                busy.append(arena)
-                break
-        else:
+        if lock.acquire(blocking=False):  # (free, or this thread's own call's)
             held.append((arena, lock))
+        else:
+            busy.append(arena)
 
 
 def _release_for_fork() -> tuple:
@@ -225,12 +247,13 @@ def _release_for_fork() -> tuple:
     forks = _HELD_FOR_FORK.__dict__.get("forks")
     if not forks:
         return [], []
-    held, busy = forks.pop()
-    if not forks:  # (else a fork of this thread's is still under way: a signal handler's ran)
-        _FORKER = None
+    held, busy, turn = forks.pop()
+    if turn and not forks:  # (else a fork of this thread's is still under way: a signal
+        _FORKER = None      # handler's ran; or, without the turn, _FORKER is another's)
     for _, lock in reversed(held):
         lock.release()
-    _FORK_TURN.release()
+    if turn:
+        _FORK_TURN.release()
     return held, busy
 
 

@@ -1467,6 +1467,94 @@ def test_an_arena_busy_at_a_fork_stays_unusable_in_a_grandchild():
         done.stdout + done.stderr[-2000:])
 
 
+
+CTRL_C_WHILE_A_FORK_WAITS_FOR_AN_ARENA = FORK_HELPERS + """
+import errno, signal
+busy = pyshm.Arena.recording()
+release = hold(busy)  # (a plan in C: the fork waits for it)
+def on_alarm(signum, frame):  # (as Ctrl-C while the fork waits)
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, on_alarm)
+signal.setitimer(signal.ITIMER_REAL, 0.1)
+interrupted = False
+try:
+    pid = os.fork()
+except KeyboardInterrupt:
+    interrupted = True  # (no child: the fork did not happen)
+    pid = None
+if pid == 0:
+    try:
+        busy.stats
+        os._exit(1)  # (used as whole: perhaps halfway)
+    except OSError as exc:
+        os._exit(2 if exc.errno == errno.EBUSY else 3)
+try:
+    for _ in range(100):  # (the interrupt, if it comes after the fork)
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    interrupted = True
+release()
+code = None if pid is None else os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(code, interrupted, busy.stats.iterations, arena_module._FORKER, len(arena_module._IN_CALL), flush=True)
+"""
+
+
+def test_ctrl_c_while_a_fork_waits_for_an_arena_keeps_that_arena_out_of_the_child():
+    # A KeyboardInterrupt (a signal handler's exception) while the fork waited for another
+    # thread's arena call ended the before-fork hook; os.fork() ignores that and went ahead,
+    # and the child used that arena, perhaps halfway, as whole. It is unusable there now
+    # (EBUSY), and the parent's fork state is clean (CPython drops the exception itself).
+    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_A_FORK_WAITS_FOR_AN_ARENA],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "False", "0", "None", "0"], (
+        done.stdout + done.stderr[-2000:])
+
+
+CTRL_C_WHILE_A_FORK_WAITS_FOR_A_PLAN_HELPER = """
+import os, signal, threading, time, numpy as np, pyshm
+a = pyshm.Arena.recording(time_limit=0.5)  # (its plan runs on a helper thread: 0.5 s)
+""" + ITERATION_TO_PLAN + """
+child = []
+def on_alarm(signum, frame):  # a fork at a signal while this thread waits for the plan
+    threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    pid = os.fork()  # (SIGUSR1 comes while the fork waits for the plan's helper)
+    if pid == 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(5)  # (it hung: killed by SIGALRM)
+    else:
+        child.append(pid)
+def on_usr1(signum, frame):  # (as Ctrl-C)
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, on_alarm)
+signal.signal(signal.SIGUSR1, on_usr1)
+signal.setitimer(signal.ITIMER_REAL, 0.1)
+try:
+    a.end_iteration()
+    result = "done"
+except OSError as exc:
+    result = f"errno {exc.errno}"
+except KeyboardInterrupt:
+    result = "interrupted"
+if not child:
+    os.write(1, f"child {result}\\n".encode()); os._exit(0)
+_, status = os.waitpid(child[0], 0)
+print("parent", result, os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_ctrl_c_while_a_fork_waits_for_the_plan_helper_does_not_hang_the_child():
+    # A fork from a signal handler waits for its thread's plan on a helper thread; a
+    # KeyboardInterrupt in that wait ended the hook without cutting the helper off, and the
+    # child (no helper there) waited for it for ever. Now the child's end_iteration raises
+    # EBUSY and the parent's plan is done.
+    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_A_FORK_WAITS_FOR_A_PLAN_HELPER],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == ["child errno 16", "parent done 0", ""], (
+        done.stdout + done.stderr[-2000:])
+
+
 @pytest.mark.parametrize("make", [
     lambda shared: pyshm.Arena([64], [0], [1], shared=shared),
     lambda shared: pyshm.Arena.recording(shared=shared),
