@@ -1555,6 +1555,54 @@ def test_ctrl_c_while_a_fork_waits_for_the_plan_helper_does_not_hang_the_child()
         done.stdout + done.stderr[-2000:])
 
 
+
+CTRL_C_WHILE_A_FORK_WAITS_FOR_ITS_TURN = FORK_HELPERS + """
+import errno, signal
+busy = pyshm.Arena.recording()
+release = hold(busy)  # (a plan in C: a fork waits for it)
+other = []
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    other.append(pid)
+one = threading.Thread(target=fork); one.start()
+while not in_function(one, "_lock_arenas_before_fork"):
+    time.sleep(0.001)
+def on_alarm(signum, frame):  # (as Ctrl-C while this thread's fork waits for its turn)
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, on_alarm)
+signal.setitimer(signal.ITIMER_REAL, 0.1)
+pid = os.fork()
+if pid == 0:
+    try:
+        busy.stats
+        os._exit(1)
+    except OSError as exc:
+        os._exit(2 if exc.errno == errno.EBUSY else 3)
+release(); one.join()
+def again():
+    p = os.fork()
+    if p == 0:
+        os._exit(0)
+    os.waitpid(p, 0)
+t = threading.Thread(target=again, daemon=True); t.start(); t.join(5)
+codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in [pid] + other]
+print(codes, t.is_alive(), arena_module._FORKER, len(arena_module._IN_CALL), flush=True)
+"""
+
+
+def test_ctrl_c_while_a_fork_waits_for_its_turn():
+    # The same (06b59dd) while the fork waited for another thread's fork to end: before, the
+    # child used the busy arena as whole, and the after-fork hook reset the other fork's
+    # _FORKER. Now the child gets EBUSY, the other fork ends as usual, a third one works.
+    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_A_FORK_WAITS_FOR_ITS_TURN],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["[2,", "0]", "False", "None", "0"], (
+        done.stdout + done.stderr[-2000:])
+
+
 @pytest.mark.parametrize("make", [
     lambda shared: pyshm.Arena([64], [0], [1], shared=shared),
     lambda shared: pyshm.Arena.recording(shared=shared),
