@@ -933,7 +933,7 @@ def test_fork_while_another_thread_is_in_the_arena():
 
 # (in a script: helpers of the tests that fork while a thread is inside an arena call)
 FORK_HELPERS = """
-import os, sys, threading, time, numpy as np, pyshm
+import errno, os, sys, threading, time, numpy as np, pyshm
 from pyshm import _planning, arena as arena_module
 def taken(arena):  # (its lock held by another thread)
     if arena._lock.acquire(blocking=False):
@@ -953,6 +953,12 @@ def hold(arena):  # a thread inside one of the arena's methods, until release()
         arena._planning = False; del _planning._PLANNING[held]
     threading.Thread(target=arena_module._locked(inside), args=(arena,)).start(); held.wait()
     return planned.release
+def exit_by_use(arena):  # (a child: exits 1 if the arena works, 2 at EBUSY, 3 else)
+    try:
+        arena.stats
+    except OSError as exc:
+        os._exit(2 if exc.errno == errno.EBUSY else 3)
+    os._exit(1)
 """
 
 TWO_FORKS_AT_ONCE = FORK_HELPERS + """
@@ -1397,17 +1403,12 @@ def test_fork_waits_for_an_arena_stuck_in_python_while_another_thread_plans_on()
 
 
 FORK_WITHOUT_CURRENT_FRAMES = FORK_HELPERS + """
-import errno
 busy = pyshm.Arena.recording()
 release = hold(busy)  # (its call "plans in C": a fork waits for it while it can tell)
 del sys._current_frames  # (a Python without it: the fork cannot tell, and waits 0.25 s)
 pid = os.fork()
 if pid == 0:
-    try:
-        busy.stats
-        os._exit(1)
-    except OSError as exc:
-        os._exit(2 if exc.errno == errno.EBUSY else 3)
+    exit_by_use(busy)  # (used as whole before: perhaps halfway)
 release()
 print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), busy.stats.iterations, flush=True)
 """
@@ -1469,7 +1470,7 @@ def test_an_arena_busy_at_a_fork_stays_unusable_in_a_grandchild():
 
 
 CTRL_C_WHILE_A_FORK_WAITS_FOR_AN_ARENA = FORK_HELPERS + """
-import errno, signal
+import signal
 busy = pyshm.Arena.recording()
 release = hold(busy)  # (a plan in C: the fork waits for it)
 def on_alarm(signum, frame):  # (as Ctrl-C while the fork waits)
@@ -1483,11 +1484,7 @@ except KeyboardInterrupt:
     interrupted = True  # (no child: the fork did not happen)
     pid = None
 if pid == 0:
-    try:
-        busy.stats
-        os._exit(1)  # (used as whole: perhaps halfway)
-    except OSError as exc:
-        os._exit(2 if exc.errno == errno.EBUSY else 3)
+    exit_by_use(busy)  # (used as whole before: perhaps halfway)
 try:
     for _ in range(100):  # (the interrupt, if it comes after the fork)
         time.sleep(0.01)
@@ -1495,7 +1492,8 @@ except KeyboardInterrupt:
     interrupted = True
 release()
 code = None if pid is None else os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-print(code, interrupted, busy.stats.iterations, arena_module._FORKER, len(arena_module._IN_CALL), flush=True)
+print(code, interrupted, busy.stats.iterations, arena_module._FORKER, len(arena_module._IN_CALL),
+      flush=True)
 """
 
 
@@ -1557,7 +1555,7 @@ def test_ctrl_c_while_a_fork_waits_for_the_plan_helper_does_not_hang_the_child()
 
 
 CTRL_C_WHILE_A_FORK_WAITS_FOR_ITS_TURN = FORK_HELPERS + """
-import errno, signal
+import signal
 busy = pyshm.Arena.recording()
 release = hold(busy)  # (a plan in C: a fork waits for it)
 other = []
@@ -1575,11 +1573,7 @@ signal.signal(signal.SIGALRM, on_alarm)
 signal.setitimer(signal.ITIMER_REAL, 0.1)
 pid = os.fork()
 if pid == 0:
-    try:
-        busy.stats
-        os._exit(1)
-    except OSError as exc:
-        os._exit(2 if exc.errno == errno.EBUSY else 3)
+    exit_by_use(busy)  # (used as whole before: perhaps halfway)
 release(); one.join()
 def again():
     p = os.fork()
