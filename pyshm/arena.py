@@ -177,9 +177,20 @@ def _wait_for_fork(lock: _ArenaLock) -> None:
     me = threading.get_ident()
     while _FORKER is not None and _FORKER != me:
         _IN_CALL.discard(lock)
-        with _FORK_TURN:  # (held by the fork until its end)
-            pass
+        _WAITING_FOR_FORK.add(lock)
+        try:
+            with _FORK_TURN:  # (held by the fork until its end)
+                pass
+        finally:
+            _WAITING_FOR_FORK.discard(lock)
         _IN_CALL.add(lock)
+
+
+# The locks held by calls waiting in _wait_for_fork. A signal handler that forks there (once
+# the other fork ended) leaves the child a call of its own thread's, about to go on under
+# that lock: the child keeps it (a lock made anew let another thread of the child's into the
+# arena beside that call).
+_WAITING_FOR_FORK: set = set()
 
 
 def _renew_lock(arena: "Arena") -> None:
@@ -275,6 +286,14 @@ def _new_locks_in_child() -> None:
         # what it holds is the child's copy, gone with the process)
         arena._lock, arena._generation = _BUSY_AT_FORK, _GENERATION
         arena._release_never()
+    waiting = list(_WAITING_FOR_FORK)
+    _WAITING_FOR_FORK.clear()
+    for lock in waiting:  # (this thread's call, if its lock is this thread's: it goes on here)
+        arena = lock.arena()
+        if arena is not None and arena._lock is lock and lock.acquire(blocking=False):
+            lock.release()
+            arena._generation = _GENERATION
+            _WAITING_FOR_FORK.add(lock)
     # (the calls in flight here are this thread's: the fork took their locks; the others
     # were another thread's, gone; a cut-off plan's arena has no lock left to be in a call)
     _IN_CALL.intersection_update([lock for arena, lock in taken if arena._lock is lock])

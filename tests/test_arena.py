@@ -953,6 +953,16 @@ def hold(arena):  # a thread inside one of the arena's methods, until release()
         arena._planning = False; del _planning._PLANNING[held]
     threading.Thread(target=arena_module._locked(inside), args=(arena,)).start(); held.wait()
     return planned.release
+def fork_in_a_thread(pids):  # a thread that forks (a child that exits), now in the fork hook
+    def fork():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        pids.append(pid)
+    thread = threading.Thread(target=fork); thread.start()
+    while not in_function(thread, "_lock_arenas_before_fork"):
+        time.sleep(0.001)
+    return thread
 def exit_by_use(arena):  # (a child: exits 1 if the arena works, 2 at EBUSY, 3 else)
     try:
         arena.stats
@@ -965,19 +975,10 @@ TWO_FORKS_AT_ONCE = FORK_HELPERS + """
 free, busy = pyshm.Arena.recording(), pyshm.Arena.recording()
 release = hold(busy)
 children = []
-def fork():
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    children.append(pid)
 def use(arena):  # a call begun while the forks wait: it waits for them
     y = arena.empty(4); arena.free(y)
-one = threading.Thread(target=fork); one.start()
-while not in_function(one, "_lock_arenas_before_fork"):  # (waits for `busy`)
-    time.sleep(0.001)
-two = threading.Thread(target=fork); two.start()
-while not in_function(two, "_lock_arenas_before_fork"):  # (waits for its turn)
-    time.sleep(0.001)
+one = fork_in_a_thread(children)  # (waits for `busy`)
+two = fork_in_a_thread(children)  # (waits for its turn)
 user = threading.Thread(target=use, args=(free,)); user.start()
 while not in_function(user, "_wait_for_fork"):
     time.sleep(0.001)
@@ -1559,14 +1560,7 @@ import signal
 busy = pyshm.Arena.recording()
 release = hold(busy)  # (a plan in C: a fork waits for it)
 other = []
-def fork():
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    other.append(pid)
-one = threading.Thread(target=fork); one.start()
-while not in_function(one, "_lock_arenas_before_fork"):
-    time.sleep(0.001)
+one = fork_in_a_thread(other)  # (waits for `busy`)
 def on_alarm(signum, frame):  # (as Ctrl-C while this thread's fork waits for its turn)
     raise KeyboardInterrupt
 signal.signal(signal.SIGALRM, on_alarm)
@@ -1594,6 +1588,48 @@ def test_ctrl_c_while_a_fork_waits_for_its_turn():
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["[2,", "0]", "False", "None", "0"], (
+        done.stdout + done.stderr[-2000:])
+
+
+
+FORK_FROM_A_SIGNAL_HANDLER_WHILE_A_CALL_WAITS_FOR_A_FORK = FORK_HELPERS + """
+import signal
+free, busy = pyshm.Arena.recording(), pyshm.Arena.recording()
+release = hold(busy)
+pids = []
+one = fork_in_a_thread(pids)  # (waits for `busy`)
+entered = []
+def on_alarm(signum, frame):  # runs in _wait_for_fork: this thread holds free's lock there
+    threading.Timer(0.1, release).start()  # (then `one`'s fork ends, and this one goes on)
+    pid = os.fork()
+    if pid == 0:  # another thread of the child's tries free while this call is under way
+        other = threading.Thread(target=lambda: entered.append(len(free)), daemon=True)
+        other.start(); other.join(0.3)
+        os.write(1, f"child {entered}\\n".encode())
+    else:
+        pids.append(pid)
+signal.signal(signal.SIGALRM, on_alarm)
+signal.setitimer(signal.ITIMER_REAL, 0.1)
+y = free.empty(4)  # (a call begun during `one`'s fork: waits for its end)
+free.free(y); del y
+if 0 not in pids and len(pids) < 2:
+    os._exit(0)  # (the child)
+one.join()
+print("parent", [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids], flush=True)
+"""
+
+
+def test_fork_from_a_signal_handler_while_its_call_waits_for_another_fork():
+    # A call begun during another thread's fork waits for its end in _wait_for_fork, holding
+    # its arena's lock, out of _IN_CALL. A signal handler that forked there gave the child that
+    # arena with a lock to make anew: another thread of the child's went into the arena while
+    # the call of the forking thread was under way (it returned len() at once). The child keeps
+    # that call's lock now: the other thread waits for the call.
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_FROM_A_SIGNAL_HANDLER_WHILE_A_CALL_WAITS_FOR_A_FORK],
+        capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == ["child []", "parent [0, 0]", ""], (
         done.stdout + done.stderr[-2000:])
 
 
