@@ -1461,12 +1461,23 @@ def _register_linger(_state=None) -> None:
 
 class ReceivedBatch:
     """A message's batch as its receiver sees it: the proof for fetches, acknowledged (unless
-    a fetch released it) once the message is unpickled and this object is gone."""
+    a fetch released it) once the message is unpickled and this object is gone, but not if
+    its unpickling failed for want of fds here (kept_for_retry)."""
 
-    __slots__ = ("address", "id", "secret", "__weakref__")
+    __slots__ = ("address", "id", "secret", "done", "__weakref__")
 
     def __init__(self, address: bytes, batch_id: int, secret: bytes) -> None:
         self.address, self.id, self.secret = address, batch_id, secret
+        self.done: Optional[weakref.finalize] = None  # (its acknowledgement)
+
+    def kept_for_retry(self) -> None:
+        """Its unpickling failed for want of this process's own fds (_WantHere): not
+        acknowledged, so its sender keeps what it did not hand over yet (up to
+        KEEPALIVE_SECONDS after it was pickled) for the same pickle loaded again. Before, the
+        acknowledgement let the sender drop it, and a retry with fds free got
+        DeliveryError."""
+        if self.done is not None:
+            self.done.detach()
 
     @property
     def proof(self) -> tuple:
@@ -1480,7 +1491,7 @@ def _received_batch(address, batch_id, secret) -> ReceivedBatch:
     batch = ReceivedBatch(address, batch_id, secret)
     if address:  # (b"": a sender with no fd server, whose tokens all name other processes)
         # (its message unpickled: acknowledged unless released already, see settle)
-        done = weakref.finalize(batch, queue_ack, address, (batch_id, secret))
+        done = batch.done = weakref.finalize(batch, queue_ack, address, (batch_id, secret))
         done.atexit = False  # (at exit there is nobody left to acknowledge to)
     return batch
 
@@ -1613,6 +1624,7 @@ def _fetch_once(address: bytes, fetches: list, proof: Optional[tuple], max_extra
                 f"process fetched it ({exc.strerror}); a sender that exits normally waits for its "
                 "receivers, one that is killed cannot"
             ) from None
+        _want_room(sock, len(fetches))
         pid = _check_peer_user(sock)
         # (an acknowledgement alone is not worth waiting for: the janitor sends them all)
         peer = _Peer(pid if fetches else 0, address, me)
@@ -1688,6 +1700,23 @@ def want_no_socket() -> None:
     except OSError as exc:
         raise _WantHere(f"pyshm: no socket left in this process to reach the process that "
                         f"sent this memory ({exc.strerror or exc})") from None
+
+
+def _want_room(sock: int, fds: int) -> None:
+    """_WantHere unless this process can open `fds` more fds now, besides the fetch's socket
+    `sock`: a sender takes what it hands over out of its message's batch, so fds the kernel
+    drops here for want of room (MSG_CTRUNC) are lost to a retry of that message. Each is
+    tried (an fd duplicated, then closed) before the request is sent."""
+    probes: list = []
+    try:
+        for _ in range(fds):
+            probes.append(fcntl.fcntl(sock, fcntl.F_DUPFD_CLOEXEC, 0))
+    except OSError as exc:
+        raise _WantHere(f"pyshm: no fd left in this process for the memory another process "
+                        f"sent ({exc.strerror or exc}); nothing was asked of it") from None
+    finally:
+        for fd in probes:
+            os.close(fd)
 
 
 def _client_socket() -> int:

@@ -971,10 +971,22 @@ def rebuild_ndarray(batch, token, shape, dtype, strides, start, writeable) -> np
     try:
         return _build_ndarray(batch, token, shape, dtype, strides, start, writeable)
     except Exception as exc:
-        stand_in = _channel.stand_in(exc)
+        stand_in = _rebuild_failed(batch, exc)
         if stand_in is None:
             raise
         return stand_in
+
+
+def _rebuild_failed(batch: Any, error: Exception) -> Optional[_channel.Undelivered]:
+    """For a rebuild that failed with `error`: what it returns instead (_channel.stand_in),
+    or None (it raises `error`). A message whose unpickling raises for want of fds here is
+    not acknowledged (ReceivedBatch.kept_for_retry): loaded again with fds free, it gets its
+    memory."""
+    stand_in = _channel.stand_in(error)
+    if stand_in is None and isinstance(error, _channel._WantHere) and isinstance(
+            batch, _channel.ReceivedBatch):
+        batch.kept_for_retry()
+    return stand_in
 
 
 def _check_reachable(token: Any) -> None:
@@ -1078,7 +1090,7 @@ def _rebuild_storage(batch, token) -> Storage:
                 "it instead, which is read-only")
         storage = Storage._retaining(handle, keep=mapping, hand=hand)
     except Exception as exc:
-        stand_in = _channel.stand_in(exc)
+        stand_in = _rebuild_failed(batch, exc)
         if stand_in is None:
             raise
         return stand_in

@@ -1098,6 +1098,76 @@ def test_a_receiver_with_a_few_fds_left_gets_a_message_of_many_memfds(free, forc
     assert int(fds_left) <= 1  # (every fetched fd closed, but the fd server's reserve)
 
 
+RETRYING_RECEIVER = textwrap.dedent(
+    """
+    import gc, pickle, resource, sys, pyshm
+    from pyshm import _channel
+    from shm_harness import leave_few_fds
+    data = sys.stdin.buffer.read(int(sys.stdin.buffer.readline()))
+    limit, error = resource.getrlimit(resource.RLIMIT_NOFILE), "none"
+    leave_few_fds(int(sys.argv[1]))
+    try:
+        pickle.loads(data)
+    except pyshm.DeliveryError as exc:
+        error = type(exc).__name__
+    resource.setrlimit(resource.RLIMIT_NOFILE, limit)
+    gc.collect()
+    with _channel.state.lock:  # (an acknowledgement, if any, reaches the sender now)
+        acks = {address: _channel.take_acks(address) for address in list(_channel.state.acks)}
+    for address, proofs in acks.items():
+        _channel.fetch(address, [], acks=proofs)
+    print(error, flush=True)
+    sys.stdin.readline()  # (the sender looked at what it holds)
+    arrays = pickle.loads(data)
+    print(*[int(a.sum()) for a in arrays], flush=True)
+    arrays[-1][0] = 77
+    """
+)
+
+
+def _load_twice(data: bytes, *args: str) -> tuple:
+    """Run RETRYING_RECEIVER (args: its fds free, ...) on `data`: (its first line, the batch
+    of `data` still held after it, its other output)."""
+    batch_id = max(_channel.state.batches)  # (the message just pickled)
+    child = subprocess.Popen([sys.executable, "-c", RETRYING_RECEIVER, *args],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=_env())
+    try:
+        child.stdin.write(b"%d\n" % len(data) + data)
+        child.stdin.flush()
+        first = child.stdout.readline().decode().strip()
+        held = batch_id in _channel.state.batches
+        out, err = child.communicate(b"\n", timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err.decode()[-3000:]
+    return first, held, out.decode().split(), batch_id
+
+
+@pytest.mark.parametrize("free", [0, 1])
+def test_a_load_that_failed_for_want_of_fds_here_works_when_retried(free):
+    # a receiver with no fd free (0: not even for the socket, 1: not for the fd asked for)
+    # fails with _WantHere, and gets the same memory when it loads the pickle again with fds
+    # free: that message was not acknowledged, so its sender still holds it (before: the
+    # acknowledgement, or the fds the kernel dropped on their way, let the sender drop the
+    # arrays it no longer had, and the retry raised DeliveryError "did not hand over")
+    arrays = [pyshm.zeros(100_000, np.uint8, shared=True) for _ in range(3)]
+    for i, a in enumerate(arrays):
+        a[:] = i + 1
+    kept = arrays[-1]  # (the first one, the fd asked for, the sender drops)
+    data = bytes(ForkingPickler.dumps(arrays))
+    del arrays, a
+    gc.collect()
+    first, held, sums, batch_id = _load_twice(data, str(free))
+    assert first == "_WantHere"
+    assert held  # (nothing acknowledged, nothing handed over)
+    assert sums == ["100000", "200000", "300000"]
+    assert int(kept[0]) == 77  # (the sender's own memory: the receiver's write is seen)
+    assert batch_id not in _channel.state.batches  # (handed over at the retry: let go)
+
+
 def _write_and_return(arrays):
     for a in arrays:
         a[1] = 7
