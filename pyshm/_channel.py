@@ -40,9 +40,12 @@ to its storage) until the receiver has it. A ticket pickled outside the batch's 
 (a pickler nested in another's ``__reduce__``, a pure-Python pickler) gets a batch of its own.
 
 A batch is released when the receiver fetched all its memfds (one round trip: the fd asked
-for plus the rest of the batch as *extras*), when the receiver acknowledges it (it had every
-memfd mapped already: acknowledged by the receiver's janitor thread right after the message is
-unpickled), or after ``KEEPALIVE_SECONDS``, whichever is first. So memory sent and dropped by
+for plus the rest of the batch as *extras*; memfds handed over in an earlier round trip stay
+held until then), when the receiver acknowledges it (it had every memfd mapped already:
+acknowledged by the receiver's janitor thread right after the message is unpickled), or after
+``KEEPALIVE_SECONDS``, whichever is first. A message whose unpickling failed for want of fds
+in the receiver (``_WantHere``) is not acknowledged, and a fetch asks for no fd it has no room
+for, so the same pickle loaded again with fds free gets its memory. So memory sent and dropped by
 both sides is freed within about ``JANITOR_SECONDS`` of the receiver unpickling it, and
 memory nobody fetches is freed after ``KEEPALIVE_SECONDS``. An acknowledgement whose request
 failed in this process (no fd or memory left here) is sent again at the janitor's next
@@ -342,12 +345,16 @@ def build_request(proof: Optional[tuple], fetches: list, acks: list, max_extras:
 class _Batch:
     """One pickled message (or one lone ticket): the memory it holds until delivered."""
 
-    __slots__ = ("id", "secret", "members", "deadline", "frame", "thread")
+    __slots__ = ("id", "secret", "members", "handed", "deadline", "frame", "thread")
 
     def __init__(self, batch_id: int, frame: int) -> None:
         self.id = batch_id
         self.secret = secrets.token_bytes(SECRET_BYTES)
-        self.members: dict = {}  # key -> [holder, readonly]
+        self.members: dict = {}  # key -> [holder, readonly]: not handed over yet
+        # the members handed over already, held while some are not: a receiver whose
+        # unpickling then failed for want of fds (_WantHere) fetches them again when it loads
+        # the message again (before: the sender had dropped them, DeliveryError)
+        self.handed: dict = {}
         self.deadline = time.monotonic() + KEEPALIVE_SECONDS
         self.frame = frame  # id() of the frame that called the pickler (see Mark)
         # the pickling thread itself, not its ident, which a later thread may get again (see
@@ -737,7 +744,7 @@ def _sweep(now: float) -> None:
     unheld = [k for k in state.secrets if k not in alive and k not in state.live]
     if unheld:  # (the batches' members only then: many messages held, few memfds gone)
         # (list(): one C call; a pickling thread adds to its batch's members without the lock)
-        held = {key for b in state.batches.values() for key in list(b.members)}
+        held = {key for b in state.batches.values() for key in [*b.members, *b.handed]}
         for key in unheld:
             if key not in held:
                 del state.secrets[key]
@@ -750,6 +757,7 @@ def _drop(batch_id: int) -> None:
     batch = state.batches.pop(batch_id, None)
     if batch is not None:
         batch.members.clear()
+        batch.handed.clear()
 
 
 def release_batch(batch_id: int, secret: bytes) -> bool:
@@ -832,7 +840,7 @@ def lookup(key: tuple) -> Optional[Any]:
         holder = live() if live is not None else None
         if holder is None:
             for batch in state.batches.values():
-                member = batch.members.get(key)
+                member = batch.members.get(key) or batch.handed.get(key)
                 if member is not None:
                     # (the holder next asked for: a fetch of a message of many ranges of one
                     # slab looks for each; without this it walked the batches for each again)
@@ -915,14 +923,15 @@ def serve(request: bytes, address: Optional[bytes] = None) -> tuple:
             access = _access(key, secret, address) if address is not None else 0
             if access and _fd_for(key, access == 2, fds, holders):
                 status[i] = 1
-                if batch is not None:
-                    batch.members.pop(key, None)
+                if batch is not None and key in batch.members:
+                    batch.handed[key] = batch.members.pop(key)
         if batch is not None and any(status):
             for key, (_, readonly) in list(batch.members.items()):
                 if len(extras) >= max_extras:
                     break
                 if _fd_for(key, readonly, fds, holders):
                     extras.append(_EXTRA.pack(key[0], key[1], int(readonly)))
+                    batch.handed[key] = batch.members[key]
                 del batch.members[key]
         if batch is not None and not batch.members:
             _drop(batch.id)
