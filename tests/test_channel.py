@@ -564,6 +564,40 @@ def test_extras_need_the_batch_proof_and_a_released_batch_gives_nothing():
     assert fds == [] and reply[0] == 0
 
 
+@pytest.mark.parametrize("then", ["rest fetched", "expired"])
+def test_a_batch_handed_over_in_part_holds_all_of_it_until_the_rest_goes(then):
+    # a receiver that ran out of fds midway fetches the memfds handed over already again when
+    # it loads the message again (test_a_load_that_ran_out_of_fds_midway_works_when_retried):
+    # they stay held with the rest (before: dropped as they were handed over), and go with
+    # the rest, when its last memfd is handed over or the batch expires
+    arrays = [pyshm.share_memory_(pyshm.zeros(70_000, np.uint8)) for _ in range(3)]
+    tickets = [reduction._export(_owner_of(a)) for a in arrays]
+    _, (_, batch_id, batch_secret) = _channel.mark().__reduce__()
+    state = _channel.state
+    batch = state.batches[batch_id]
+    for t in tickets:
+        batch.members[t.key] = [t.holder, False]
+    key0, secret0 = tickets[0].fields[0], tickets[0].fields[6]
+    holders = [weakref.ref(t.holder) for t in tickets]
+    del arrays, tickets, t
+    request = _channel.build_request((batch_id, batch_secret), [(key0, secret0)], [], 1,
+                                     _channel.own_address())
+    reply, fds, _ = _channel.serve(request)  # (the fd asked for and one extra)
+    del fds, _
+    gc.collect()
+    assert reply[1] == 0 and [h() is not None for h in holders] == [True] * 3
+    if then == "rest fetched":
+        reply, fds, _ = _channel.serve(request)  # (the same again: the last one comes along)
+        assert len(fds) == 2 and reply[1] & _channel.RELEASED
+        del fds, _
+    else:
+        with state.lock:
+            batch.deadline = state.next_sweep = 0.0
+            _channel._sweep(time.monotonic())
+    gc.collect()
+    assert batch_id not in state.batches and [h() for h in holders] == [None] * 3
+
+
 def _capture_one_request(address, got):
     """Listen at `address` as a stranger would once its process is gone, and keep the first
     request that comes."""
