@@ -1136,10 +1136,10 @@ RETRYING_RECEIVER = textwrap.dedent(
     """
     import gc, pickle, resource, sys, numpy as np, pyshm
     from pyshm import _channel
-    from shm_harness import leave_few_fds
+    from shm_harness import fd_count, leave_few_fds
     data = sys.stdin.buffer.read(int(sys.stdin.buffer.readline()))
     limit, error = resource.getrlimit(resource.RLIMIT_NOFILE), "none"
-    leave_few_fds(int(sys.argv[1]))
+    open_now = leave_few_fds(int(sys.argv[1]))
     try:
         pickle.loads(data)
     except pyshm.DeliveryError as exc:
@@ -1150,7 +1150,7 @@ RETRYING_RECEIVER = textwrap.dedent(
         acks = {address: _channel.take_acks(address) for address in list(_channel.state.acks)}
     for address, proofs in acks.items():
         _channel.fetch(address, [], acks=proofs)
-    print(error, flush=True)
+    print(error, fd_count() - open_now, flush=True)  # (and the fds it left open)
     sys.stdin.readline()  # (the sender looked at what it holds)
     arrays = [a for a in pickle.loads(data) if isinstance(a, np.ndarray)]
     print(*[int(a.sum()) for a in arrays], flush=True)
@@ -1160,8 +1160,9 @@ RETRYING_RECEIVER = textwrap.dedent(
 
 
 def _load_twice(data: bytes, *args: str) -> tuple:
-    """Run RETRYING_RECEIVER (args: its fds free, ...) on `data`: (its first line, the batch
-    of `data` still held after it, its other output)."""
+    """Run RETRYING_RECEIVER (args: its fds free) on `data`: (its first line: the error of
+    its first load and the fds that left open, whether the batch of `data` was still held
+    then, the sums of the arrays its second load got, that batch's id)."""
     batch_id = max(_channel.state.batches)  # (the message just pickled)
     child = subprocess.Popen([sys.executable, "-c", RETRYING_RECEIVER, *args],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -1195,7 +1196,7 @@ def test_a_load_that_failed_for_want_of_fds_here_works_when_retried(free):
     del arrays, a
     gc.collect()
     first, held, sums, batch_id = _load_twice(data, str(free))
-    assert first == "_WantHere"
+    assert first == "_WantHere 0"  # (and no fd left open)
     assert held  # (nothing acknowledged, nothing handed over)
     assert sums == ["100000", "200000", "300000"]
     assert int(kept[0]) == 77  # (the sender's own memory: the receiver's write is seen)
@@ -1222,7 +1223,7 @@ def test_a_load_that_ran_out_of_fds_midway_works_when_retried():
     del arrays, a
     gc.collect()
     first, held, sums, batch_id = _load_twice(data, "4")
-    assert first == "_WantHere"
+    assert first == "_WantHere 4"  # (the pipes' fds, no other)
     assert held
     assert sums == ["100000", "200000", "300000"]
     assert int(kept[0]) == 77
