@@ -1698,7 +1698,9 @@ def _fetch_once(address: bytes, fetches: list, proof: Optional[tuple], max_extra
 
 
 class _WantHere(DeliveryError):
-    """A DeliveryError for a want of this process's own (no fd left): worth trying again."""
+    """A DeliveryError for a want of this process's own (no fd left): worth trying again. Raised
+    before the sender hands anything over (_want_room), and its message is not acknowledged
+    (ReceivedBatch.kept_for_retry): the same pickle loaded again gets its memory."""
 
 
 def want_no_socket() -> None:
