@@ -1622,6 +1622,7 @@ def _fetch_once(address: bytes, fetches: list, proof: Optional[tuple], max_extra
         except OSError as exc:
             raise _WantHere(f"pyshm: no socket left in this process to reach the process that "
                             f"sent this memory ({exc.strerror or exc})") from None
+        _want_room(sock, len(fetches))  # (before the sender even sees a connection)
         try:
             _connect(sock, address)
         except OSError as exc:
@@ -1633,7 +1634,6 @@ def _fetch_once(address: bytes, fetches: list, proof: Optional[tuple], max_extra
                 f"process fetched it ({exc.strerror}); a sender that exits normally waits for its "
                 "receivers, one that is killed cannot"
             ) from None
-        _want_room(sock, len(fetches))
         pid = _check_peer_user(sock)
         # (an acknowledgement alone is not worth waiting for: the janitor sends them all)
         peer = _Peer(pid if fetches else 0, address, me)
