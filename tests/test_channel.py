@@ -565,7 +565,7 @@ def test_extras_need_the_batch_proof_and_a_released_batch_gives_nothing():
 
 
 @pytest.mark.parametrize("then", ["rest fetched", "expired"])
-def test_a_batch_handed_over_in_part_holds_all_of_it_until_the_rest_goes(then):
+def test_a_batch_handed_over_in_part_holds_all_of_it_until_the_rest_goes(then, monkeypatch):
     # a receiver that ran out of fds midway fetches the memfds handed over already again when
     # it loads the message again (test_a_load_that_ran_out_of_fds_midway_works_when_retried):
     # they stay held with the rest (before: dropped as they were handed over), and go with
@@ -590,10 +590,12 @@ def test_a_batch_handed_over_in_part_holds_all_of_it_until_the_rest_goes(then):
         reply, fds, _ = _channel.serve(request)  # (the same again: the last one comes along)
         assert len(fds) == 2 and reply[1] & _channel.RELEASED
         del fds, _
-    else:
+    else:  # (a sweep KEEPALIVE_SECONDS later, of this batch alone: earlier tests' batches,
+        # made before it, would expire first)
+        monkeypatch.setattr(state, "batches", {batch_id: batch})
+        monkeypatch.setattr(state, "next_sweep", 0.0)
         with state.lock:
-            batch.deadline = state.next_sweep = 0.0
-            _channel._sweep(time.monotonic())
+            _channel._sweep(batch.deadline + 1.0)
     gc.collect()
     assert batch_id not in state.batches and [h() for h in holders] == [None] * 3
 
