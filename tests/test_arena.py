@@ -931,6 +931,14 @@ def test_fork_while_another_thread_is_in_the_arena():
     assert done.stdout.split() == ["1", "True", "7"], done.stdout
 
 
+def assert_prints(script: str, lines: list, timeout: float) -> None:
+    """Run `script` in a new interpreter: exit code 0 and exactly `lines` printed."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == [*lines, ""], done.stdout + done.stderr[-2000:]
+
+
 # (in a script: helpers of the tests that fork while a thread is inside an arena call)
 FORK_HELPERS = """
 import errno, os, sys, threading, time, numpy as np, pyshm
@@ -1246,11 +1254,8 @@ def test_fork_while_a_plan_in_another_thread_ends_in_a_finalizer_that_waits():
     # the garbage collector runs there) that here waits for a lock the forking thread holds.
     # Both hung. Now the fork waits while the plan is in C, then 0.25 s: the child gets that
     # arena unusable (EBUSY), the parent's plan is done.
-    done = subprocess.run([sys.executable, "-c", FORK_WHILE_A_PLAN_ENDS_IN_A_FINALIZER],
-                          capture_output=True, text=True, timeout=20)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n") == ["child EBUSY", "parent ['done'] 1 True 0", ""], (
-        done.stdout + done.stderr[-2000:])
+    assert_prints(FORK_WHILE_A_PLAN_ENDS_IN_A_FINALIZER, [
+        "child EBUSY", "parent ['done'] 1 True 0"], timeout=20)
 
 
 
@@ -1395,11 +1400,8 @@ def test_fork_waits_for_an_arena_stuck_in_python_while_another_thread_plans_on()
     # arena's call stuck in Python after its plan (a finalizer waiting for the forking thread),
     # the fork waited as long as the other thread planned (8 s here). Now it waits longer only
     # for a plan made for the thread in that arena's call: 0.25 s, and the child gets EBUSY.
-    done = subprocess.run([sys.executable, "-c", FORK_WHILE_ANOTHER_THREAD_PLANS_ON],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n") == ["child EBUSY", "parent ['done'] True 0", ""], (
-        done.stdout + done.stderr[-2000:])
+    assert_prints(FORK_WHILE_ANOTHER_THREAD_PLANS_ON, [
+        "child EBUSY", "parent ['done'] True 0"], timeout=60)
 
 
 
@@ -1461,12 +1463,9 @@ def test_an_arena_busy_at_a_fork_stays_unusable_in_a_grandchild():
     # A child's arena that was busy in another thread at the fork (its C arena perhaps
     # halfway) raised EBUSY in the child, but the child's own fork made its lock anew in the
     # grandchild, which then used that halfway arena as if whole. It stays unusable there.
-    done = subprocess.run([sys.executable, "-c", BUSY_ARENA_IN_A_GRANDCHILD],
-                          capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n") == [
-        "grandchild EBUSY EBUSY <pyshm.Arena unusable:", "child EBUSY", "parent worked", ""], (
-        done.stdout + done.stderr[-2000:])
+    assert_prints(BUSY_ARENA_IN_A_GRANDCHILD, [
+        "grandchild EBUSY EBUSY <pyshm.Arena unusable:", "child EBUSY", "parent worked"],
+        timeout=30)
 
 
 
@@ -1547,11 +1546,8 @@ def test_ctrl_c_while_a_fork_waits_for_the_plan_helper_does_not_hang_the_child()
     # KeyboardInterrupt in that wait ended the hook without cutting the helper off, and the
     # child (no helper there) waited for it for ever. Now the child's end_iteration raises
     # EBUSY and the parent's plan is done.
-    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_A_FORK_WAITS_FOR_A_PLAN_HELPER],
-                          capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n") == ["child errno 16", "parent done 0", ""], (
-        done.stdout + done.stderr[-2000:])
+    assert_prints(CTRL_C_WHILE_A_FORK_WAITS_FOR_A_PLAN_HELPER, [
+        "child errno 16", "parent done 0"], timeout=30)
 
 
 
@@ -1625,12 +1621,8 @@ def test_fork_from_a_signal_handler_while_its_call_waits_for_another_fork():
     # arena with a lock to make anew: another thread of the child's went into the arena while
     # the call of the forking thread was under way (it returned len() at once). The child keeps
     # that call's lock now: the other thread waits for the call.
-    done = subprocess.run(
-        [sys.executable, "-c", FORK_FROM_A_SIGNAL_HANDLER_WHILE_A_CALL_WAITS_FOR_A_FORK],
-        capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n") == ["child []", "parent [0, 0]", ""], (
-        done.stdout + done.stderr[-2000:])
+    assert_prints(FORK_FROM_A_SIGNAL_HANDLER_WHILE_A_CALL_WAITS_FOR_A_FORK, [
+        "child []", "parent [0, 0]"], timeout=30)
 
 
 @pytest.mark.parametrize("make", [
